@@ -1,0 +1,179 @@
+"""`ParallelConfig`: the plain, serialisable description of a distributed run.
+
+Strategies, the command line and the TFJob generator all take one; every entry point
+calls `ParallelConfig.validate()` so a bad value is reported the same way everywhere,
+before any device is touched or any step runs.
+"""
+
+import dataclasses
+import json
+from typing import Any
+
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+SCHEDULES = ("gpipe", "1f1b")
+ZERO_STAGES = (0, 1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How a model is spread over devices and how each step is computed.
+
+    Args:
+        data: data-parallel replicas (size of the mesh's data axis).
+        pipeline: pipeline stages (size of the mesh's pipeline axis).
+        tensor: tensor-parallel shards (size of the mesh's tensor axis).
+            `data * pipeline * tensor` is the number of devices used.
+        microbatches: each per-replica batch is split into this many
+            microbatches inside one step; gradients are accumulated locally
+            and reduced once per step.
+        zero: optimizer-state sharding stage: 0 off, 1 optimizer state
+            sharded, 2 optimizer state and gradients sharded.
+        precision: "float32", "mixed_float16" or "mixed_bfloat16".
+        xla: jit-compile the per-replica compute with XLA.
+        schedule: pipeline schedule, "gpipe" or "1f1b".
+
+    Example:
+
+    >>> config = ParallelConfig(data=4, microbatches=2)
+    >>> ParallelConfig.from_json(config.to_json()) == config
+    True
+    >>> config.num_devices
+    4
+    """
+
+    data: int = 1
+    pipeline: int = 1
+    tensor: int = 1
+    microbatches: int = 1
+    zero: int = 0
+    precision: str = "float32"
+    xla: bool = False
+    schedule: str = "gpipe"
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the mesh needs: `data * pipeline * tensor`."""
+        return self.data * self.pipeline * self.tensor
+
+    def validate(self, num_devices: int | None = None) -> "ParallelConfig":
+        """Checks every field; with `num_devices`, also the mesh size.
+
+        Raises `TypeError` for a value of the wrong type and `ValueError` for
+        a value out of range, each naming the argument, the value given and
+        what would be valid. Returns the config, so calls can be chained.
+
+        Example:
+
+        >>> ParallelConfig(data=2).validate(num_devices=2).data
+        2
+        """
+        for name in ("data", "pipeline", "tensor", "microbatches", "zero"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"`{name}` must be an int, got {value!r} of type "
+                    f"{type(value).__name__}."
+                )
+        for name in ("data", "pipeline", "tensor", "microbatches"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(
+                    f"`{name}` must be an int >= 1, got {value!r}."
+                )
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(
+                f"`zero` must be one of {ZERO_STAGES} (0: off, 1: optimizer "
+                f"state sharded, 2: optimizer state and gradients sharded), "
+                f"got {self.zero!r}."
+            )
+        if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
+            raise ValueError(
+                f"`precision` must be one of {PRECISIONS}, got {self.precision!r}."
+            )
+        if not isinstance(self.xla, bool):
+            raise TypeError(
+                f"`xla` must be a bool, got {self.xla!r} of type "
+                f"{type(self.xla).__name__}."
+            )
+        if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"`schedule` must be one of {SCHEDULES}, got {self.schedule!r}."
+            )
+        if num_devices is not None and self.num_devices != num_devices:
+            raise ValueError(
+                f"The mesh data={self.data} x pipeline={self.pipeline} x "
+                f"tensor={self.tensor} needs {self.num_devices} devices, but "
+                f"{num_devices} devices were given: choose sizes whose product "
+                f"is {num_devices}, or pass `devices=` with {self.num_devices} "
+                f"devices."
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict (JSON-serialisable).
+
+        Example:
+
+        >>> ParallelConfig(data=2).to_dict()["data"]
+        2
+        """
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ParallelConfig":
+        """Builds a config from a dict such as `to_dict()` returns.
+
+        Unknown keys are an error (a typo must not be silently ignored).
+
+        Example:
+
+        >>> ParallelConfig.from_dict({"data": 4, "microbatches": 2}).microbatches
+        2
+        """
+        if not isinstance(values, dict):
+            raise TypeError(
+                f"`ParallelConfig.from_dict` expects a dict, got "
+                f"{type(values).__name__}."
+            )
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"Unknown ParallelConfig field(s) {unknown}; valid fields are "
+                f"{sorted(known)}."
+            )
+        return cls(**values)
+
+    def to_json(self) -> str:
+        """The config as a JSON string.
+
+        Example:
+
+        >>> ParallelConfig().to_json()[:10]
+        '{"data": 1'
+        """
+        return json.dumps(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ParallelConfig":
+        """Builds a config from `to_json()`'s output.
+
+        Example:
+
+        >>> ParallelConfig.from_json('{"data": 2}').data
+        2
+        """
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes) -> "ParallelConfig":
+        """A copy with some fields changed (validated again).
+
+        Example:
+
+        >>> ParallelConfig(data=2).replace(microbatches=4).microbatches
+        4
+        """
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,264 @@
+"""`TrainStep`: the training step tfdist runs in place of Keras's `train_step`.
+
+One call is one optimizer step on one replica (it runs in replica context, inside
+`strategy.run`), in three phases that later modes extend:
+
+1. **compute**: the per-replica batch is split into `microbatches` slices; each
+   slice's forward pass, loss and gradients are computed (XLA-compiled when
+   `xla=True`) and the gradients summed locally, each slice's loss weighted by its
+   share of the batch, so the sum equals the full batch's gradient.
+2. **reduce**: the summed gradients cross devices once: one batched all-reduce per
+   step, whatever the number of microbatches.
+3. **apply**: the model's own optimizer applies the reduced gradients (its own
+   reduction is switched off for that call: the gradients are already reduced).
+   Under loss scaling, every replica sees the same reduced gradients, so a
+   non-finite gradient on any replica skips the step on every replica.
+
+Losses, metrics and sample weights behave as in Keras's `train_step`: the loss
+tracker and compiled metrics are updated once per microbatch, which for Keras's
+streaming metrics equals one update with the whole batch.
+"""
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tfdist.config import ParallelConfig
+
+# Loss reductions that are a mean over the batch: the full-batch loss is the
+# size-weighted sum of the microbatch losses.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+class TrainStep:
+    """tfdist's per-replica training step for one compiled Keras model.
+
+    Strategies build one per model the first time `model.fit` runs a step, and
+    call it in replica context instead of `model.train_step`. It can also be
+    called from a custom loop (such as an `orbit` trainer) inside
+    `strategy.run`.
+
+    Args:
+        model: a compiled `keras.Model` built under the strategy's scope.
+        config: the strategy's `ParallelConfig`.
+
+    Example:
+
+    ```python
+    strategy = tfdist.Strategy(data=4, microbatches=2)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="adam", loss="mse")
+    step = tfdist.engine.TrainStep(model, strategy.config)
+
+    @tf.function
+    def train(batch):
+        return strategy.run(step, args=(batch,))
+    ```
+    """
+
+    def __init__(self, model: keras.Model, config: ParallelConfig):
+        check_trainable(model, config)
+        self.model = model
+        self.config = config
+        self._compute = self._compute_gradients
+        if config.xla:
+            self._compute = tf.function(
+                self._compute_gradients, jit_compile=True, reduce_retracing=True
+            )
+
+    @property
+    def compute_function(self):
+        """The per-microbatch compute: a jit-compiled `tf.function` under xla.
+
+        Example:
+
+        >>> step.compute_function.experimental_get_compiler_ir  # doctest: +SKIP
+        """
+        return self._compute
+
+    def __call__(self, data):
+        """Runs one step on this replica's batch; returns the metric results."""
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        grads = self.accumulate_gradients(x, y, sample_weight)
+        grads = self.reduce_gradients(grads)
+        self.apply_gradients(grads)
+        return self.model.get_metrics_result()
+
+    def accumulate_gradients(self, x, y, sample_weight):
+        """Phase 1: local gradients of the whole batch, summed over microbatches."""
+        model = self.model
+        k = self.config.microbatches
+        batch_size = _batch_size(x)
+        static_size = tf.get_static_value(batch_size)
+        if static_size is not None and static_size % k:
+            raise ValueError(
+                f"`microbatches`={k} must divide the per-replica batch size, "
+                f"which is {static_size}: use a divisor of {static_size} or a "
+                f"global batch size divisible by "
+                f"{k * model.distribute_strategy.num_replicas_in_sync}."
+            )
+        total = None
+        for i in range(k):
+            with tf.name_scope(f"microbatch{i}"):
+                start = (i * batch_size) // k
+                stop = ((i + 1) * batch_size) // k
+                x_i, y_i, sw_i = tree.map_structure(
+                    lambda t: None if t is None else t[start:stop],
+                    (x, y, sample_weight),
+                )
+                share = tf.cast(stop - start, tf.float32) / tf.maximum(
+                    tf.cast(batch_size, tf.float32), 1.0
+                )
+                loss, y_pred, grads = self._compute(x_i, y_i, sw_i, share)
+                if i == 0 and k > 1:
+                    check_loss_reductions(model, k)
+                model._loss_tracker.update_state(
+                    loss_module.unscale_loss_for_distribution(loss),
+                    sample_weight=stop - start,
+                )
+                model.compute_metrics(x_i, y_i, y_pred, sample_weight=sw_i)
+                total = grads if total is None else _add(total, grads)
+        return total
+
+    def _compute_gradients(self, x, y, sample_weight, share):
+        """Forward, loss and gradients of one microbatch, loss scaled by `share`."""
+        model = self.model
+        with tf.GradientTape() as tape:
+            if model._call_has_training_arg:
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+            loss = model._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+            scaled = model.optimizer.scale_loss(loss * tf.cast(share, loss.dtype))
+        grads = tape.gradient(scaled, model.trainable_weights)
+        return loss, y_pred, grads
+
+    def reduce_gradients(self, grads):
+        """Phase 2: one batched all-reduce (sum) of every gradient across replicas."""
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return grads
+        present = [g for g in grads if g is not None]
+        reduced = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+        return [None if g is None else next(reduced) for g in grads]
+
+    def apply_gradients(self, grads):
+        """Phase 3: the model's optimizer applies the already-reduced gradients."""
+        model = self.model
+        with gradients_already_reduced(model.optimizer):
+            model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
+
+
+def check_trainable(model, config: ParallelConfig):
+    """Errors that must stop `fit` before its first step, with what to do instead."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError(
+            "The model has no optimizer: call `model.compile(optimizer=...)` "
+            "before `model.fit`."
+        )
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if inner.gradient_accumulation_steps:
+        raise ValueError(
+            f"`gradient_accumulation_steps={inner.gradient_accumulation_steps}` "
+            f"on the Keras optimizer does not work under tf.distribute (its "
+            f"conditional apply contains the gradient all-reduce). Use the "
+            f"strategy's `microbatches={inner.gradient_accumulation_steps}` "
+            f"instead: it accumulates the same gradients inside one step and "
+            f"reduces them once."
+        )
+    if not model.trainable_weights:
+        raise ValueError("The model has no trainable weights: nothing to train.")
+    policy = model.dtype_policy.name
+    if policy != config.precision:
+        raise ValueError(
+            f"The model was built with dtype policy {policy!r} but the "
+            f"strategy has `precision={config.precision!r}`: build the model "
+            f"inside `strategy.scope()`, which sets the policy."
+        )
+    if config.precision == "mixed_float16" and not isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer
+    ):
+        raise ValueError(
+            "`precision='mixed_float16'` needs loss scaling, but the model's "
+            f"optimizer is a {type(optimizer).__name__}: compile with "
+            "`auto_scale_loss=True` (the default) or wrap the optimizer in "
+            "`keras.optimizers.LossScaleOptimizer`."
+        )
+
+
+def check_loss_reductions(model, microbatches: int):
+    """Microbatching is exact for batch-mean losses; anything else is refused."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    for entry in getattr(compile_loss, "_flat_losses", None) or []:
+        reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
+        if reduction not in _MEAN_REDUCTIONS:
+            raise ValueError(
+                f"`microbatches={microbatches}` needs losses that average over "
+                f"the batch (reduction in {_MEAN_REDUCTIONS}), but loss "
+                f"{entry.name or entry.loss!r} has reduction={reduction!r}. Use "
+                f"a mean reduction, or microbatches=1."
+            )
+
+
+def _batch_size(x):
+    first = next(t for t in tree.flatten(x) if t is not None)
+    return tf.shape(first, out_type=tf.int32)[0]
+
+
+def _add(total, grads):
+    def add(a, b):
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+    return [add(a, b) for a, b in zip(total, grads)]
+
+
+_reduced_lock = threading.Lock()
+_reduced_depth = {}
+
+
+@contextlib.contextmanager
+def gradients_already_reduced(optimizer):
+    """Turns off a Keras optimizer's own gradient all-reduce while in effect.
+
+    Keras's TensorFlow optimizer sums gradients across replicas in
+    `_all_reduce_sum_gradients` before applying them. tfdist reduces them
+    itself (once per step, and differently under ZeRO), so for the apply call
+    it makes that method the identity on the optimizer that applies (for a
+    `LossScaleOptimizer`, its inner optimizer). Replica threads of one step
+    enter this together, so the change is reference-counted.
+
+    Example:
+
+    ```python
+    with gradients_already_reduced(model.optimizer):
+        model.optimizer.apply_gradients(zip(reduced, model.trainable_weights))
+    ```
+    """
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    key = id(target)
+    with _reduced_lock:
+        depth = _reduced_depth.get(key, 0)
+        if depth == 0:
+            target._all_reduce_sum_gradients = list
+        _reduced_depth[key] = depth + 1
+    try:
+        yield
+    finally:
+        with _reduced_lock:
+            _reduced_depth[key] -= 1
+            if _reduced_depth[key] == 0:
+                del _reduced_depth[key]
+                del target._all_reduce_sum_gradients

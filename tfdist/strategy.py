@@ -1,0 +1,277 @@
+"""The tfdist strategies: `tf.distribute` strategies that own the training step.
+
+`Strategy` is a `tf.distribute.MirroredStrategy` (one process, several devices) and
+`MultiWorkerStrategy` a `tf.distribute.MultiWorkerMirroredStrategy` (several
+processes, from `TF_CONFIG`). Both take the `ParallelConfig` fields as keyword
+arguments and behave as their parents everywhere except two places:
+
+- `scope()` also sets the Keras dtype policy that `precision` asks for, so layers
+  built inside it compute in that precision;
+- `run()` recognises the bound `model.train_step` that Keras 3's `model.fit`
+  passes it and runs tfdist's `TrainStep` for that model instead (see
+  docs/architecture.md). Every other function runs unchanged.
+"""
+
+import contextlib
+import itertools
+import weakref
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+from tfdist.config import ParallelConfig
+from tfdist.engine.step import TrainStep, check_trainable
+
+# Each strategy gets its own range of collective group keys: TensorFlow's
+# collective runtime remembers a group key's size for the life of the process,
+# so two strategies of different sizes must never share one.
+_COLLECTIVE_KEY_SPACING = 100_000
+_collective_key_bases = itertools.count(1)
+
+# Modes whose own issues have not landed yet.
+_NOT_YET = {
+    "pipeline": "pipeline parallelism",
+    "tensor": "tensor parallelism",
+    "zero": "sharded optimizer state (ZeRO)",
+}
+
+
+def resolve_config(config, fields, num_replicas_hint=None) -> ParallelConfig:
+    """The `ParallelConfig` a strategy was asked for, from `config=` or keywords.
+
+    `data`, when not given, is inferred from `num_replicas_hint` (the devices
+    the strategy found) divided by `pipeline * tensor`.
+
+    Example:
+
+    >>> resolve_config(None, {"microbatches": 2}, num_replicas_hint=4).data
+    4
+    """
+    if config is not None and fields:
+        raise ValueError(
+            f"Pass either `config=` or ParallelConfig fields as keywords, not "
+            f"both; got config and {sorted(fields)}."
+        )
+    if config is None:
+        fields = dict(fields)
+        if "data" not in fields and num_replicas_hint is not None:
+            groups = fields.get("pipeline", 1) * fields.get("tensor", 1)
+            if isinstance(groups, int) and groups > 0 and num_replicas_hint % groups == 0:
+                fields["data"] = num_replicas_hint // groups
+        config = ParallelConfig.from_dict(fields)
+    elif isinstance(config, dict):
+        config = ParallelConfig.from_dict(config)
+    elif not isinstance(config, ParallelConfig):
+        raise TypeError(
+            f"`config` must be a tfdist.ParallelConfig or a dict, got "
+            f"{type(config).__name__}."
+        )
+    config.validate()
+    for name, mode in _NOT_YET.items():
+        if getattr(config, name) > (0 if name == "zero" else 1):
+            raise NotImplementedError(
+                f"`{name}={getattr(config, name)}`: {mode} is not available in "
+                f"this version of tfdist; use {name}="
+                f"{0 if name == 'zero' else 1}."
+            )
+    return config
+
+
+def default_devices() -> list[str]:
+    """Every logical accelerator of this host, or every logical CPU if none.
+
+    Example:
+
+    >>> tfdist.use_virtual_devices(4)  # doctest: +SKIP
+    >>> len(default_devices())  # doctest: +SKIP
+    4
+    """
+    gpus = tf.config.list_logical_devices("GPU")
+    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
+class _StepOwner:
+    """What both tfdist strategies add to their `tf.distribute` parent."""
+
+    def _init_step_owner(self, config: ParallelConfig):
+        self._config = config
+        self._train_steps = weakref.WeakKeyDictionary()
+
+    @property
+    def config(self) -> ParallelConfig:
+        """The strategy's validated `ParallelConfig`."""
+        return self._config
+
+    def scope(self):
+        """The parent's scope, with the Keras dtype policy of `precision` set.
+
+        Build and compile the model inside it: its layers then compute in
+        `precision`, and under "mixed_float16" `compile` wraps the optimizer
+        in a `LossScaleOptimizer`.
+        """
+        return _precision_scope(super().scope(), self._config.precision)
+
+    def train_step(self, model: keras.Model) -> TrainStep:
+        """tfdist's `TrainStep` for `model` (one per model, built on first use).
+
+        `model.fit` uses it automatically. Custom loops call it in replica
+        context: `strategy.run(strategy.train_step(model), args=(batch,))`.
+        """
+        step = self._train_steps.get(model)
+        if step is None:
+            step = self._train_steps[model] = TrainStep(model, self._config)
+        return step
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """`tf.distribute.Strategy.run`, with Keras's train step replaced.
+
+        When `fn` is the bound `train_step` of a Keras model that does not
+        override it, tfdist's `TrainStep` runs instead. A model that overrides
+        `train_step` runs its own step (plain data parallelism), which is
+        refused if the config asks for something only tfdist's step does.
+        """
+        model = _keras_train_step_owner(fn)
+        if model is not None:
+            if type(model).train_step is TensorFlowTrainer.train_step:
+                fn = self.train_step(model)
+            else:
+                self._check_custom_train_step(model)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def _check_custom_train_step(self, model):
+        config = self._config
+        wanted = [
+            f"{name}={getattr(config, name)!r}"
+            for name, plain in (("microbatches", 1), ("xla", False))
+            if getattr(config, name) != plain
+        ]
+        if wanted:
+            raise ValueError(
+                f"{type(model).__name__} overrides `train_step`, so tfdist runs "
+                f"it as written (data parallel only) and cannot apply "
+                f"{', '.join(wanted)}. Remove those options, or drop the "
+                f"override and customise `compute_loss` instead."
+            )
+        check_trainable(model, config)
+
+
+def _keras_train_step_owner(fn):
+    """The Keras model whose bound `train_step` `fn` is, else None."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, keras.Model) and getattr(fn, "__name__", "") == "train_step":
+        return owner
+    return None
+
+
+@contextlib.contextmanager
+def _precision_scope(strategy_scope, precision):
+    previous = keras.config.dtype_policy()
+    with strategy_scope:
+        keras.config.set_dtype_policy(precision)
+        try:
+            yield
+        finally:
+            keras.config.set_dtype_policy(previous)
+
+
+class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
+    """Synchronous training on the devices of one host, with tfdist's knobs.
+
+    A `tf.distribute.MirroredStrategy` that takes the `ParallelConfig` fields as
+    keywords (or `config=`). `data` defaults to the number of devices. Several
+    tfdist strategies, of any sizes, can be created and used one after another
+    in one process.
+
+    Args:
+        config: a `ParallelConfig` (or its dict); or give its fields as keywords.
+        devices: device names to use; default: every logical GPU of the host,
+            or every logical CPU if there is none
+            (see `tfdist.use_virtual_devices`).
+        **fields: `data`, `pipeline`, `tensor`, `microbatches`, `zero`,
+            `precision`, `xla`, `schedule` (see `ParallelConfig`).
+
+    Example:
+
+    ```python
+    tfdist.use_virtual_devices(4)
+    strategy = tfdist.Strategy(data=4, microbatches=2, precision="mixed_bfloat16")
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(10)])
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=64, epochs=2)
+    ```
+    """
+
+    def __init__(self, config=None, *, devices=None, **fields):
+        if devices is None:
+            devices = default_devices()
+        elif isinstance(devices, str) or not devices:
+            raise ValueError(
+                f"`devices` must be a non-empty list of device names, got "
+                f"{devices!r}."
+            )
+        devices = list(devices)
+        config = resolve_config(config, fields, num_replicas_hint=len(devices))
+        config.validate(num_devices=len(devices))
+        self._init_step_owner(config)
+        self._collective_key_base = (
+            next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
+        )
+        super().__init__(devices=devices)
+
+
+class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy):
+    """Synchronous training across processes (hosts), from `TF_CONFIG`.
+
+    A `tf.distribute.MultiWorkerMirroredStrategy` with tfdist's knobs. Every
+    task of the job runs the same script; create the strategy first thing in
+    it. `data` defaults to the number of replicas in the cluster (workers x
+    local devices) and, if given, must equal it.
+
+    Args:
+        config: a `ParallelConfig` (or its dict); or give its fields as keywords.
+        cluster_resolver: optional; default reads `TF_CONFIG`.
+        timeout_seconds: how long any collective (gradient all-reduce,
+            initial handshake) may wait for the other workers before failing
+            with an error, instead of hanging.
+        **fields: the `ParallelConfig` fields.
+
+    Example:
+
+    ```python
+    # on every worker, with TF_CONFIG set (tfdist launch does it):
+    strategy = tfdist.MultiWorkerStrategy(microbatches=2)
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(dataset, epochs=2)
+    ```
+    """
+
+    def __init__(self, config=None, *, cluster_resolver=None,
+                 timeout_seconds: float = 300.0, **fields):
+        if not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0:
+            raise ValueError(
+                f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}."
+            )
+        resolve_config(config, fields)  # bad input fails before any connection
+        self._collective_key_base = (
+            next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
+        )
+        super().__init__(
+            cluster_resolver=cluster_resolver,
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                timeout_seconds=float(timeout_seconds)
+            ),
+        )
+        config = resolve_config(
+            config, fields, num_replicas_hint=self.num_replicas_in_sync
+        )
+        if config.data != self.num_replicas_in_sync:
+            raise ValueError(
+                f"`data={config.data}` but the cluster has "
+                f"{self.num_replicas_in_sync} replicas (workers x local "
+                f"devices): omit `data` or set it to {self.num_replicas_in_sync}."
+            )
+        self._init_step_owner(config)
