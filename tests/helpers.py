@@ -1,0 +1,83 @@
+"""Shared pieces of the parity tests: one model, one data set, one recorder.
+
+Parity (docs/architecture.md): the same model, initial weights, data order and
+optimizer, trained once on a single device and once under the mode under test.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+FEATURES, CLASSES = 16, 4
+
+
+def devices(n):
+    """The first `n` logical CPU device names."""
+    return [d.name for d in tf.config.list_logical_devices("CPU")[:n]]
+
+
+def data(n=640, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype("float32")
+    y = (x[:, :CLASSES] + 0.3 * rng.normal(size=(n, CLASSES))).argmax(-1)
+    return x, y.astype("int32")
+
+
+def make_model(optimizer=None, seed=0, compile_kwargs=None):
+    """A small MLP with dropout-free deterministic init, compiled."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(32, activation="tanh"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+    model.compile(
+        optimizer=optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **(compile_kwargs or {}),
+    )
+    return model
+
+
+class StepLosses(keras.callbacks.Callback):
+    """Records the loss Keras reports after every training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+def train(strategy=None, *, epochs=1, batch_size=32, make=make_model, fit_kwargs=None,
+          x=None, y=None, **make_kwargs):
+    """Builds the model (in `strategy`'s scope if given) and fits it in order.
+
+    Returns (per-step reported losses, final weights as numpy, model).
+    """
+    if x is None:
+        x, y = data()
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        model = make(**make_kwargs)
+    recorder = StepLosses()
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[recorder], **(fit_kwargs or {}))
+    return recorder.losses, [w.numpy() for w in model.weights], model
+
+
+def assert_parity(result, reference, rtol=1e-4, atol=1e-6, steps=20):
+    losses, weights, _ = result
+    ref_losses, ref_weights, _ = reference
+    assert len(losses) >= steps and len(losses) == len(ref_losses)
+    np.testing.assert_allclose(losses[:steps], ref_losses[:steps], rtol=rtol)
+    assert len(weights) == len(ref_weights)
+    for w, r in zip(weights, ref_weights):
+        np.testing.assert_allclose(w, r, rtol=rtol, atol=atol)
