@@ -21,7 +21,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from tfdist.config import ParallelConfig
-from tfdist.engine.step import TrainStep, check_trainable
+from tfdist.engine.step import TrainStep, check_microbatches_divide, check_trainable
 
 # Each strategy gets its own range of collective group keys: TensorFlow's
 # collective runtime remembers a group key's size for the life of the process,
@@ -138,6 +138,22 @@ class _StepOwner:
             else:
                 self._check_custom_train_step(model)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """The parent's, after checking a static batch size against the config.
+
+        `model.fit` distributes its data through this, so a batch size that
+        `microbatches` cannot divide is reported before the first step.
+        """
+        leaves = [s for s in tf.nest.flatten(dataset.element_spec) if s.shape.rank]
+        if leaves:
+            global_batch = leaves[0].shape[0]
+            replicas = self.num_replicas_in_sync
+            if global_batch is not None and global_batch % replicas == 0:
+                check_microbatches_divide(
+                    global_batch // replicas, self._config.microbatches, replicas
+                )
+        return super().experimental_distribute_dataset(dataset, options=options)
 
     def _check_custom_train_step(self, model):
         config = self._config

@@ -95,14 +95,10 @@ class TrainStep:
         model = self.model
         k = self.config.microbatches
         batch_size = _batch_size(x)
-        static_size = tf.get_static_value(batch_size)
-        if static_size is not None and static_size % k:
-            raise ValueError(
-                f"`microbatches`={k} must divide the per-replica batch size, "
-                f"which is {static_size}: use a divisor of {static_size} or a "
-                f"global batch size divisible by "
-                f"{k * model.distribute_strategy.num_replicas_in_sync}."
-            )
+        check_microbatches_divide(
+            tf.get_static_value(batch_size), k,
+            model.distribute_strategy.num_replicas_in_sync,
+        )
         total = None
         for i in range(k):
             with tf.name_scope(f"microbatch{i}"):
@@ -192,6 +188,21 @@ def check_trainable(model, config: ParallelConfig):
             f"optimizer is a {type(optimizer).__name__}: compile with "
             "`auto_scale_loss=True` (the default) or wrap the optimizer in "
             "`keras.optimizers.LossScaleOptimizer`."
+        )
+
+
+def check_microbatches_divide(per_replica_batch, microbatches, num_replicas):
+    """A batch size known before the step must split into equal microbatches.
+
+    Batches whose size is only known at run time (such as a last, partial
+    batch) are split as evenly as possible and weighted exactly instead.
+    """
+    if per_replica_batch is not None and per_replica_batch % microbatches:
+        raise ValueError(
+            f"`microbatches`={microbatches} must divide the per-replica batch "
+            f"size, which is {per_replica_batch}: use a divisor of "
+            f"{per_replica_batch} or a global batch size divisible by "
+            f"{microbatches * num_replicas}."
         )
 
 
