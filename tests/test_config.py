@@ -1,0 +1,105 @@
+"""ParallelConfig validation and serialisation; bad strategy input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import tfdist
+from helpers import devices
+
+
+def test_json_and_dict_round_trip():
+    config = tfdist.ParallelConfig(data=4, microbatches=2, precision="mixed_bfloat16",
+                                   xla=True, schedule="1f1b")
+    assert tfdist.ParallelConfig.from_json(config.to_json()) == config
+    assert tfdist.ParallelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert config.num_devices == 4
+
+
+@pytest.mark.parametrize(
+    "fields, error, pattern",
+    [
+        ({"data": 0}, ValueError, r"`data` must be an int >= 1, got 0"),
+        ({"pipeline": -2}, ValueError, r"`pipeline` must be an int >= 1, got -2"),
+        ({"tensor": 0}, ValueError, r"`tensor` must be an int >= 1"),
+        ({"microbatches": 0}, ValueError, r"`microbatches` must be an int >= 1, got 0"),
+        ({"zero": 3}, ValueError, r"`zero` must be one of \(0, 1, 2\).*got 3"),
+        ({"zero": -1}, ValueError, r"`zero` must be one of"),
+        ({"precision": "float16"}, ValueError,
+         r"`precision` must be one of \('float32', 'mixed_float16', 'mixed_bfloat16'\), got 'float16'"),
+        ({"schedule": "interleaved"}, ValueError,
+         r"`schedule` must be one of \('gpipe', '1f1b'\), got 'interleaved'"),
+        ({"data": 2.0}, TypeError, r"`data` must be an int, got 2.0 of type float"),
+        ({"microbatches": "4"}, TypeError, r"`microbatches` must be an int, got '4'"),
+        ({"data": True}, TypeError, r"`data` must be an int, got True"),
+        ({"xla": "yes"}, TypeError, r"`xla` must be a bool, got 'yes'"),
+    ],
+)
+def test_every_field_rejects_bad_values(fields, error, pattern):
+    with pytest.raises(error, match=pattern):
+        tfdist.ParallelConfig(**fields)
+    with pytest.raises(error, match=pattern):
+        tfdist.ParallelConfig.from_dict(fields)
+    with pytest.raises(error, match=pattern):
+        tfdist.Strategy(devices=devices(2), **fields)
+
+
+def test_unknown_fields_are_an_error():
+    with pytest.raises(ValueError, match=r"Unknown ParallelConfig field\(s\) \['microbatch'\]"):
+        tfdist.ParallelConfig.from_dict({"microbatch": 2})
+    with pytest.raises(ValueError, match=r"\['microbatch'\]; valid fields are"):
+        tfdist.Strategy(microbatch=2)
+
+
+def test_mesh_product_must_equal_device_count():
+    with pytest.raises(ValueError, match=r"data=4 x pipeline=1 x tensor=1 needs 4 devices, but 2"):
+        tfdist.Strategy(data=4, devices=devices(2))
+    with pytest.raises(ValueError, match=r"needs 4 devices, but 8 devices were given"):
+        tfdist.Strategy(data=4)  # the 8 logical devices of the test process
+
+
+def test_data_defaults_to_every_device():
+    assert tfdist.Strategy().config.data == 8
+    assert tfdist.Strategy(devices=devices(2)).num_replicas_in_sync == 2
+
+
+def test_config_and_keywords_are_exclusive():
+    with pytest.raises(ValueError, match="either `config=` or"):
+        tfdist.Strategy(config=tfdist.ParallelConfig(data=2), data=2, devices=devices(2))
+    strategy = tfdist.Strategy(config={"data": 2, "microbatches": 2}, devices=devices(2))
+    assert strategy.config.microbatches == 2
+
+
+@pytest.mark.parametrize("fields, name", [({"pipeline": 2}, "pipeline"),
+                                          ({"tensor": 2}, "tensor"),
+                                          ({"zero": 1}, "zero")])
+def test_modes_of_later_versions_say_so(fields, name):
+    with pytest.raises(NotImplementedError, match=rf"`{name}="):
+        tfdist.Strategy(devices=devices(4), **fields)
+
+
+def test_bad_devices_argument():
+    with pytest.raises(ValueError, match="`devices` must be a non-empty list"):
+        tfdist.Strategy(devices="/cpu:0")
+
+
+def test_use_virtual_devices_after_initialisation_names_both_counts():
+    tfdist.use_virtual_devices(8)  # same count as conftest: fine
+    with pytest.raises(RuntimeError, match=r"use_virtual_devices\(3\).*already initialised its devices with 8"):
+        tfdist.use_virtual_devices(3)
+    with pytest.raises(ValueError, match="`n` must be an int >= 1"):
+        tfdist.use_virtual_devices(0)
+
+
+def test_cli_validates_and_prints_a_config(tmp_path):
+    run = [sys.executable, "-m", "tfdist.cli", "config", "--data=4", "--microbatches=2"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120, check=True)
+    assert tfdist.ParallelConfig.from_json(out.stdout) == tfdist.ParallelConfig(data=4, microbatches=2)
+    bad = subprocess.run(run[:4] + ["--precision=fp8"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0
+    assert "--precision=fp8: value should be one of <float32|mixed_float16|mixed_bfloat16>" in bad.stderr
+    bad = subprocess.run(run[:4] + ["--microbatches=0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "`microbatches` must be an int >= 1, got 0" in bad.stderr
