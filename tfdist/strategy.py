@@ -291,3 +291,27 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
                 f"devices): omit `data` or set it to {self.num_replicas_in_sync}."
             )
         self._init_step_owner(config)
+
+    def reduce(self, reduce_op, value, axis):
+        """`tf.distribute.Strategy.reduce`, made to work for Keras 3's `fit`.
+
+        Two calls Keras 3 makes fail on the plain `MultiWorkerMirroredStrategy`:
+        reducing an `(x, y)` batch (nested values, which `tf.distribute`
+        documents but this strategy does not reduce), and reducing scalar metric
+        results with `axis=0`. Here each leaf is reduced on its own, and a
+        scalar, having no axis, is reduced across replicas only.
+        """
+        if tf.nest.is_nested(value):
+            return tf.nest.map_structure(
+                lambda leaf: self.reduce(reduce_op, leaf, axis), value
+            )
+        if axis is not None and _rank(value) == 0:
+            axis = None
+        return super().reduce(reduce_op, value, axis)
+
+
+def _rank(value):
+    """Rank of a tensor, or of each component of a distributed value."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = value.values[0]
+    return getattr(value, "shape", tf.TensorShape(None)).rank
