@@ -82,6 +82,25 @@ class TrainStep:
         """
         return self._compute
 
+    def build(self, data):
+        """Creates every variable the step needs, from a batch or its spec.
+
+        `model.fit` does this before its first step. A custom loop must call
+        it before tracing the step (a `tf.function` may create variables only
+        once): it builds the layers, the compiled loss and metrics, and the
+        optimizer, symbolically, from `data` (a batch, or a dataset's
+        `element_spec`).
+
+        Example:
+
+        ```python
+        step = strategy.train_step(model)
+        step.build(dataset.element_spec)
+        ```
+        """
+        with self.model.distribute_strategy.scope():
+            self.model._symbolic_build(data_batch=data)
+
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)

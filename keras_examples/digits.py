@@ -1,0 +1,42 @@
+"""The data and model the examples share: scikit-learn's bundled digits, an MLP.
+
+The digits ship inside scikit-learn (1,797 8x8 images), so nothing downloads.
+"""
+
+import keras
+import numpy as np
+from sklearn.datasets import load_digits
+
+
+def load(examples=None):
+    """(x, y): float32 pixels in [0, 1] of shape (n, 64), int32 labels 0-9.
+
+    `examples` > 1,797 repeats the set (for longer timing runs).
+    """
+    digits = load_digits()
+    x = (digits.data / 16.0).astype("float32")
+    y = digits.target.astype("int32")
+    if examples is not None:
+        reps = -(-examples // len(x))
+        x, y = np.tile(x, (reps, 1))[:examples], np.tile(y, reps)[:examples]
+    return x, y
+
+
+def build_model(hidden=256, seed=0):
+    """A 3-layer MLP classifier for the digits, compiled with Adam."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(10),
+        ],
+        name="digits_mlp",
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
