@@ -104,19 +104,23 @@ class TrainStep:
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        grads = self.accumulate_gradients(x, y, sample_weight)
+        grads, metrics = self.accumulate_gradients(x, y, sample_weight)
         grads = self.reduce_gradients(grads)
         self.apply_gradients(grads)
-        return self.model.get_metrics_result()
+        return metrics
 
     def accumulate_gradients(self, x, y, sample_weight):
-        """Phase 1: local gradients of the whole batch, summed over microbatches."""
-        model = self.model
+        """Phase 1: local gradients of the whole batch, summed over microbatches.
+
+        Returns the gradients and the metric results after the last microbatch.
+        """
         k = self.config.microbatches
+        if k == 1:
+            return self._microbatch(x, y, sample_weight, None, None)
         batch_size = _batch_size(x)
         check_microbatches_divide(
             tf.get_static_value(batch_size), k,
-            model.distribute_strategy.num_replicas_in_sync,
+            self.model.distribute_strategy.num_replicas_in_sync,
         )
         total = None
         for i in range(k):
@@ -130,19 +134,31 @@ class TrainStep:
                 share = tf.cast(stop - start, tf.float32) / tf.maximum(
                     tf.cast(batch_size, tf.float32), 1.0
                 )
-                loss, y_pred, grads = self._compute(x_i, y_i, sw_i, share)
-                if i == 0 and k > 1:
-                    check_loss_reductions(model, k)
-                model._loss_tracker.update_state(
-                    loss_module.unscale_loss_for_distribution(loss),
-                    sample_weight=stop - start,
-                )
-                model.compute_metrics(x_i, y_i, y_pred, sample_weight=sw_i)
+                grads, metrics = self._microbatch(x_i, y_i, sw_i, share, stop - start)
+                if i == 0:
+                    check_loss_reductions(self.model, k)
                 total = grads if total is None else _add(total, grads)
-        return total
+        return total, metrics
+
+    def _microbatch(self, x, y, sample_weight, share, size):
+        """Gradients of one microbatch's loss times `share` (None: the whole
+        batch); updates the loss tracker and metrics."""
+        model = self.model
+        loss, y_pred, grads = self._compute(x, y, sample_weight, share)
+        if size is None:
+            size = _batch_size(x)
+        model._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=size
+        )
+        metrics = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return grads, metrics
 
     def _compute_gradients(self, x, y, sample_weight, share):
-        """Forward, loss and gradients of one microbatch, loss scaled by `share`."""
+        """Forward, loss and gradients of one microbatch.
+
+        The gradients are those of `share * loss`, the microbatch's part of
+        the batch loss (the whole loss when `share` is None).
+        """
         model = self.model
         with tf.GradientTape() as tape:
             if model._call_has_training_arg:
@@ -152,7 +168,8 @@ class TrainStep:
             loss = model._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
-            scaled = model.optimizer.scale_loss(loss * tf.cast(share, loss.dtype))
+            part = loss if share is None else loss * tf.cast(share, loss.dtype)
+            scaled = model.optimizer.scale_loss(part)
         grads = tape.gradient(scaled, model.trainable_weights)
         return loss, y_pred, grads
 
