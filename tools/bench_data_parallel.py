@@ -7,7 +7,8 @@
    alternation in one process (this machine is shared and noisy: only ratios
    measured side by side mean anything). Reports the median ratio tfdist/plain.
 2. `microbatches` k in {1, 2, 4, 8}: examples/s and peak RSS, each k in a fresh
-   process (peak RSS is per process).
+   process (peak RSS is per process), on a larger batch and model whose
+   activations outweigh TensorFlow's own memory.
 
 Writes one JSON line per result (stdout, and `--out` if given), then a table.
 """
@@ -22,11 +23,15 @@ import time
 
 from absl import app, flags, logging
 
-flags.DEFINE_integer("rounds", 10, "Alternating timed epochs per strategy.")
+flags.DEFINE_integer("rounds", 40, "Alternating timed epochs per strategy.")
 flags.DEFINE_integer("examples", 16384, "Examples per epoch.")
 flags.DEFINE_integer("batch_size", 512, "Global batch size.")
 flags.DEFINE_integer("hidden", 512, "Hidden width of the MLP.")
 flags.DEFINE_list("microbatches", ["1", "2", "4", "8"], "Values of k to measure.")
+flags.DEFINE_integer("memory_batch_size", 65536,
+                     "Global batch size of the microbatch runs (activations dominate).")
+flags.DEFINE_integer("memory_hidden", 512, "Hidden width of the microbatch runs.")
+flags.DEFINE_integer("timed_epochs", 5, "Timed epochs per microbatch run.")
 flags.DEFINE_integer("k", None, "Internal: measure one k in this process.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 FLAGS = flags.FLAGS
@@ -41,17 +46,17 @@ def emit(record):
             f.write(line + "\n")
 
 
-def timed_epoch(model, x, y):
+def timed_epoch(model, x, y, batch_size):
     start = time.perf_counter()
-    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
     return time.perf_counter() - start
 
 
-def build(strategy):
+def build(strategy, hidden):
     import digits
 
     with strategy.scope():
-        return digits.build_model(hidden=FLAGS.hidden)
+        return digits.build_model(hidden=hidden)
 
 
 def compare_with_mirrored():
@@ -62,15 +67,15 @@ def compare_with_mirrored():
 
     x, y = digits.load(FLAGS.examples)
     names = [f"/cpu:{i}" for i in range(DEVICES)]
-    models = {"tfdist": build(tfdist.Strategy(data=DEVICES, devices=names)),
-              "mirrored": build(tf.distribute.MirroredStrategy(names))}
+    models = {"tfdist": build(tfdist.Strategy(data=DEVICES, devices=names), FLAGS.hidden),
+              "mirrored": build(tf.distribute.MirroredStrategy(names), FLAGS.hidden)}
     for model in models.values():  # trace and warm up
-        timed_epoch(model, x, y)
+        timed_epoch(model, x, y, FLAGS.batch_size)
     times = {name: [] for name in models}
     for r in range(FLAGS.rounds):
         order = list(models) if r % 2 == 0 else list(reversed(models))
         for name in order:
-            times[name].append(timed_epoch(models[name], x, y))
+            times[name].append(timed_epoch(models[name], x, y, FLAGS.batch_size))
     ratios = [a / b for a, b in zip(times["tfdist"], times["mirrored"])]
     emit({"bench": "data_parallel", "what": "epoch_time_ratio", "devices": DEVICES,
           "tfdist_median_s": statistics.median(times["tfdist"]),
@@ -84,14 +89,16 @@ def measure_microbatches(k):
     import digits
     import tfdist
 
-    x, y = digits.load(FLAGS.examples)
-    model = build(tfdist.Strategy(data=DEVICES, microbatches=k))
-    timed_epoch(model, x, y)
-    seconds = statistics.median(timed_epoch(model, x, y) for _ in range(3))
+    batch = FLAGS.memory_batch_size
+    x, y = digits.load(2 * batch)  # two steps per epoch
+    model = build(tfdist.Strategy(data=DEVICES, microbatches=k), FLAGS.memory_hidden)
+    timed_epoch(model, x, y, batch)
+    seconds = statistics.median(
+        timed_epoch(model, x, y, batch) for _ in range(FLAGS.timed_epochs))
     emit({"bench": "data_parallel", "what": "microbatches", "microbatches": k,
-          "examples_per_s": FLAGS.examples / seconds,
+          "examples_per_s": len(x) / seconds,
           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-          "batch_size": FLAGS.batch_size, "hidden": FLAGS.hidden})
+          "batch_size": batch, "hidden": FLAGS.memory_hidden})
 
 
 def main(argv):
@@ -106,11 +113,14 @@ def main(argv):
     if FLAGS.k is not None:
         measure_microbatches(FLAGS.k)
         return
-    compare_with_mirrored()
+    if FLAGS.rounds:
+        compare_with_mirrored()
     records = []
     for k in FLAGS.microbatches:
         args = [sys.executable, __file__, f"--k={k}", f"--examples={FLAGS.examples}",
-                f"--batch_size={FLAGS.batch_size}", f"--hidden={FLAGS.hidden}"]
+                f"--memory_batch_size={FLAGS.memory_batch_size}",
+                f"--memory_hidden={FLAGS.memory_hidden}",
+                f"--timed_epochs={FLAGS.timed_epochs}"]
         done = subprocess.run(args, capture_output=True, text=True, timeout=900, check=True)
         record = json.loads(done.stdout.strip().splitlines()[-1])
         records.append(record)

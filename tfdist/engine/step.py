@@ -134,7 +134,10 @@ class TrainStep:
                 share = tf.cast(stop - start, tf.float32) / tf.maximum(
                     tf.cast(batch_size, tf.float32), 1.0
                 )
-                grads, metrics = self._microbatch(x_i, y_i, sw_i, share, stop - start)
+                # One microbatch at a time: its forward starts after the previous
+                # backward, so only one microbatch's activations are alive.
+                with tf.control_dependencies(_tensors(total)):
+                    grads, metrics = self._microbatch(x_i, y_i, sw_i, share, stop - start)
                 if i == 0:
                     check_loss_reductions(self.model, k)
                 total = grads if total is None else _add(total, grads)
@@ -259,6 +262,12 @@ def check_loss_reductions(model, microbatches: int):
 def _batch_size(x):
     first = next(t for t in tree.flatten(x) if t is not None)
     return tf.shape(first, out_type=tf.int32)[0]
+
+
+def _tensors(grads):
+    """The tensors of a gradient list (None and IndexedSlices handled)."""
+    return tf.nest.flatten([g for g in grads or [] if g is not None],
+                           expand_composites=True)
 
 
 def _add(total, grads):
