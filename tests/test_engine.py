@@ -89,7 +89,7 @@ def test_microbatches_must_divide_a_static_per_replica_batch():
         model = make_model()
     x, y = data(64)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True)
-    with pytest.raises(ValueError, match=r"`microbatches`=3 must divide the per-replica batch size, which is 8"):
+    with pytest.raises(ValueError, match=r"`microbatches=3` must divide the per-replica batch size, which is 8"):
         model.fit(dataset, verbose=0, shuffle=False)
     assert model.optimizer.iterations.numpy() == 0
 

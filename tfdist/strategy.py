@@ -29,7 +29,7 @@ from tfdist.engine.step import TrainStep, check_microbatches_divide, check_train
 _COLLECTIVE_KEY_SPACING = 100_000
 _collective_key_bases = itertools.count(1)
 
-# Modes whose own issues have not landed yet.
+# Modes this version validates but does not run yet.
 _NOT_YET = {
     "pipeline": "pipeline parallelism",
     "tensor": "tensor parallelism",

@@ -54,11 +54,12 @@ class TrainStep:
     with strategy.scope():
         model = make_model()
         model.compile(optimizer="adam", loss="mse")
-    step = tfdist.engine.TrainStep(model, strategy.config)
+    step = strategy.train_step(model)   # the TrainStep fit would use
+    step.build(dataset.element_spec)     # create variables before tracing
 
     @tf.function
-    def train(batch):
-        return strategy.run(step, args=(batch,))
+    def train(iterator):
+        return strategy.run(step, args=(next(iterator),))
     ```
     """
 
@@ -71,16 +72,6 @@ class TrainStep:
             self._compute = tf.function(
                 self._compute_gradients, jit_compile=True, reduce_retracing=True
             )
-
-    @property
-    def compute_function(self):
-        """The per-microbatch compute: a jit-compiled `tf.function` under xla.
-
-        Example:
-
-        >>> step.compute_function.experimental_get_compiler_ir  # doctest: +SKIP
-        """
-        return self._compute
 
     def build(self, data):
         """Creates every variable the step needs, from a batch or its spec.
@@ -238,7 +229,7 @@ def check_microbatches_divide(per_replica_batch, microbatches, num_replicas):
     """
     if per_replica_batch is not None and per_replica_batch % microbatches:
         raise ValueError(
-            f"`microbatches`={microbatches} must divide the per-replica batch "
+            f"`microbatches={microbatches}` must divide the per-replica batch "
             f"size, which is {per_replica_batch}: use a divisor of "
             f"{per_replica_batch} or a global batch size divisible by "
             f"{microbatches * num_replicas}."
