@@ -103,3 +103,16 @@ def test_cli_validates_and_prints_a_config(tmp_path):
     bad = subprocess.run(run[:4] + ["--microbatches=0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "`microbatches` must be an int >= 1, got 0" in bad.stderr
+
+
+def test_config_from_environment(monkeypatch):
+    monkeypatch.delenv("TFDIST_CONFIG", raising=False)
+    assert tfdist.ParallelConfig.from_env() == tfdist.ParallelConfig()
+    monkeypatch.setenv("TFDIST_CONFIG", '{"data": 2, "microbatches": 4}')
+    assert tfdist.ParallelConfig.from_env() == tfdist.ParallelConfig(data=2, microbatches=4)
+    monkeypatch.setenv("TFDIST_CONFIG", "{data: 2")
+    with pytest.raises(ValueError, match=r"\$TFDIST_CONFIG is not valid JSON"):
+        tfdist.ParallelConfig.from_env()
+    monkeypatch.setenv("TFDIST_CONFIG", '{"zero": 5}')
+    with pytest.raises(ValueError, match="`zero` must be one of"):
+        tfdist.ParallelConfig.from_env()

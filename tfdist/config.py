@@ -7,11 +7,16 @@ before any device is touched or any step runs.
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = ("gpipe", "1f1b")
 ZERO_STAGES = (0, 1, 2)
+
+# The environment variable through which `tfdist launch` and TFJob manifests pass
+# a ParallelConfig (as JSON) to every task.
+CONFIG_ENV = "TFDIST_CONFIG"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,3 +182,27 @@ class ParallelConfig:
         4
         """
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, default: "ParallelConfig | None" = None) -> "ParallelConfig":
+        """The config in `$TFDIST_CONFIG` (JSON), else `default` (else defaults).
+
+        `tfdist launch --config` and TFJob manifests set it on every task, so a
+        training script can take its layout from the job that runs it.
+
+        Example:
+
+        >>> os.environ["TFDIST_CONFIG"] = '{"microbatches": 4}'
+        >>> ParallelConfig.from_env().microbatches
+        4
+        >>> del os.environ["TFDIST_CONFIG"]
+        """
+        text = os.environ.get(CONFIG_ENV)
+        if text is None:
+            return default if default is not None else cls()
+        try:
+            return cls.from_json(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"${CONFIG_ENV} is not valid JSON ({error}): {text!r}"
+            ) from error
