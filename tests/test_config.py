@@ -15,7 +15,7 @@ def test_json_and_dict_round_trip():
                                    xla=True, schedule="1f1b")
     assert tfdist.ParallelConfig.from_json(config.to_json()) == config
     assert tfdist.ParallelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
-    assert config.num_devices == 4
+    assert tfdist.ParallelConfig.from_json(tfdist.ParallelConfig().to_json()).data is None
 
 
 @pytest.mark.parametrize(
@@ -54,10 +54,13 @@ def test_unknown_fields_are_an_error():
 
 
 def test_mesh_product_must_equal_device_count():
-    with pytest.raises(ValueError, match=r"data=4 x pipeline=1 x tensor=1 needs 4 devices, but 2"):
+    with pytest.raises(ValueError, match=r"data=4 x pipeline=1 x tensor=1 needs 4 devices, but there are 2"):
         tfdist.Strategy(data=4, devices=devices(2))
-    with pytest.raises(ValueError, match=r"needs 4 devices, but 8 devices were given"):
+    with pytest.raises(ValueError, match=r"needs 4 devices, but there are 8: .*omit `data`"):
         tfdist.Strategy(data=4)  # the 8 logical devices of the test process
+    with pytest.raises(ValueError, match=r"groups of 3 devices, which do not divide the 8"):
+        tfdist.ParallelConfig(pipeline=3).resolve(8)
+    assert tfdist.ParallelConfig(pipeline=2, tensor=2).resolve(8).data == 2
 
 
 def test_data_defaults_to_every_device():

@@ -1,13 +1,14 @@
-"""MultiWorkerStrategy: 2 worker processes on localhost match a 2-device run."""
+"""MultiWorkerStrategy under `tfdist launch --workers 2` matches a 2-device run."""
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import tfdist
-from cluster import run_workers
 from helpers import assert_parity, devices, train
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "multiworker_fit.py"
@@ -15,11 +16,14 @@ SCRIPT = pathlib.Path(__file__).parent / "scripts" / "multiworker_fit.py"
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("microbatches", [1, 2])
-def test_two_workers_match_one_process_with_two_devices(tmp_path, microbatches):
+def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, microbatches):
     out = tmp_path / "worker0.json"
-    results = run_workers(SCRIPT, 2, [f"--out={out}", f"--microbatches={microbatches}"])
-    for index, (code, output) in enumerate(results):
-        assert code == 0, f"worker {index} failed:\n{output[-3000:]}"
+    done = subprocess.run(
+        [sys.executable, "-m", "tfdist.cli", "launch", "--workers=2", "--timeout=240",
+         f"--microbatches={microbatches}", "--",
+         sys.executable, str(SCRIPT), f"--out={out}"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
     workers = json.loads(out.read_text())
     assert workers["replicas"] == 2
     local = train(tfdist.Strategy(data=2, microbatches=microbatches, devices=devices(2)))

@@ -11,19 +11,38 @@ with strategy.scope():
     model.compile(optimizer="adam", loss="mse")
 model.fit(x, y, batch_size=64)
 ```
+
+Names that need TensorFlow load on first use, so the `tfdist` command's launcher
+and manifest tools start without importing it.
 """
 
-from tfdist import engine
+import importlib
+
 from tfdist.config import ParallelConfig
-from tfdist.devices import use_virtual_devices
-from tfdist.strategy import MultiWorkerStrategy, Strategy
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "MultiWorkerStrategy",
-    "ParallelConfig",
-    "Strategy",
-    "engine",
-    "use_virtual_devices",
-]
+_LAZY = {
+    "MultiWorkerStrategy": "tfdist.strategy",
+    "Strategy": "tfdist.strategy",
+    "use_virtual_devices": "tfdist.devices",
+}
+_LAZY_MODULES = ("cluster", "engine")
+
+__all__ = ["MultiWorkerStrategy", "ParallelConfig", "Strategy", "cluster", "engine",
+           "use_virtual_devices"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _LAZY_MODULES:
+        value = importlib.import_module(f"tfdist.{name}")
+    else:
+        raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

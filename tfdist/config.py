@@ -24,7 +24,9 @@ class ParallelConfig:
     """How a model is spread over devices and how each step is computed.
 
     Args:
-        data: data-parallel replicas (size of the mesh's data axis).
+        data: data-parallel replicas (size of the mesh's data axis); None
+            (the default) means every device the strategy has, divided by
+            `pipeline * tensor`, filled in by `resolve`.
         pipeline: pipeline stages (size of the mesh's pipeline axis).
         tensor: tensor-parallel shards (size of the mesh's tensor axis).
             `data * pipeline * tensor` is the number of devices used.
@@ -42,11 +44,11 @@ class ParallelConfig:
     >>> config = ParallelConfig(data=4, microbatches=2)
     >>> ParallelConfig.from_json(config.to_json()) == config
     True
-    >>> config.num_devices
-    4
+    >>> ParallelConfig(microbatches=2).resolve(num_devices=8).data
+    8
     """
 
-    data: int = 1
+    data: int | None = None
     pipeline: int = 1
     tensor: int = 1
     microbatches: int = 1
@@ -58,25 +60,22 @@ class ParallelConfig:
     def __post_init__(self):
         self.validate()
 
-    @property
-    def num_devices(self) -> int:
-        """Devices the mesh needs: `data * pipeline * tensor`."""
-        return self.data * self.pipeline * self.tensor
-
-    def validate(self, num_devices: int | None = None) -> "ParallelConfig":
-        """Checks every field; with `num_devices`, also the mesh size.
+    def validate(self) -> "ParallelConfig":
+        """Checks every field; returns the config, so calls can be chained.
 
         Raises `TypeError` for a value of the wrong type and `ValueError` for
         a value out of range, each naming the argument, the value given and
-        what would be valid. Returns the config, so calls can be chained.
+        what would be valid.
 
         Example:
 
-        >>> ParallelConfig(data=2).validate(num_devices=2).data
+        >>> ParallelConfig(data=2).validate().data
         2
         """
         for name in ("data", "pipeline", "tensor", "microbatches", "zero"):
             value = getattr(self, name)
+            if name == "data" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(
                     f"`{name}` must be an int, got {value!r} of type "
@@ -84,7 +83,7 @@ class ParallelConfig:
                 )
         for name in ("data", "pipeline", "tensor", "microbatches"):
             value = getattr(self, name)
-            if value < 1:
+            if value is not None and value < 1:
                 raise ValueError(
                     f"`{name}` must be an int >= 1, got {value!r}."
                 )
@@ -107,13 +106,39 @@ class ParallelConfig:
             raise ValueError(
                 f"`schedule` must be one of {SCHEDULES}, got {self.schedule!r}."
             )
-        if num_devices is not None and self.num_devices != num_devices:
+        return self
+
+    def resolve(self, num_devices: int) -> "ParallelConfig":
+        """The config for a mesh of `num_devices` devices, `data` filled in.
+
+        `data * pipeline * tensor` must equal `num_devices`; a `data` of None
+        becomes `num_devices / (pipeline * tensor)`.
+
+        Example:
+
+        >>> ParallelConfig().resolve(4).data
+        4
+        >>> ParallelConfig(data=4).resolve(2)
+        Traceback (most recent call last):
+        ...
+        ValueError: The mesh data=4 x pipeline=1 x tensor=1 needs 4 devices, but there are 2: choose sizes whose product is 2, or omit `data` to use every device.
+        """
+        groups = self.pipeline * self.tensor
+        if self.data is None:
+            if num_devices % groups:
+                raise ValueError(
+                    f"pipeline={self.pipeline} x tensor={self.tensor} needs "
+                    f"groups of {groups} devices, which do not divide the "
+                    f"{num_devices} devices: choose sizes whose product "
+                    f"divides {num_devices}."
+                )
+            return self.replace(data=num_devices // groups)
+        if self.data * groups != num_devices:
             raise ValueError(
                 f"The mesh data={self.data} x pipeline={self.pipeline} x "
-                f"tensor={self.tensor} needs {self.num_devices} devices, but "
-                f"{num_devices} devices were given: choose sizes whose product "
-                f"is {num_devices}, or pass `devices=` with {self.num_devices} "
-                f"devices."
+                f"tensor={self.tensor} needs {self.data * groups} devices, but "
+                f"there are {num_devices}: choose sizes whose product is "
+                f"{num_devices}, or omit `data` to use every device."
             )
         return self
 

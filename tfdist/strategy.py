@@ -37,15 +37,13 @@ _NOT_YET = {
 }
 
 
-def resolve_config(config, fields, num_replicas_hint=None) -> ParallelConfig:
-    """The `ParallelConfig` a strategy was asked for, from `config=` or keywords.
-
-    `data`, when not given, is inferred from `num_replicas_hint` (the devices
-    the strategy found) divided by `pipeline * tensor`.
+def requested_config(config, fields) -> ParallelConfig:
+    """The validated `ParallelConfig` a strategy was asked for, from `config=`
+    (a ParallelConfig or dict) or from keywords; not yet resolved for devices.
 
     Example:
 
-    >>> resolve_config(None, {"microbatches": 2}, num_replicas_hint=4).data
+    >>> requested_config(None, {"microbatches": 2}).resolve(4).data
     4
     """
     if config is not None and fields:
@@ -54,11 +52,6 @@ def resolve_config(config, fields, num_replicas_hint=None) -> ParallelConfig:
             f"both; got config and {sorted(fields)}."
         )
     if config is None:
-        fields = dict(fields)
-        if "data" not in fields and num_replicas_hint is not None:
-            groups = fields.get("pipeline", 1) * fields.get("tensor", 1)
-            if isinstance(groups, int) and groups > 0 and num_replicas_hint % groups == 0:
-                fields["data"] = num_replicas_hint // groups
         config = ParallelConfig.from_dict(fields)
     elif isinstance(config, dict):
         config = ParallelConfig.from_dict(config)
@@ -67,7 +60,6 @@ def resolve_config(config, fields, num_replicas_hint=None) -> ParallelConfig:
             f"`config` must be a tfdist.ParallelConfig or a dict, got "
             f"{type(config).__name__}."
         )
-    config.validate()
     for name, mode in _NOT_YET.items():
         if getattr(config, name) > (0 if name == "zero" else 1):
             raise NotImplementedError(
@@ -228,9 +220,7 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
                 f"{devices!r}."
             )
         devices = list(devices)
-        config = resolve_config(config, fields, num_replicas_hint=len(devices))
-        config.validate(num_devices=len(devices))
-        self._init_step_owner(config)
+        self._init_step_owner(requested_config(config, fields).resolve(len(devices)))
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
@@ -271,7 +261,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
             raise ValueError(
                 f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}."
             )
-        resolve_config(config, fields)  # bad input fails before any connection
+        config = requested_config(config, fields)  # fails before connecting
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
@@ -281,15 +271,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
                 timeout_seconds=float(timeout_seconds)
             ),
         )
-        config = resolve_config(
-            config, fields, num_replicas_hint=self.num_replicas_in_sync
-        )
-        if config.data != self.num_replicas_in_sync:
-            raise ValueError(
-                f"`data={config.data}` but the cluster has "
-                f"{self.num_replicas_in_sync} replicas (workers x local "
-                f"devices): omit `data` or set it to {self.num_replicas_in_sync}."
-            )
+        config = config.resolve(self.num_replicas_in_sync)
         self._init_step_owner(config)
 
     def reduce(self, reduce_op, value, axis):

@@ -1,7 +1,8 @@
-"""One worker of a MultiWorkerStrategy parity run (TF_CONFIG from the environment).
+"""One worker of a MultiWorkerStrategy parity run, under `tfdist launch`.
 
-Trains the test MLP with `model.fit` and writes the reported losses and final
-weights to `--out` (worker 0 only).
+Takes its cluster from TF_CONFIG and its ParallelConfig from TFDIST_CONFIG (both
+set by the launcher), trains the test MLP with `model.fit` and writes the
+reported losses and final weights to `--out` (worker 0 only).
 """
 
 import json
@@ -11,7 +12,6 @@ import sys
 from absl import app, flags
 
 flags.DEFINE_string("out", None, "Where worker 0 writes its losses and weights.")
-flags.DEFINE_integer("microbatches", 1, "Microbatches per per-replica batch.")
 FLAGS = flags.FLAGS
 
 
@@ -21,7 +21,7 @@ def main(argv):
     keras.config.disable_traceback_filtering()  # whole tracebacks in the test log
     import tfdist
 
-    strategy = tfdist.MultiWorkerStrategy(microbatches=FLAGS.microbatches,
+    strategy = tfdist.MultiWorkerStrategy(config=tfdist.ParallelConfig.from_env(),
                                           timeout_seconds=120)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from helpers import train
