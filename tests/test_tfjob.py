@@ -1,8 +1,11 @@
 """TFJob manifests: their shape, the TFJob CRD's schema, argument checks, submit."""
 
 import copy
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import jsonschema
 import kubernetes
@@ -380,3 +383,68 @@ def test_submit_refuses_other_objects():
         submit(
             tfjob("mnist", IMAGE, COMMAND).to_dict(), training_client=RecordingClient()
         )
+
+
+# The `tfdist tfjob` command and the example manifests.
+
+TFDIST = [sys.executable, "-m", "tfdist.cli"]
+EXAMPLES = pathlib.Path(__file__).parents[1] / "keras_examples" / "tfjob"
+
+
+def tfdist_cli(*args, env=None):
+    return subprocess.run([*TFDIST, *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_cli_prints_a_manifest_that_matches_the_crd(validator):
+    done = tfdist_cli("tfjob", "--name=digits", f"--image={IMAGE}", "--chief",
+                      "--workers=2", "--ps=1", "--evaluator", "--gpus-per-worker=1",
+                      "--profiler-port=6009", "--microbatches=2", "--", *COMMAND)
+    assert done.returncode == 0, done.stderr
+    manifest = yaml.safe_load(done.stdout)
+    validator.validate(manifest)
+    specs = manifest["spec"]["tfReplicaSpecs"]
+    assert list(specs) == ["Chief", "Worker", "PS", "Evaluator"]
+    (worker,) = specs["Worker"]["template"]["spec"]["containers"]
+    assert worker["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert {"name": "tfdist-profiler", "containerPort": 6009} in worker["ports"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--name=digits", "--image=tensorflow/tensorflow"], "has no tag or digest"),
+    (["--name=Digits_1", f"--image={IMAGE}"], "`name` must be an RFC 1035 label"),
+    (["--name=digits", f"--image={IMAGE}", "--workers=0"], "`workers` must be an int >= 1"),
+])
+def test_cli_bad_input(args, message):
+    done = tfdist_cli("tfjob", *args, "--", *COMMAND)
+    assert done.returncode == 2 and message in done.stderr
+    assert done.stdout == ""
+
+
+def test_cli_submit_without_a_cluster_says_so(tmp_path):
+    env = dict(os.environ, KUBECONFIG=str(tmp_path / "missing"), HOME=str(tmp_path))
+    done = tfdist_cli("tfjob", "--name=digits", f"--image={IMAGE}", "--submit", "--",
+                      *COMMAND, env=env)
+    assert done.returncode == 1
+    assert "Cannot submit TFJob 'digits': no Kubernetes credentials" in done.stderr
+
+
+def test_example_manifests_are_up_to_date(validator):
+    done = subprocess.run([sys.executable, str(EXAMPLES / "generate.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for path in EXAMPLES.glob("*.yaml"):
+        validator.validate(yaml.safe_load(path.read_text()))
+
+
+@pytest.mark.multiprocess
+def test_example_training_script_runs_under_tfdist_launch(tmp_path):
+    env = dict(os.environ, TFDIST_LOGDIR=str(tmp_path))
+    done = subprocess.run(
+        [*TFDIST, "launch", "--workers=2", "--microbatches=2", "--timeout=240", "--",
+         sys.executable, str(EXAMPLES / "train.py"), "--epochs=2"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-4000:]
+    for task in ("worker:0", "worker:1"):
+        assert re.search(rf"\[{task}\] {task}: 2 replicas, .*\"microbatches\": 2", done.stdout)
+    assert (tmp_path / "digits.keras").exists()

@@ -1,0 +1,58 @@
+"""The training script of the example TFJob: MultiWorkerStrategy on the digits.
+
+Every task runs it. The cluster comes from TF_CONFIG (the Kubeflow training
+operator, or `tfdist launch`, sets it), the ParallelConfig from TFDIST_CONFIG, and
+the log directory from TFDIST_LOGDIR: there `keras.callbacks.BackupAndRestore`
+keeps each task's training state, so a restarted job resumes where it stopped
+(on Kubernetes, mount a persistent volume there), and the first task saves the
+trained model.
+
+    tfdist launch --workers=2 --microbatches=2 -- python keras_examples/tfjob/train.py
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+
+flags.DEFINE_integer("epochs", 3, "Epochs.")
+flags.DEFINE_integer("batch_size", 128, "Global batch size.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    import tfdist
+    from tfdist.cluster import read_tf_config
+
+    strategy = tfdist.MultiWorkerStrategy(config=tfdist.ParallelConfig.from_env())
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import digits
+
+    task = read_tf_config()
+    with strategy.scope():
+        model = digits.build_model()
+    callbacks = []
+    logdir = os.environ.get("TFDIST_LOGDIR")
+    if logdir:
+        # One backup per task: Keras 3's BackupAndRestore is not multi-worker
+        # aware, and in synchronous training every task's state is the same.
+        backup = os.path.join(logdir, "backup", task.task if task else "local")
+        callbacks.append(keras.callbacks.BackupAndRestore(backup))
+    x, y = digits.load()
+    history = model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
+                        callbacks=callbacks, verbose=0)
+    print(f"{task.task if task else 'local'}: {strategy.num_replicas_in_sync} replicas, "
+          f"{strategy.config.to_json()}; losses "
+          f"{[round(v, 4) for v in history.history['loss']]}")
+    if logdir and (task is None or task.task in ("chief:0", "worker:0")):
+        model.save(os.path.join(logdir, "digits.keras"))
+
+
+if __name__ == "__main__":
+    app.run(main)
