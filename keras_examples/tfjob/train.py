@@ -2,10 +2,10 @@
 
 Every task runs it. The cluster comes from TF_CONFIG (the Kubeflow training
 operator, or `tfdist launch`, sets it), the ParallelConfig from TFDIST_CONFIG, and
-the log directory from TFDIST_LOGDIR: there `keras.callbacks.BackupAndRestore`
-keeps each task's training state, so a restarted job resumes where it stopped
-(on Kubernetes, mount a persistent volume there), and the first task saves the
-trained model.
+the log directory from TFDIST_LOGDIR: there `tfdist.callbacks.BackupAndRestore`
+keeps the job's training state, so a restarted job resumes where it stopped (on
+Kubernetes, mount a shared persistent volume there), and the first task saves
+the trained model.
 
     tfdist launch --workers=2 --microbatches=2 -- python keras_examples/tfjob/train.py
 """
@@ -37,13 +37,11 @@ def main(argv):
     task = read_tf_config()
     with strategy.scope():
         model = digits.build_model()
-    callbacks = []
+    callbacks = [keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: print(
+        f"epoch {epoch + 1} done: loss {logs['loss']:.4f}", flush=True))]
     logdir = os.environ.get("TFDIST_LOGDIR")
     if logdir:
-        # One backup per task: Keras 3's BackupAndRestore is not multi-worker
-        # aware, and in synchronous training every task's state is the same.
-        backup = os.path.join(logdir, "backup", task.task if task else "local")
-        callbacks.append(keras.callbacks.BackupAndRestore(backup))
+        callbacks.append(tfdist.callbacks.BackupAndRestore(os.path.join(logdir, "backup")))
     x, y = digits.load()
     history = model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
                         callbacks=callbacks, verbose=0)

@@ -1,0 +1,43 @@
+"""`BackupAndRestore` that every task of a multi-worker job can share."""
+
+import keras
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Keras's `BackupAndRestore`, safe for the tasks of one job sharing `backup_dir`.
+
+    Keras 3's callback lets every task write (and, at the end, delete) the
+    backup: tasks race on the files, and a task killed just after an epoch keeps
+    a backup one epoch older than the others', so after a restart they disagree
+    on where to resume and the job hangs. Here only the task that checkpoints
+    for the job (the chief, or worker 0 without one: the strategy's
+    `extended.should_checkpoint`) writes and deletes the backup, and every task
+    restores from it, so all resume at the same step. With one task it is
+    Keras's callback unchanged.
+
+    Args: as `keras.callbacks.BackupAndRestore`; `backup_dir` must be a
+        directory every task reads (a shared volume on Kubernetes, any local
+        path under `tfdist launch`).
+
+    Example:
+
+    ```python
+    strategy = tfdist.MultiWorkerStrategy()
+    with strategy.scope():
+        model = build_model()
+    model.fit(x, y, epochs=10,
+              callbacks=[tfdist.callbacks.BackupAndRestore("/shared/backup")])
+    ```
+    """
+
+    def _writes(self):
+        extended = self.model.distribute_strategy.extended
+        return getattr(extended, "should_checkpoint", True)
+
+    def _save_model(self):
+        if self._writes():
+            super()._save_model()
+
+    def on_train_end(self, logs=None):
+        if self._writes():
+            super().on_train_end(logs)
