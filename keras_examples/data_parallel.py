@@ -7,10 +7,13 @@ Trains an MLP on scikit-learn's digits with `model.fit` under
 examples/s. This is `make demo`.
 """
 
-import os
 import time
 
-from absl import app, flags, logging
+import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+import keras
+from absl import app, flags
+
+import tfdist
 
 flags.DEFINE_integer("devices", 4, "Logical CPU devices = data-parallel replicas.")
 flags.DEFINE_integer("microbatches", 1, "Microbatches per per-replica batch.")
@@ -22,35 +25,27 @@ flags.DEFINE_integer("batch_size", 128, "Global batch size.")
 FLAGS = flags.FLAGS
 
 
-class Throughput:
-    """A Keras callback printing each epoch's loss, accuracy and examples/s."""
+class Throughput(keras.callbacks.Callback):
+    """Prints each epoch's loss, accuracy and examples/s."""
 
-    def __new__(cls, examples_per_epoch):
-        import keras
+    def __init__(self, examples_per_epoch):
+        super().__init__()
+        self.examples_per_epoch = examples_per_epoch
 
-        class _Throughput(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                self.start = time.perf_counter()
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = time.perf_counter()
 
-            def on_epoch_end(self, epoch, logs=None):
-                seconds = time.perf_counter() - self.start
-                print(f"epoch {epoch + 1}: loss {logs['loss']:.4f}  accuracy "
-                      f"{logs['accuracy']:.3f}  {examples_per_epoch / seconds:,.0f} "
-                      f"examples/s", flush=True)
-
-        return _Throughput()
+    def on_epoch_end(self, epoch, logs=None):
+        seconds = time.perf_counter() - self.start
+        print(f"epoch {epoch + 1}: loss {logs['loss']:.4f}  accuracy "
+              f"{logs['accuracy']:.3f}  {self.examples_per_epoch / seconds:,.0f} "
+              f"examples/s", flush=True)
 
 
 def main(argv):
     del argv
-    if not FLAGS["verbosity"].present:  # TensorFlow's INFO lines drown the output
-        logging.set_verbosity(logging.WARNING)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tfdist
-
+    digits.quiet_logs()
     tfdist.use_virtual_devices(FLAGS.devices)
-    import digits
-
     strategy = tfdist.Strategy(data=FLAGS.devices, microbatches=FLAGS.microbatches,
                                precision=FLAGS.precision, xla=FLAGS.xla)
     print(f"tfdist.Strategy: {strategy.config.to_json()}")

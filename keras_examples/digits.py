@@ -1,11 +1,22 @@
-"""The data and model the examples share: scikit-learn's bundled digits, an MLP.
+"""What the examples share: scikit-learn's bundled digits, an MLP, quiet logs.
 
 The digits ship inside scikit-learn (1,797 8x8 images), so nothing downloads.
 """
 
-import keras
-import numpy as np
-from sklearn.datasets import load_digits
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import flags, logging  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+
+def quiet_logs():
+    """TensorFlow's INFO lines drown an example's output: WARNING unless -v is given."""
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
 
 
 def load(examples=None):

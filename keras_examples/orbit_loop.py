@@ -7,9 +7,12 @@ step (`strategy.train_step(model)`: microbatches, one gradient all-reduce, loss
 scaling), run on every replica with `strategy.run`.
 """
 
-import os
+import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+import orbit
+import tensorflow as tf
+from absl import app, flags
 
-from absl import app, flags, logging
+import tfdist
 
 flags.DEFINE_integer("devices", 4, "Logical CPU devices = data-parallel replicas.")
 flags.DEFINE_integer("microbatches", 2, "Microbatches per per-replica batch.")
@@ -21,9 +24,6 @@ FLAGS = flags.FLAGS
 
 def make_trainer(strategy, model, dataset):
     """An `orbit.StandardTrainer` running tfdist's step for `model`."""
-    import orbit
-    import tensorflow as tf
-
     class Trainer(orbit.StandardTrainer):
         def __init__(self):
             self.step = strategy.train_step(model)
@@ -48,11 +48,6 @@ def make_trainer(strategy, model, dataset):
 
 def train(strategy, steps, steps_per_loop, batch_size):
     """Trains the digits MLP with an orbit Controller; returns (logs, model)."""
-    import orbit
-    import tensorflow as tf
-
-    import digits
-
     with strategy.scope():
         model = digits.build_model()
     x, y = digits.load()
@@ -75,11 +70,7 @@ def train(strategy, steps, steps_per_loop, batch_size):
 
 def main(argv):
     del argv
-    if not FLAGS["verbosity"].present:  # TensorFlow's INFO lines drown the output
-        logging.set_verbosity(logging.WARNING)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tfdist
-
+    digits.quiet_logs()
     tfdist.use_virtual_devices(FLAGS.devices)
     strategy = tfdist.Strategy(data=FLAGS.devices, microbatches=FLAGS.microbatches)
     logs, model = train(strategy, FLAGS.steps, FLAGS.steps_per_loop, FLAGS.batch_size)

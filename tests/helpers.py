@@ -5,6 +5,7 @@ optimizer, trained once on a single device and once under the mode under test.
 """
 
 import contextlib
+import os
 
 import keras
 import numpy as np
@@ -81,3 +82,12 @@ def assert_parity(result, reference, rtol=1e-4, atol=1e-6, steps=20):
     assert len(weights) == len(ref_weights)
     for w, r in zip(weights, ref_weights):
         np.testing.assert_allclose(w, r, rtol=rtol, atol=atol)
+
+
+def alive(pid):
+    """Whether a process with this pid exists (tests check for orphans)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -9,15 +9,9 @@ import sys
 
 import pytest
 
+from helpers import alive
+
 TRAIN = os.path.join(os.path.dirname(__file__), "..", "keras_examples", "tfjob", "train.py")
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.multiprocess

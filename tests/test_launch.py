@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from helpers import alive
+
 from tfdist.cluster.tf_config import TFConfig, local_tf_configs, read_tf_config
 
 TFDIST = [sys.executable, "-m", "tfdist.cli"]
@@ -33,14 +35,6 @@ def task_lines(output, task=None):
 
 def started_pids(output):
     return [int(p) for p in re.findall(r"^\[launch\] started \S+ \(pid (\d+)\)$", output, re.M)]
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_every_task_gets_the_operators_tf_config_on_localhost():

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 
 flags.DEFINE_integer("rounds", 40, "Alternating timed epochs per strategy.")
 flags.DEFINE_integer("examples", 16384, "Examples per epoch.")
@@ -103,11 +103,11 @@ def measure_microbatches(k):
 
 def main(argv):
     del argv
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "keras_examples"))
+    import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
     import tfdist
+
+    digits.quiet_logs()
 
     tfdist.use_virtual_devices(DEVICES)
     if FLAGS.k is not None:

@@ -13,7 +13,13 @@ the trained model.
 import os
 import sys
 
-from absl import app, flags, logging
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import digits  # noqa: E402  (first: it quiets TensorFlow's C++ logs)
+import keras  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import tfdist  # noqa: E402
+from tfdist.cluster import read_tf_config  # noqa: E402
 
 flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_integer("batch_size", 128, "Global batch size.")
@@ -22,18 +28,8 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import keras
-
-    import tfdist
-    from tfdist.cluster import read_tf_config
-
+    digits.quiet_logs()
     strategy = tfdist.MultiWorkerStrategy(config=tfdist.ParallelConfig.from_env())
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import digits
-
     task = read_tf_config()
     with strategy.scope():
         model = digits.build_model()
