@@ -30,10 +30,11 @@ _COLLECTIVE_KEY_SPACING = 100_000
 _collective_key_bases = itertools.count(1)
 
 # Modes this version validates but does not run yet.
+# field -> (what it turns on, its "off" value)
 _NOT_YET = {
-    "pipeline": "pipeline parallelism",
-    "tensor": "tensor parallelism",
-    "zero": "sharded optimizer state (ZeRO)",
+    "pipeline": ("pipeline parallelism", 1),
+    "tensor": ("tensor parallelism", 1),
+    "zero": ("sharded optimizer state (ZeRO)", 0),
 }
 
 
@@ -60,12 +61,11 @@ def requested_config(config, fields) -> ParallelConfig:
             f"`config` must be a tfdist.ParallelConfig or a dict, got "
             f"{type(config).__name__}."
         )
-    for name, mode in _NOT_YET.items():
-        if getattr(config, name) > (0 if name == "zero" else 1):
+    for name, (mode, off) in _NOT_YET.items():
+        if getattr(config, name) != off:
             raise NotImplementedError(
                 f"`{name}={getattr(config, name)}`: {mode} is not available in "
-                f"this version of tfdist; use {name}="
-                f"{0 if name == 'zero' else 1}."
+                f"this version of tfdist; use {name}={off}."
             )
     return config
 
