@@ -23,6 +23,8 @@ from tfdist.cluster import read_tf_config  # noqa: E402
 
 flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_integer("batch_size", 128, "Global batch size.")
+flags.DEFINE_list("profile_steps", None, "start,stop: every task records a profiler "
+                  "trace of these steps into $TFDIST_LOGDIR (one TensorBoard run).")
 FLAGS = flags.FLAGS
 
 
@@ -38,6 +40,9 @@ def main(argv):
     logdir = os.environ.get("TFDIST_LOGDIR")
     if logdir:
         callbacks.append(tfdist.callbacks.BackupAndRestore(os.path.join(logdir, "backup")))
+    if logdir and FLAGS.profile_steps:
+        start, stop = (int(step) for step in FLAGS.profile_steps)
+        callbacks.append(tfdist.callbacks.Profiler(logdir, steps=(start, stop), tasks="all"))
     x, y = digits.load()
     history = model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
                         callbacks=callbacks, verbose=0)

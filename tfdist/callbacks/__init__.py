@@ -3,9 +3,12 @@
 Example:
 
 ```python
-model.fit(dataset, epochs=10,
-          callbacks=[tfdist.callbacks.BackupAndRestore("/shared/backup")])
+model.fit(dataset, epochs=10, callbacks=[
+    tfdist.callbacks.BackupAndRestore("/shared/backup"),
+    tfdist.callbacks.Profiler("logs", steps=(20, 25)),
+])
 ```
 """
 
 from tfdist.callbacks.backup import BackupAndRestore
+from tfdist.callbacks.profiler import Profiler

@@ -17,6 +17,9 @@ One call is one optimizer step on one replica (it runs in replica context, insid
 Losses, metrics and sample weights behave as in Keras's `train_step`: the loss
 tracker and compiled metrics are updated once per microbatch, which for Keras's
 streaming metrics equals one update with the whole batch.
+
+The phases' ops are named `tfdist/microbatch{i}/...`, `tfdist/reduce/...` and
+`tfdist/apply/...`, so a profiler trace shows which phase each op belongs to.
 """
 
 import contextlib
@@ -95,9 +98,12 @@ class TrainStep:
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        grads, metrics = self.accumulate_gradients(x, y, sample_weight)
-        grads = self.reduce_gradients(grads)
-        self.apply_gradients(grads)
+        with tf.name_scope("tfdist"):  # the phases' ops are named tfdist/<phase>/...
+            grads, metrics = self.accumulate_gradients(x, y, sample_weight)
+            with tf.name_scope("reduce"):
+                grads = self.reduce_gradients(grads)
+            with tf.name_scope("apply"):
+                self.apply_gradients(grads)
         return metrics
 
     def accumulate_gradients(self, x, y, sample_weight):
@@ -107,7 +113,8 @@ class TrainStep:
         """
         k = self.config.microbatches
         if k == 1:
-            return self._microbatch(x, y, sample_weight, None, None)
+            with tf.name_scope("microbatch0"):
+                return self._microbatch(x, y, sample_weight, None, None)
         batch_size = _batch_size(x)
         check_microbatches_divide(
             tf.get_static_value(batch_size), k,
