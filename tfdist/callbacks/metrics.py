@@ -1,0 +1,122 @@
+"""`Metrics`: TensorBoard scalars of what a tfdist strategy is doing."""
+
+import collections
+import os
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.cluster.tf_config import read_tf_config
+
+
+class Metrics(keras.callbacks.Callback):
+    """Writes tfdist's training scalars to TensorBoard every `every_n_steps` steps.
+
+    Scalars (tags under `tfdist/`):
+
+    - `examples_per_second` and `examples_per_second_per_replica`: examples
+      trained since the last write (counted exactly, partial batches included:
+      the loss tracker's example count) over wall time;
+    - `step_time_seconds`: the mean step time since the last write;
+    - `loss_scale`: the dynamic loss scale, under `mixed_float16`;
+    - `microbatches`: the strategy's microbatches per step;
+    - `optimizer_state_bytes/<device>`: the bytes of optimizer state (slots,
+      iteration counter, ...) each device holds, summed over every physical
+      component of every optimizer variable (written at the first write).
+
+    Each task of a multi-worker job writes its own run, `tfdist-<task>`
+    (`tfdist` for a single process), under `logdir`.
+
+    Args:
+        logdir: the TensorBoard log directory.
+        every_n_steps: steps between writes, an int >= 1.
+
+    Example:
+
+    ```python
+    model.fit(dataset, epochs=3,
+              callbacks=[tfdist.callbacks.Metrics("logs", every_n_steps=50)])
+    ```
+    """
+
+    def __init__(self, logdir, every_n_steps=100):
+        super().__init__()
+        if (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
+                or every_n_steps < 1):
+            raise ValueError(
+                f"`every_n_steps` must be an int >= 1, got {every_n_steps!r}.")
+        task = read_tf_config()
+        run = "tfdist" if task is None else f"tfdist-{task.task.replace(':', '-')}"
+        self.logdir = os.path.join(os.fspath(logdir), run)
+        self.every_n_steps = every_n_steps
+        self._writer = None
+
+    def on_train_begin(self, logs=None):
+        self._writer = tf.summary.create_file_writer(self.logdir)
+        self._step = 0
+        self._earlier_epochs = 0.0  # examples of finished epochs
+        self._last = None  # (time, examples, step) at the last write
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self._last is None:  # the first step traces: measure from its end
+            self._last = (time.perf_counter(), self._examples(), self._step)
+            self._write_static()
+        elif self._step % self.every_n_steps == 0:
+            self._write_rates()
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Keras resets the loss tracker (whose count is read) every epoch.
+        self._earlier_epochs = self._examples()
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+
+    def _examples(self):
+        """Examples trained so far (summed over replicas by the tracker's read)."""
+        return self._earlier_epochs + float(self.model._loss_tracker.count.numpy())
+
+    def _write_static(self):
+        strategy = self.model.distribute_strategy
+        microbatches = getattr(getattr(strategy, "config", None), "microbatches", 1)
+        with self._writer.as_default(step=self._step):
+            tf.summary.scalar("tfdist/microbatches", microbatches)
+            for device, size in optimizer_state_bytes(self.model.optimizer).items():
+                tf.summary.scalar(f"tfdist/optimizer_state_bytes/{device}", size)
+
+    def _write_rates(self):
+        now, examples = time.perf_counter(), self._examples()
+        last_time, last_examples, last_step = self._last
+        seconds = now - last_time
+        rate = (examples - last_examples) / seconds
+        replicas = self.model.distribute_strategy.num_replicas_in_sync
+        with self._writer.as_default(step=self._step):
+            tf.summary.scalar("tfdist/examples_per_second", rate)
+            tf.summary.scalar("tfdist/examples_per_second_per_replica", rate / replicas)
+            tf.summary.scalar("tfdist/step_time_seconds", seconds / (self._step - last_step))
+            scale = getattr(self.model.optimizer, "dynamic_scale", None)
+            if scale is not None:
+                tf.summary.scalar("tfdist/loss_scale", float(scale.numpy()))
+        self._writer.flush()
+        self._last = (now, examples, self._step)
+
+
+def optimizer_state_bytes(optimizer) -> dict:
+    """{device: bytes} of every physical component of the optimizer's variables.
+
+    Example:
+
+    >>> optimizer_state_bytes(model.optimizer)  # doctest: +SKIP
+    {'CPU:0': 4620, 'CPU:1': 4620}
+    """
+    sizes = collections.Counter()
+    for variable in optimizer.variables:
+        value = getattr(variable, "value", variable)
+        for component in getattr(value, "values", (value,)):
+            device = tf.DeviceSpec.from_string(component.device)
+            name = f"{device.device_type}:{device.device_index}"
+            sizes[name] += int(np.prod(component.shape)) * component.dtype.size
+    return dict(sizes)
