@@ -3,13 +3,16 @@
     tfdist config  [--config parallel.json] [--data 4 --microbatches 2 ...]
         validates a ParallelConfig and prints it as JSON.
     tfdist launch  [--chief] --workers N [--ps M] [--evaluator]
-                   [--restart-on-failure K] [--timeout S] [config flags] -- COMMAND...
+                   [--restart-on-failure K] [--timeout S] [--profiler-port P]
+                   [config flags] -- COMMAND...
         runs COMMAND as every task of a local cluster (TF_CONFIG on 127.0.0.1).
     tfdist tfjob   --name NAME --image IMAGE [--namespace NS] [--chief] --workers N
                    [--ps M] [--evaluator] [--gpus-per-worker G] [--cpu C --memory M]
                    [--logdir PATH] [--profiler-port P] [--restart-policy POLICY]
                    [--backoff-limit B] [--submit] [config flags] -- COMMAND...
         prints a Kubeflow TFJob manifest (kubeflow.org/v1); --submit creates it.
+    tfdist profile --tasks HOST:PORT,... --logdir DIR [--duration-ms MS]
+        records a trace of every listed task's profiler server at once.
     tfdist version
         prints the tfdist, TensorFlow and Keras versions.
 
@@ -56,11 +59,15 @@ flags.DEFINE_integer("gpus-per-worker", 0, "GPUs of each chief and worker pod.")
 flags.DEFINE_string("cpu", None, "CPU request and limit of each pod, e.g. 2 or 500m.")
 flags.DEFINE_string("memory", None, "Memory request and limit of each pod, e.g. 4Gi.")
 flags.DEFINE_string("logdir", None, "Log directory given to the pods (TFDIST_LOGDIR).")
-flags.DEFINE_integer("profiler-port", None, "Port of each task's profiler server.")
+flags.DEFINE_integer("profiler-port", None, "Port of each task's profiler server "
+                     "(tfdist launch: task k gets this port + k).")
 flags.DEFINE_string("restart-policy", "OnFailure", "Pod restart policy.")
 flags.DEFINE_integer("backoff-limit", None, "Retries before the job is failed.")
 flags.DEFINE_boolean("submit", False, "Create the TFJob in the current kubeconfig's "
                      "cluster instead of printing it.")
+# profile
+flags.DEFINE_list("tasks", None, "host:port of each task's profiler server.")
+flags.DEFINE_integer("duration-ms", 2000, "How long to record, in milliseconds.")
 
 _CONFIG_FIELDS = ("data", "pipeline", "tensor", "microbatches", "zero",
                   "precision", "xla", "schedule")
@@ -109,7 +116,8 @@ def _launch_command(command):
                              "--workers=2 -- python train.py")
     return launch(command, **_tasks(),
                   restart_on_failure=FLAGS["restart-on-failure"].value,
-                  timeout=FLAGS.timeout, config=config_from_flags())
+                  timeout=FLAGS.timeout, config=config_from_flags(),
+                  profiler_port=FLAGS["profiler-port"].value)
 
 
 def _tfjob_command(command):
@@ -134,6 +142,19 @@ def _tfjob_command(command):
     return 0
 
 
+def _profile_command(args):
+    """Records every listed task's profile at once; prints the files written."""
+    if args:
+        raise app.UsageError(f"`tfdist profile` takes no arguments, got {args}.")
+    if not FLAGS.tasks or not FLAGS.logdir:
+        raise app.UsageError("`tfdist profile` needs --tasks=host:port,... and --logdir.")
+    from tfdist.profiling import capture
+
+    for path in capture(FLAGS.tasks, FLAGS.logdir, FLAGS["duration-ms"].value):
+        print(path)
+    return 0
+
+
 def _version_command(args):
     """Prints the versions of tfdist, TensorFlow and Keras."""
     import keras
@@ -149,11 +170,12 @@ def _version_command(args):
 COMMANDS = {
     "config": (_config_command, _CONFIG_FLAGS),
     "launch": (_launch_command, _CONFIG_FLAGS + _TASK_FLAGS
-               + ("restart-on-failure", "timeout")),
+               + ("restart-on-failure", "timeout", "profiler-port")),
     "tfjob": (_tfjob_command, _CONFIG_FLAGS + _TASK_FLAGS
               + ("name", "image", "namespace", "gpus-per-worker", "cpu", "memory",
                  "logdir", "profiler-port", "restart-policy", "backoff-limit",
                  "submit")),
+    "profile": (_profile_command, ("tasks", "logdir", "duration-ms")),
     "version": (_version_command, ()),
 }
 _OWN_FLAGS = {name for _, names in COMMANDS.values() for name in names}

@@ -14,9 +14,12 @@ PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = ("gpipe", "1f1b")
 ZERO_STAGES = (0, 1, 2)
 
-# The environment variable through which `tfdist launch` and TFJob manifests pass
-# a ParallelConfig (as JSON) to every task.
+# Environment variables through which `tfdist launch` and TFJob manifests pass
+# settings to every task: the ParallelConfig (as JSON), the log directory, and
+# the port of the task's profiler server (for `tfdist profile`).
 CONFIG_ENV = "TFDIST_CONFIG"
+LOGDIR_ENV = "TFDIST_LOGDIR"
+PROFILER_PORT_ENV = "TFDIST_PROFILER_PORT"
 
 
 @dataclasses.dataclass(frozen=True)

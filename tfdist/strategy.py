@@ -22,6 +22,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from tfdist.config import ParallelConfig
 from tfdist.engine.step import TrainStep, check_microbatches_divide, check_trainable
+from tfdist.profiling import start_profiler_server
 
 # Each strategy gets its own range of collective group keys: TensorFlow's
 # collective runtime remembers a group key's size for the life of the process,
@@ -87,6 +88,7 @@ class _StepOwner:
     """What both tfdist strategies add to their `tf.distribute` parent."""
 
     def _init_step_owner(self, config: ParallelConfig):
+        start_profiler_server()  # when $TFDIST_PROFILER_PORT asks for one
         self._config = config
         self._train_steps = weakref.WeakKeyDictionary()
 

@@ -24,7 +24,7 @@ import threading
 import time
 
 from tfdist.cluster.tf_config import TF_CONFIG_ENV, TFConfig, local_tf_configs
-from tfdist.config import CONFIG_ENV, ParallelConfig
+from tfdist.config import CONFIG_ENV, PROFILER_PORT_ENV, ParallelConfig
 
 TIMEOUT_EXIT_CODE = 124
 INTERRUPTED_EXIT_CODE = 130
@@ -61,10 +61,11 @@ class _Task:
 
 
 class _Cluster:
-    def __init__(self, command, configs, parallel_config, output):
+    def __init__(self, command, configs, parallel_config, profiler_port, output):
         self.command = list(command)
         self.tasks = [_Task(c) for c in configs]
         self.parallel_config = parallel_config
+        self.profiler_port = profiler_port
         self.output = output
         self.lock = threading.Lock()
         self.changed = threading.Event()  # some process exited
@@ -79,6 +80,8 @@ class _Cluster:
         env[TF_CONFIG_ENV] = task.config.to_json()
         if self.parallel_config is not None:
             env[CONFIG_ENV] = self.parallel_config.to_json()
+        if self.profiler_port is not None:
+            env[PROFILER_PORT_ENV] = str(self.profiler_port + self.tasks.index(task))
         task.exit_code = None
         task.reader = None
         task.process = subprocess.Popen(
@@ -156,7 +159,8 @@ def _raise_terminated(signum, frame):
 
 
 def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
-           restart_on_failure=0, timeout=None, config=None, output=None) -> int:
+           restart_on_failure=0, timeout=None, config=None, profiler_port=None,
+           output=None) -> int:
     """Runs `command` as every task of a local cluster; returns the job's exit code.
 
     Args:
@@ -168,6 +172,9 @@ def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
             124 returned, naming the tasks still running.
         config: a `ParallelConfig` (or dict) passed to every task as
             `$TFDIST_CONFIG`.
+        profiler_port: task k (in the order chief, workers, ps, evaluator)
+            gets `$TFDIST_PROFILER_PORT` = `profiler_port + k`, where its
+            strategy starts a profiler server for `tfdist profile`.
         output: where the prefixed output goes (default `sys.stdout`).
 
     Returns:
@@ -196,7 +203,13 @@ def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
     if isinstance(config, dict):
         config = ParallelConfig.from_dict(config)
     configs = local_tf_configs(chief=chief, workers=workers, ps=ps, evaluator=evaluator)
-    cluster = _Cluster(command, configs, config, output or sys.stdout)
+    if profiler_port is not None and (
+            isinstance(profiler_port, bool) or not isinstance(profiler_port, int)
+            or not 1 <= profiler_port <= 65535 - len(configs)):
+        raise ValueError(
+            f"`profiler_port` must be an int in 1..{65535 - len(configs)} (task k "
+            f"uses profiler_port + k), got {profiler_port!r}.")
+    cluster = _Cluster(command, configs, config, profiler_port, output or sys.stdout)
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _raise_terminated)

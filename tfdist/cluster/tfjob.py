@@ -28,7 +28,7 @@ import yaml
 from kubeflow.training import TrainingClient, models
 
 from tfdist.cluster.tf_config import check_task_counts
-from tfdist.config import CONFIG_ENV, ParallelConfig
+from tfdist.config import CONFIG_ENV, LOGDIR_ENV, PROFILER_PORT_ENV, ParallelConfig
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "TFJob"
@@ -37,8 +37,6 @@ KIND = "TFJob"
 CONTAINER_NAME = "tensorflow"
 PORT_NAME = "tfjob-port"
 PROFILER_PORT_NAME = "tfdist-profiler"
-LOGDIR_ENV = "TFDIST_LOGDIR"
-PROFILER_PORT_ENV = "TFDIST_PROFILER_PORT"
 MANAGED_BY_LABEL = {"app.kubernetes.io/managed-by": "tfdist"}
 
 RESTART_POLICIES = ("OnFailure", "Never", "Always", "ExitCode")

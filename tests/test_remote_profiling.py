@@ -1,0 +1,75 @@
+"""Remote capture: `tfdist profile` records two running workers at once."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+from xprof.convert import raw_to_tool_data
+
+from tfdist.cluster.tf_config import free_ports
+
+TFDIST = [sys.executable, "-m", "tfdist.cli"]
+TRAIN = pathlib.Path(__file__).parents[1] / "keras_examples" / "tfjob" / "train.py"
+
+
+@pytest.mark.multiprocess
+def test_capture_from_two_running_workers_gives_two_host_traces(tmp_path):
+    (port,) = free_ports(1)
+    launcher = subprocess.Popen(
+        [*TFDIST, "launch", "--workers=2", f"--profiler-port={port}", "--timeout=240",
+         "--", sys.executable, str(TRAIN), "--epochs=200"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = ""
+    try:
+        for line in launcher.stdout:  # both workers are training once each logs an epoch
+            output += line
+            if "[worker:1] epoch 1 done" in line:
+                break
+        done = subprocess.run(
+            [*TFDIST, "profile", f"--tasks=127.0.0.1:{port},127.0.0.1:{port + 1}",
+             f"--logdir={tmp_path}", "--duration-ms=1500"],
+            capture_output=True, text=True, timeout=180)
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        launcher.communicate(timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = (tmp_path / "plugins" / "profile").iterdir()
+    hosts = sorted(p.name for p in run.iterdir())
+    assert hosts == [f"127.0.0.1_{port}.xplane.pb", f"127.0.0.1_{port + 1}.xplane.pb"]
+    assert sorted(done.stdout.split()[-2:]) == sorted(str(p) for p in run.iterdir())
+    for host in run.iterdir():
+        text, _ = raw_to_tool_data.xspace_to_tool_data([str(host)], "trace_viewer", {})
+        names = json.dumps(json.loads(text)["traceEvents"])
+        assert "tfdist/microbatch0/" in names and "tfdist/reduce/" in names, host.name
+    assert launcher.returncode == 130
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks=nohost", "--logdir=x"], "`tasks` has 'nohost'; each task is 'host:port'"),
+    (["--tasks=h:1", "--logdir=x", "--duration-ms=0"], "`duration_ms` must be an int > 0"),
+])
+def test_bad_profile_input(args, message):
+    done = subprocess.run([*TFDIST, "profile", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_profile_needs_tasks_and_logdir():
+    done = subprocess.run([*TFDIST, "profile", "--logdir=x"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and "needs --tasks=host:port" in done.stderr
+
+
+def test_bad_profiler_port_for_launch_and_environment():
+    done = subprocess.run([*TFDIST, "launch", "--profiler-port=70000", "--", "true"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "`profiler_port` must be an int in 1..65534" in done.stderr
+    script = "import tfdist; tfdist.Strategy()"
+    bad = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, TFDIST_PROFILER_PORT="http"))
+    assert bad.returncode != 0
+    assert "$TFDIST_PROFILER_PORT must be a port number in 1..65535, got 'http'" in bad.stderr
