@@ -22,3 +22,10 @@ def test_data_parallel_example_prints_loss_and_throughput_per_epoch():
     losses = [float(e[1]) for e in epochs]
     assert losses[2] < losses[0]
     assert '"microbatches": 2' in out
+
+
+def test_profile_fit_example_writes_a_trace_and_scalars(tmp_path):
+    out = run_example("profile_fit.py", f"--logdir={tmp_path}", "--epochs=2")
+    trace = re.search(r"^trace: (.*\.xplane\.pb)$", out, re.M)[1]
+    assert pathlib.Path(trace).parent.parent == tmp_path / "plugins" / "profile"
+    assert list((tmp_path / "tfdist").glob("events.out.tfevents.*"))

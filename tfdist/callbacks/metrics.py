@@ -55,23 +55,34 @@ class Metrics(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._writer = tf.summary.create_file_writer(self.logdir)
-        self._step = 0
-        self._earlier_epochs = 0.0  # examples of finished epochs
-        self._last = None  # (time, examples, step) at the last write
+        self._done = 0  # steps completed
+        self._earlier_epochs = 0.0  # examples of epochs whose count was reset
+        self._epoch_examples = 0.0  # the count at the last epoch's end
+        self._last = None  # (time, examples, steps done) at the last write
 
-    def on_train_batch_end(self, batch, logs=None):
-        self._step += 1
-        if self._last is None:  # the first step traces: measure from its end
-            self._last = (time.perf_counter(), self._examples(), self._step)
+    # The work happens before a step, not after one: Keras 3 dispatches steps
+    # asynchronously only while no callback has a batch-end hook, and a hook
+    # that starts a step has no logs to wait for. Reading the example count
+    # waits for the steps before it, and happens only every n steps.
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._done == 1:  # the first step traces: measure from its end
+            self._last = (time.perf_counter(), self._examples(), self._done)
             self._write_static()
-        elif self._step % self.every_n_steps == 0:
+        elif self._done and self._done % self.every_n_steps == 0:
             self._write_rates()
+        self._done += 1
 
     def on_epoch_end(self, epoch, logs=None):
-        # Keras resets the loss tracker (whose count is read) every epoch.
-        self._earlier_epochs = self._examples()
+        self._epoch_examples = float(self.model._loss_tracker.count.numpy())
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # Keras has just reset the loss tracker, whose count `_examples` reads.
+        self._earlier_epochs += self._epoch_examples
+        self._epoch_examples = 0.0
 
     def on_train_end(self, logs=None):
+        if self._done % self.every_n_steps == 0 and self._last is not None:
+            self._write_rates()
         if self._writer is not None:
             self._writer.close()
 
@@ -82,7 +93,7 @@ class Metrics(keras.callbacks.Callback):
     def _write_static(self):
         strategy = self.model.distribute_strategy
         microbatches = getattr(getattr(strategy, "config", None), "microbatches", 1)
-        with self._writer.as_default(step=self._step):
+        with self._writer.as_default(step=self._done):
             tf.summary.scalar("tfdist/microbatches", microbatches)
             for device, size in optimizer_state_bytes(self.model.optimizer).items():
                 tf.summary.scalar(f"tfdist/optimizer_state_bytes/{device}", size)
@@ -93,15 +104,15 @@ class Metrics(keras.callbacks.Callback):
         seconds = now - last_time
         rate = (examples - last_examples) / seconds
         replicas = self.model.distribute_strategy.num_replicas_in_sync
-        with self._writer.as_default(step=self._step):
+        with self._writer.as_default(step=self._done):
             tf.summary.scalar("tfdist/examples_per_second", rate)
             tf.summary.scalar("tfdist/examples_per_second_per_replica", rate / replicas)
-            tf.summary.scalar("tfdist/step_time_seconds", seconds / (self._step - last_step))
+            tf.summary.scalar("tfdist/step_time_seconds", seconds / (self._done - last_step))
             scale = getattr(self.model.optimizer, "dynamic_scale", None)
             if scale is not None:
                 tf.summary.scalar("tfdist/loss_scale", float(scale.numpy()))
         self._writer.flush()
-        self._last = (now, examples, self._step)
+        self._last = (now, examples, self._done)
 
 
 def optimizer_state_bytes(optimizer) -> dict:
