@@ -73,3 +73,4 @@ def test_bad_profiler_port_for_launch_and_environment():
                          timeout=120, env=dict(os.environ, TFDIST_PROFILER_PORT="http"))
     assert bad.returncode != 0
     assert "$TFDIST_PROFILER_PORT must be a port number in 1..65535, got 'http'" in bad.stderr
+

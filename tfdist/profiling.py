@@ -58,7 +58,14 @@ def capture(tasks, logdir, duration_ms, attempts=3):
         logdir: the TensorBoard log directory; the traces land in one run,
             `logdir/plugins/profile/<run>/`, one `.xplane.pb` per task.
         duration_ms: how long to record, in milliseconds (> 0).
-        attempts: how many times to try a task that does not answer yet.
+        attempts: how many times to try when a task does not answer, or
+            answers with no events (then the partial run is discarded).
+
+    Returns:
+        The host files written, one per task, all in one run.
+
+    Raises:
+        RuntimeError: a task gave no trace after `attempts` tries.
 
     Example:
 
@@ -74,11 +81,26 @@ def capture(tasks, logdir, duration_ms, attempts=3):
             raise ValueError(f"`tasks` has {task!r}; each task is 'host:port'.")
     if isinstance(duration_ms, bool) or not isinstance(duration_ms, int) or duration_ms <= 0:
         raise ValueError(f"`duration_ms` must be an int > 0, got {duration_ms!r}.")
-    before = set(_xplanes(logdir))
-    tf.profiler.experimental.client.trace(
-        ",".join(f"grpc://{task}" for task in tasks), os.fspath(logdir), duration_ms,
-        num_tracing_attempts=attempts)
-    return sorted(set(_xplanes(logdir)) - before)
+    addresses = ",".join(f"grpc://{task}" for task in tasks)
+    for _ in range(attempts):
+        before = set(_xplanes(logdir))
+        tf.profiler.experimental.client.trace(
+            addresses, os.fspath(logdir), duration_ms, num_tracing_attempts=attempts)
+        written = sorted(set(_xplanes(logdir)) - before)
+        # A task that answers with no events gets no file, and the client
+        # retries only when no task answered: check every task is there.
+        hosts = {os.path.basename(path).split(".xplane.pb")[0] for path in written}
+        silent = [task for task in tasks if task.replace(":", "_") not in hosts]
+        if not silent:
+            return written
+        for path in written:  # keep runs whole: drop the partial one
+            os.remove(path)
+        for run in {os.path.dirname(path) for path in written}:
+            if not os.listdir(run):
+                os.rmdir(run)
+    raise RuntimeError(
+        f"No trace from {silent} after {attempts} attempts of {duration_ms} ms: "
+        f"each task must run TensorFlow work while it is captured.")
 
 
 def _xplanes(logdir):
