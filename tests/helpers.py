@@ -6,12 +6,14 @@ optimizer, trained once on a single device and once under the mode under test.
 
 import contextlib
 import os
+import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 FEATURES, CLASSES = 16, 4
+TFDIST = [sys.executable, "-m", "tfdist.cli"]  # the `tfdist` command of this checkout
 
 
 def devices(n):

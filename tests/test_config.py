@@ -2,12 +2,11 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 import tfdist
-from helpers import devices
+from helpers import TFDIST, devices
 
 
 def test_json_and_dict_round_trip():
@@ -97,7 +96,7 @@ def test_use_virtual_devices_after_initialisation_names_both_counts():
 
 
 def test_cli_validates_and_prints_a_config(tmp_path):
-    run = [sys.executable, "-m", "tfdist.cli", "config", "--data=4", "--microbatches=2"]
+    run = [*TFDIST, "config", "--data=4", "--microbatches=2"]
     out = subprocess.run(run, capture_output=True, text=True, timeout=120, check=True)
     assert tfdist.ParallelConfig.from_json(out.stdout) == tfdist.ParallelConfig(data=4, microbatches=2)
     bad = subprocess.run(run[:4] + ["--precision=fp8"], capture_output=True, text=True, timeout=120)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import alive
+from helpers import TFDIST, alive
 
 TRAIN = os.path.join(os.path.dirname(__file__), "..", "keras_examples", "tfjob", "train.py")
 
@@ -18,7 +18,7 @@ TRAIN = os.path.join(os.path.dirname(__file__), "..", "keras_examples", "tfjob",
 def test_killed_worker_is_restarted_and_every_task_resumes_from_one_backup(tmp_path):
     env = dict(os.environ, TFDIST_LOGDIR=str(tmp_path))
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "tfdist.cli", "launch", "--workers=2",
+        [*TFDIST, "launch", "--workers=2",
          "--restart-on-failure=2", "--timeout=300", "--",
          sys.executable, TRAIN, "--epochs=5", "--batch_size=64"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -1,7 +1,6 @@
 """`tfdist launch` and TF_CONFIG: operator-shaped clusters on localhost, no orphans."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -10,11 +9,10 @@ import time
 
 import pytest
 
-from helpers import alive
+from helpers import TFDIST, alive
 
 from tfdist.cluster.tf_config import TFConfig, local_tf_configs, read_tf_config
 
-TFDIST = [sys.executable, "-m", "tfdist.cli"]
 PRINT_TF_CONFIG = [sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'])"]
 # A task that serves until it is stopped, as ps servers do.
 SERVE = "import signal; signal.pause()"
@@ -25,7 +23,7 @@ def tfdist(*args, timeout=120):
                           timeout=timeout)
 
 
-def task_lines(output, task=None):
+def task_lines(output):
     """{task: [lines]} of the prefixed output."""
     lines = {}
     for match in re.finditer(r"^\[([a-z]+:?\d*)\] (.*)$", output, re.M):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from helpers import assert_parity, devices, train
+from helpers import TFDIST, assert_parity, devices, train
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "multiworker_fit.py"
 
@@ -19,7 +19,7 @@ SCRIPT = pathlib.Path(__file__).parent / "scripts" / "multiworker_fit.py"
 def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, microbatches):
     out = tmp_path / "worker0.json"
     done = subprocess.run(
-        [sys.executable, "-m", "tfdist.cli", "launch", "--workers=2", "--timeout=240",
+        [*TFDIST, "launch", "--workers=2", "--timeout=240",
          f"--microbatches={microbatches}", "--",
          sys.executable, str(SCRIPT), f"--out={out}"],
         capture_output=True, text=True, timeout=300)

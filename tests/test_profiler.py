@@ -13,7 +13,7 @@ import pytest
 from xprof.convert import raw_to_tool_data
 
 import tfdist
-from helpers import data, devices, make_model
+from helpers import TFDIST, data, devices, make_model
 from tfdist.cluster.tf_config import free_ports
 
 TRAIN = pathlib.Path(__file__).parents[1] / "keras_examples" / "tfjob" / "train.py"
@@ -76,13 +76,16 @@ def test_tensorboard_lists_the_run(profiled):
     try:
         deadline, runs, error = time.monotonic() + 90, None, None
         while runs is None:
-            assert server.poll() is None, f"TensorBoard exited with {server.returncode}"
             assert time.monotonic() < deadline, f"TensorBoard on port {port}: {error}"
             try:
                 runs = get_json(f"http://127.0.0.1:{port}/data/plugin/profile/runs")
-            except OSError as e:  # not listening yet: retry until the deadline
+            except OSError as e:  # not listening yet: wait on the server, then retry
                 error = e
-                time.sleep(0.5)
+                try:
+                    code = server.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    continue
+                raise AssertionError(f"TensorBoard exited with {code}") from e
         assert run in json.dumps(runs)
     finally:
         server.kill()
@@ -129,7 +132,7 @@ def test_unwritable_logdir(tmp_path):
 def test_two_launched_workers_write_their_hosts_into_one_run(tmp_path):
     env = dict(os.environ, TFDIST_LOGDIR=str(tmp_path))
     done = subprocess.run(
-        [sys.executable, "-m", "tfdist.cli", "launch", "--workers=2", "--timeout=240", "--",
+        [*TFDIST, "launch", "--workers=2", "--timeout=240", "--",
          sys.executable, str(TRAIN), "--epochs=1", "--profile_steps=2,4"],
         capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-4000:]

@@ -11,9 +11,9 @@ import threading
 import pytest
 from xprof.convert import raw_to_tool_data
 
+from helpers import TFDIST
 from tfdist.cluster.tf_config import free_ports
 
-TFDIST = [sys.executable, "-m", "tfdist.cli"]
 # Each launched worker trains on its own (tfdist.Strategy, 2 devices): remote
 # capture of MultiWorkerStrategy workers can crash one on this stack (README).
 TRAIN = pathlib.Path(__file__).parents[1] / "keras_examples" / "data_parallel.py"

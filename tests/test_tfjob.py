@@ -14,6 +14,7 @@ import yaml
 from kubeflow.training import TrainingClient, models
 from kubeflow.training.utils import utils as training_utils
 
+from helpers import TFDIST
 from tfdist.cluster.tfjob import TFJobManifest, submit, tfjob
 from tfdist.config import ParallelConfig
 
@@ -387,7 +388,6 @@ def test_submit_refuses_other_objects():
 
 # The `tfdist tfjob` command and the example manifests.
 
-TFDIST = [sys.executable, "-m", "tfdist.cli"]
 EXAMPLES = pathlib.Path(__file__).parents[1] / "keras_examples" / "tfjob"
 
 

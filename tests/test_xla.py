@@ -6,9 +6,8 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
 
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_digits_like.py"
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_test_mlp.py"
 
 
 def fit_with_xla_dump(dump_dir, *flags):

@@ -14,3 +14,5 @@ model.fit(dataset, epochs=10, callbacks=[
 from tfdist.callbacks.backup import BackupAndRestore
 from tfdist.callbacks.metrics import Metrics
 from tfdist.callbacks.profiler import Profiler
+
+__all__ = ["BackupAndRestore", "Metrics", "Profiler"]
