@@ -24,13 +24,14 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "MultiWorkerStrategy": "tfdist.strategy",
+    "ParameterServerStrategy": "tfdist.ps",
     "Strategy": "tfdist.strategy",
     "use_virtual_devices": "tfdist.devices",
 }
-_LAZY_MODULES = ("callbacks", "cluster", "engine")
+_LAZY_MODULES = ("callbacks", "cluster", "engine", "ps")
 
-__all__ = ["MultiWorkerStrategy", "ParallelConfig", "Strategy", "callbacks", "cluster",
-           "engine", "use_virtual_devices"]
+__all__ = ["MultiWorkerStrategy", "ParallelConfig", "ParameterServerStrategy", "Strategy",
+           "callbacks", "cluster", "engine", "ps", "use_virtual_devices"]
 
 
 def __getattr__(name):

@@ -39,9 +39,10 @@ _NOT_YET = {
 }
 
 
-def requested_config(config, fields) -> ParallelConfig:
+def requested_config(config, fields, check_available=True) -> ParallelConfig:
     """The validated `ParallelConfig` a strategy was asked for, from `config=`
     (a ParallelConfig or dict) or from keywords; not yet resolved for devices.
+    With `check_available`, modes this version cannot run are refused.
 
     Example:
 
@@ -63,7 +64,7 @@ def requested_config(config, fields) -> ParallelConfig:
             f"{type(config).__name__}."
         )
     for name, (mode, off) in _NOT_YET.items():
-        if getattr(config, name) != off:
+        if check_available and getattr(config, name) != off:
             raise NotImplementedError(
                 f"`{name}={getattr(config, name)}`: {mode} is not available in "
                 f"this version of tfdist; use {name}={off}."
@@ -139,6 +140,10 @@ class _StepOwner:
         `model.fit` distributes its data through this, so a batch size that
         `microbatches` cannot divide is reported before the first step.
         """
+        self._check_static_batch(dataset)
+        return super().experimental_distribute_dataset(dataset, options=options)
+
+    def _check_static_batch(self, dataset):
         leaves = [s for s in tf.nest.flatten(dataset.element_spec) if s.shape.rank]
         if leaves:
             global_batch = leaves[0].shape[0]
@@ -147,7 +152,6 @@ class _StepOwner:
                 check_microbatches_divide(
                     global_batch // replicas, self._config.microbatches, replicas
                 )
-        return super().experimental_distribute_dataset(dataset, options=options)
 
     def _check_custom_train_step(self, model):
         config = self._config

@@ -171,7 +171,7 @@ class TrainStep:
             )
             part = loss if share is None else loss * tf.cast(share, loss.dtype)
             scaled = model.optimizer.scale_loss(part)
-        grads = tape.gradient(scaled, model.trainable_weights)
+        grads = _gradients(tape, scaled, model.trainable_weights)
         return loss, y_pred, grads
 
     def reduce_gradients(self, grads):
@@ -255,6 +255,23 @@ def check_loss_reductions(model, microbatches: int):
                 f"{entry.name or entry.loss!r} has reduction={reduction!r}. Use "
                 f"a mean reduction, or microbatches=1."
             )
+
+
+def _gradients(tape, target, variables):
+    """`tape.gradient` for Keras variables, some maybe partitioned.
+
+    A variable a parameter-server strategy partitioned (a `ShardedVariable`)
+    is differentiated through its shards; its gradient is their concatenation,
+    for the optimizer to apply to the whole variable.
+    """
+    sources = [getattr(v.value, "variables", None) or v for v in variables]
+    grads = tape.gradient(target, sources)
+    return [
+        tf.concat([tf.convert_to_tensor(g) for g in grad], axis=0)
+        if isinstance(source, list) and grad[0] is not None else
+        (None if isinstance(source, list) else grad)
+        for source, grad in zip(sources, grads)
+    ]
 
 
 def _batch_size(x):

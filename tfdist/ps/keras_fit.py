@@ -1,0 +1,231 @@
+"""How Keras 3's `model.fit` runs under tfdist's `ParameterServerStrategy`.
+
+Keras 3's TensorFlow trainer calls its step functions where it runs; under a
+parameter-server strategy a training step must instead be *scheduled* on a
+worker. `install()` wraps five methods of Keras's `TensorFlowTrainer`; for a
+model whose strategy is a tfdist `ParameterServerStrategy` (and only then):
+
+- `fit` first refuses, before any step, input that workers cannot rebuild
+  and data of unknown size without `steps_per_epoch`;
+- `make_train_function` makes each call of the train function schedule
+  `steps_per_execution` steps, as one function, on the next free worker; it
+  returns the logs of a step that finished earlier instead of waiting;
+- `_get_metrics_result_or_logs` (end of an epoch, of `evaluate`) first waits
+  for every scheduled step, so epoch metrics are exact;
+- `make_test_function` / `make_predict_function` run Keras's own functions on
+  the chief (the variables are read from the ps tasks).
+
+The optimizer's step counter and the metrics' accumulators are also made to
+add atomically on the ps tasks (Keras's `Variable.assign_add` reads, adds and
+writes back, losing concurrent updates), so step counts are exact.
+"""
+
+import collections
+import functools
+import inspect
+import types
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.utils.python_utils import pythonify_logs
+
+# Steps in flight per worker before a train-function call waits for the oldest
+# (bounds how stale the per-step logs are; enough to keep every worker busy).
+_IN_FLIGHT_PER_WORKER = 4
+
+_installed = False
+
+
+def install():
+    """Wraps Keras's trainer methods for parameter-server models (once)."""
+    global _installed
+    if _installed:
+        return
+    for name, ps_version in (
+        ("fit", _fit),
+        ("make_train_function", _make_train_function),
+        ("make_test_function", _on_chief("test_function")),
+        ("make_predict_function", _on_chief("predict_function")),
+        ("_get_metrics_result_or_logs", _metrics_after_join),
+    ):
+        setattr(TensorFlowTrainer, name, _for_ps_models(getattr(TensorFlowTrainer, name),
+                                                       ps_version))
+    _installed = True
+
+
+def _for_ps_models(original, ps_version):
+    @functools.wraps(original)
+    def method(model, *args, **kwargs):
+        from tfdist.ps.strategy import ParameterServerStrategy
+
+        strategy = model.distribute_strategy
+        if isinstance(strategy, ParameterServerStrategy):
+            return ps_version(original, model, strategy, *args, **kwargs)
+        return original(model, *args, **kwargs)
+
+    return method
+
+
+def _fit(original, model, strategy, *args, **kwargs):
+    arguments = inspect.signature(original).bind(model, *args, **kwargs).arguments
+    check_fit_input(arguments.get("x"), arguments.get("steps_per_epoch"))
+    history = original(model, *args, **kwargs)
+    strategy.coordinator.join()
+    return history
+
+
+def check_fit_input(x, steps_per_epoch):
+    """Input a parameter-server `fit` cannot use, refused before any step.
+
+    Example:
+
+    >>> check_fit_input(tf.data.Dataset.range(4).repeat(), steps_per_epoch=None)
+    Traceback (most recent call last):
+    ...
+    ValueError: ...
+    """
+    if isinstance(x, (types.GeneratorType, keras.utils.PyDataset)):
+        raise ValueError(
+            f"Under ParameterServerStrategy, `fit` needs `x` as arrays or a "
+            f"tf.data.Dataset, which each worker rebuilds; got a "
+            f"{type(x).__name__}. Convert it with tf.data.Dataset.from_tensor_slices "
+            f"or write it as a tf.data pipeline."
+        )
+    if isinstance(x, tf.data.Dataset) and steps_per_epoch is None:
+        size = int(x.cardinality())
+        if size < 0:
+            kind = "infinite" if size == tf.data.INFINITE_CARDINALITY else "unknown"
+            raise ValueError(
+                f"`steps_per_epoch` is required under ParameterServerStrategy when "
+                f"the dataset's size is {kind}: workers read repeated copies of "
+                f"the data, so only the step count can end an epoch."
+            )
+
+
+def _make_train_function(original, model, strategy, force=False):
+    if model.train_function is not None and not force:
+        return model.train_function
+    make_counters_atomic(model)
+    model.train_function = ScheduledTrainFunction(model, strategy)
+    return model.train_function
+
+
+class ScheduledTrainFunction:
+    """Keras's train function under a parameter-server strategy.
+
+    Called by `fit` with the chief's iterator over the training data; it
+    schedules `steps_per_execution` steps on a worker, each worker reading its
+    own repeated copy of that dataset, and returns the logs of the oldest step
+    still in flight once more than a few per worker are (the first calls of an
+    epoch may return the previous logs).
+    """
+
+    def __init__(self, model, strategy):
+        self._strategy = strategy
+        self._pending = collections.deque()
+        self._latest = {}
+        self._depth = _IN_FLIGHT_PER_WORKER * strategy.extended._num_workers
+        steps = model.steps_per_execution
+
+        def one_step(iterator):
+            return strategy.run(model.train_step, args=(next(iterator),))
+
+        @tf.function
+        def worker_steps(iterator):
+            outputs = one_step(iterator)
+            for _ in tf.range(steps - 1):
+                outputs = one_step(iterator)
+            return outputs
+
+        self._worker_steps = worker_steps
+
+    def __call__(self, iterator):
+        dataset = getattr(iterator, "_dataset", None)
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                f"The train function of a ParameterServerStrategy model takes an "
+                f"iterator over a tf.data.Dataset, got {type(iterator).__name__}."
+            )
+        per_worker = self._strategy.per_worker_iterator(dataset)
+        self._pending.append(
+            self._strategy.coordinator.schedule(self._worker_steps, args=(per_worker,))
+        )
+        while len(self._pending) > self._depth:
+            self._latest = pythonify_logs(self._pending.popleft().fetch())
+        return self._latest
+
+    def flush(self):
+        """Waits for every scheduled step; returns the newest step's logs."""
+        self._strategy.coordinator.join()
+        while self._pending:
+            self._latest = pythonify_logs(self._pending.popleft().fetch())
+        return self._latest
+
+
+def _metrics_after_join(original, model, strategy, logs):
+    if isinstance(model.train_function, ScheduledTrainFunction):
+        logs = model.train_function.flush() or logs
+    return original(model, logs)
+
+
+def _on_chief(attribute):
+    """Keras's own test or predict function, allowed to run on the chief."""
+
+    def make(original, model, strategy, force=False):
+        original(model, force)
+        function = getattr(model, attribute)
+        if isinstance(function, _ChiefFunction):
+            return function
+        wrapped = _ChiefFunction(function, strategy)
+        setattr(model, attribute, wrapped)
+        return wrapped
+
+    return make
+
+
+class _ChiefFunction:
+    """Runs a Keras step function on the chief, on purpose (no scheduling)."""
+
+    def __init__(self, function, strategy):
+        self._function = function
+        self._extended = strategy.extended
+
+    def __call__(self, *args):
+        allowed = self._extended._allow_run_without_coordinator
+        self._extended._allow_run_without_coordinator = True
+        try:
+            return self._function(*args)
+        finally:
+            self._extended._allow_run_without_coordinator = allowed
+
+
+def make_counters_atomic(model):
+    """Makes the optimizer's step counter and the metrics add atomically.
+
+    Keras's `Variable.assign_add` is `assign(self + value)`: two workers
+    adding at once lose one addition. Here these variables add with
+    TensorFlow's own `assign_add`, one atomic operation on the ps task.
+
+    Example:
+
+    ```python
+    make_counters_atomic(model)   # ScheduledTrainFunction does this
+    ```
+    """
+    optimizer = model.optimizer
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    counters = [inner.iterations]
+    if inner is not optimizer:  # a LossScaleOptimizer's own counter
+        counters.append(optimizer.step_counter)
+    for metric in model.metrics:
+        counters.extend(metric.variables)
+    for variable in counters:
+        variable.assign_add = functools.partial(_atomic_update, variable, "assign_add")
+        variable.assign_sub = functools.partial(_atomic_update, variable, "assign_sub")
+
+
+def _atomic_update(variable, method, value):
+    tf_variable = variable._value
+    getattr(tf_variable, method)(tf.cast(value, tf_variable.dtype))
+    return variable

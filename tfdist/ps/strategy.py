@@ -1,0 +1,287 @@
+"""`ParameterServerStrategy`: asynchronous parameter-server training for Keras 3.
+
+Keras 3's `model.fit` does not support `tf.distribute`'s parameter-server
+strategy. This one makes it work: the chief schedules each training step on
+whichever worker is free through a `ClusterCoordinator`; workers read the
+variables from, and write their updates to, the parameter servers without
+waiting for each other.
+
+The same script runs on every task. Constructing the strategy on a worker or
+ps task starts that task's `tf.distribute.Server` and serves until the job
+is stopped (the function never returns there); on the chief it connects to
+the cluster and returns, and the script goes on to build and fit the model.
+"""
+
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+from tensorflow.python.distribute import parameter_server_strategy_v2, sharded_variable
+
+from tfdist.cluster.tf_config import free_ports
+from tfdist.profiling import start_profiler_server
+from tfdist.ps import keras_fit
+from tfdist.strategy import _StepOwner, requested_config
+
+# Smallest shard a variable is split into across ps tasks (TensorFlow's
+# recommended partitioner, capped at one shard per ps task).
+_MIN_SHARD_BYTES = 256 << 10
+
+# Modes that do not exist under asynchronous parameter-server training.
+class _KerasPartitionedVariables(parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
+    """The parent's `extended`, made to serve Keras 3 partitioned variables.
+
+    - An optimizer slot of a partitioned variable is partitioned like it
+      (the parent would put a slot "colocated" with it on the chief).
+    - A partitioned variable converts to a NumPy array (Keras's weight files
+      save it whole).
+    - Keras 3 optimizers update every variable as one: a partitioned one is
+      updated where the step runs, its reads and writes going to each shard's
+      ps task.
+    """
+
+    def _create_variable(self, next_creator, **kwargs):
+        if isinstance(kwargs.get("colocate_with"), sharded_variable.ShardedVariable):
+            del kwargs["colocate_with"]
+        variable = super()._create_variable(next_creator, **kwargs)
+        if isinstance(variable, sharded_variable.ShardedVariable):
+            return PartitionedVariable(variable.variables, name=variable.name)
+        return variable
+
+    def _update(self, var, fn, args, kwargs, group):
+        if not isinstance(var, sharded_variable.ShardedVariable):
+            return super()._update(var, fn, args, kwargs, group)
+        result = fn(var, *self._select_single_value(args), **self._select_single_value(kwargs))
+        return result if group else tf.nest.map_structure(self._local_results, result)
+
+
+class PartitionedVariable(sharded_variable.ShardedVariable):
+    """A variable split along its first axis across ps tasks, as one array.
+
+    Example:
+
+    ```python
+    np.asarray(model.layers[0].embeddings)   # the whole table, from every shard
+    ```
+    """
+
+    def __array__(self, dtype=None):
+        return np.asarray(self.numpy(), dtype=dtype)
+
+
+_NOT_UNDER_PS = {
+    "pipeline": (1, "pipeline stages need synchronous steps"),
+    "tensor": (1, "tensor shards need synchronous collectives"),
+    "zero": (0, "optimizer state already lives, unreplicated, on the ps tasks"),
+}
+
+
+class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterServerStrategy):
+    """Asynchronous data-parallel training with parameter servers, for `model.fit`.
+
+    Workers run training steps independently, each on its own copy of the
+    input data, reading the current variables from the ps tasks and applying
+    their updates there; the chief (this process) schedules the steps and runs
+    the callbacks, validation, `evaluate` and `predict`.
+
+    Every step is applied exactly once: after `fit`, `optimizer.iterations`
+    equals the number of steps run (a step scheduled on a worker that dies is
+    run again on another), and learning-rate schedules see that count.
+    Metrics are exact at the end of each epoch (the chief waits for the
+    epoch's steps before reading them); the per-step values callbacks get
+    lag the newest step by at most a few steps per worker.
+
+    Args:
+        config: a `ParallelConfig` (or its dict); or give its fields as keywords.
+            `microbatches`, `precision` and `xla` apply to each worker's step;
+            `data` defaults to, and must equal, the number of workers.
+        cluster_resolver: default: read `TF_CONFIG` (`tfdist launch` and the
+            Kubeflow training operator set it). The cluster needs a chief, at
+            least one worker and at least one ps task.
+        variable_partitioner: how variables are split across ps tasks:
+            `"auto"` (default) splits variables larger than 256 KiB into up to
+            one shard per ps task; `None` keeps every variable whole (placed
+            round-robin); or a `tf.distribute.experimental.partitioners`
+            object.
+        **fields: the `ParallelConfig` fields.
+
+    Example:
+
+    ```python
+    # the same script on every task, with TF_CONFIG set
+    # (tfdist launch --chief --workers 2 --ps 1 -- python train.py):
+    strategy = tfdist.ParameterServerStrategy()   # workers and ps serve here
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(dataset.repeat(), epochs=3, steps_per_epoch=100)
+    assert int(model.optimizer.iterations) == 300
+    ```
+    """
+
+    def __init__(self, config=None, *, cluster_resolver=None,
+                 variable_partitioner="auto", **fields):
+        config = requested_config(config, fields, check_available=False)
+        _check_not_under_ps(config)
+        resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        cluster = _check_cluster(resolver)
+        if resolver.task_type in ("worker", "ps"):
+            serve(resolver)  # does not return
+        if resolver.task_type not in (None, "chief"):
+            raise ValueError(
+                f"This task is {resolver.task_type!r}: a ParameterServerStrategy "
+                f"runs on the chief (and serves on worker and ps tasks). Run "
+                f"validation on the chief with `fit(validation_data=...)`."
+            )
+        workers = len(cluster["worker"])
+        if config.data not in (None, workers):
+            raise ValueError(
+                f"`data={config.data}` must equal the number of worker tasks, "
+                f"{workers}, under a ParameterServerStrategy (or be left unset)."
+            )
+        super().__init__(
+            resolver,
+            variable_partitioner=_partitioner(variable_partitioner, len(cluster["ps"])),
+        )
+        # Keras 3 optimizers update each variable whole, partitioned ones too.
+        self.extended.__class__ = _KerasPartitionedVariables
+        self._init_step_owner(config.resolve(workers))
+        self._coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
+        self._per_worker_iterators = weakref.WeakKeyDictionary()
+        keras_fit.install()
+
+    @property
+    def coordinator(self):
+        """The `ClusterCoordinator` that schedules this strategy's steps."""
+        return self._coordinator
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Returns `dataset` itself, after checking its batch size.
+
+        `model.fit` hands its data to the strategy through this method. Under
+        this strategy the chief iterates the returned dataset itself for
+        `evaluate` and `predict`, and `fit` gives each worker its own copy
+        (see `per_worker_iterator`). Custom loops should use
+        `strategy.coordinator.create_per_worker_dataset(dataset_fn)` instead.
+        """
+        self._check_static_batch(dataset)
+        return dataset
+
+    def per_worker_iterator(self, dataset):
+        """An iterator over `dataset`, repeated, on every worker (one per dataset).
+
+        Each worker reads its own copy of the data, from the start, in its
+        own shuffle order. Steps scheduled with it never run out of data:
+        `steps_per_epoch` (or the size of `dataset`) decides how many run.
+        """
+        iterator = self._per_worker_iterators.get(dataset)
+        if iterator is None:
+            distributed = super().experimental_distribute_dataset(dataset.repeat())
+            iterator = iter(self._coordinator.create_per_worker_dataset(distributed))
+            self._per_worker_iterators[dataset] = iterator
+        return iterator
+
+
+
+def _check_not_under_ps(config):
+    for name, (off, why) in _NOT_UNDER_PS.items():
+        if getattr(config, name) != off:
+            raise ValueError(
+                f"`{name}={getattr(config, name)}` is not available under "
+                f"ParameterServerStrategy ({why}); use {name}={off}, or "
+                f"tfdist.Strategy / tfdist.MultiWorkerStrategy."
+            )
+
+
+def _check_cluster(resolver):
+    cluster = resolver.cluster_spec().as_dict()
+    missing = [t for t in ("ps", "worker") if not cluster.get(t)]
+    if missing:
+        raise ValueError(
+            f"A ParameterServerStrategy needs at least one ps and one worker "
+            f"task, but the cluster ({_describe(cluster)}) has no "
+            f"{' and no '.join(missing)} tasks. Start it with e.g. "
+            f"`tfdist launch --chief --workers 2 --ps 1 -- python train.py`."
+        )
+    return cluster
+
+
+def _describe(cluster):
+    return ", ".join(f"{len(v)} {k}" for k, v in sorted(cluster.items())) or "empty"
+
+
+def _partitioner(value, num_ps):
+    if value == "auto":
+        return tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=_MIN_SHARD_BYTES, max_shards=num_ps
+        )
+    if value is None or isinstance(value, tf.distribute.experimental.partitioners.Partitioner):
+        return value
+    raise TypeError(
+        f"`variable_partitioner` must be 'auto', None or a "
+        f"tf.distribute.experimental.partitioners.Partitioner, got {value!r}."
+    )
+
+
+def _server_config(num_workers):
+    """Enough inter-op threads for every worker's concurrent requests."""
+    config = tf.compat.v1.ConfigProto()
+    config.inter_op_parallelism_threads = num_workers + 1
+    return config
+
+
+def serve(resolver):
+    """Runs this worker or ps task's server until the process is stopped.
+
+    `ParameterServerStrategy(...)` calls it on worker and ps tasks; it does
+    not return.
+    """
+    start_profiler_server()
+    cluster = resolver.cluster_spec()
+    server = tf.distribute.Server(
+        cluster,
+        job_name=resolver.task_type,
+        task_index=resolver.task_id,
+        protocol=resolver.rpc_layer or "grpc",
+        config=_server_config(len(cluster.as_dict()["worker"])),
+        start=True,
+    )
+    logging.info("%s:%d serving at %s", resolver.task_type, resolver.task_id, server.target)
+    server.join()
+
+
+def in_process_cluster(workers=2, ps=1):
+    """Starts `workers` worker and `ps` ps servers in this process.
+
+    Returns the cluster resolver for a chief in this process: pass it to
+    `ParameterServerStrategy(cluster_resolver=...)`. For trying parameter-server
+    training in one process (a notebook, a test); the servers live as long as
+    the process. Ports are free ports on 127.0.0.1.
+
+    Example:
+
+    ```python
+    resolver = tfdist.ps.in_process_cluster(workers=2, ps=1)
+    strategy = tfdist.ParameterServerStrategy(cluster_resolver=resolver)
+    ```
+    """
+    if workers < 1 or ps < 1:
+        raise ValueError(
+            f"An in-process cluster needs workers >= 1 and ps >= 1, got "
+            f"workers={workers}, ps={ps}."
+        )
+    ports = iter(free_ports(workers + ps + 1))
+    cluster = {
+        "chief": [f"127.0.0.1:{next(ports)}"],
+        "worker": [f"127.0.0.1:{next(ports)}" for _ in range(workers)],
+        "ps": [f"127.0.0.1:{next(ports)}" for _ in range(ps)],
+    }
+    spec = tf.train.ClusterSpec(cluster)
+    for job in ("worker", "ps"):
+        for index in range(len(cluster[job])):
+            tf.distribute.Server(spec, job_name=job, task_index=index, protocol="grpc",
+                                 config=_server_config(workers), start=True)
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, task_type="chief", task_id=0, rpc_layer="grpc"
+    )
