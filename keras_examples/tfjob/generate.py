@@ -21,6 +21,14 @@ MANIFESTS = {
         "--backoff-limit=3", "--",
         "python", "keras_examples/tfjob/train.py", "--epochs=10",
     ],
+    # Asynchronous parameter-server training: a restarted worker rejoins, a
+    # restarted chief resumes from its backup.
+    "parameter_server.yaml": [
+        "--name=digits-ps", f"--image={IMAGE}", "--chief", "--workers=4", "--ps=2",
+        "--cpu=2", "--memory=4Gi", "--restart-policy=OnFailure", "--backoff-limit=3", "--",
+        "python", "keras_examples/parameter_server.py", "--epochs=10",
+        "--steps_per_epoch=100", "--backup_dir=/logs/digits-ps/backup",
+    ],
 }
 
 

@@ -97,14 +97,33 @@ class TrainStep:
 
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         with tf.name_scope("tfdist"):  # the phases' ops are named tfdist/<phase>/...
-            grads, metrics = self.accumulate_gradients(x, y, sample_weight)
-            with tf.name_scope("reduce"):
-                grads = self.reduce_gradients(grads)
+            grads, metrics = self._reduced_gradients(data)
             with tf.name_scope("apply"):
                 self.apply_gradients(grads)
         return metrics
+
+    def gradients(self, data):
+        """Phases 1 and 2 alone: (reduced gradients, metric results) of a batch.
+
+        For callers that decide whether to apply them, such as the
+        parameter-server mode, which skips re-runs of steps already applied.
+
+        Example:
+
+        ```python
+        grads, metrics = strategy.run(step.gradients, args=(batch,))
+        strategy.run(step.apply_gradients, args=(grads,))
+        ```
+        """
+        with tf.name_scope("tfdist"):
+            return self._reduced_gradients(data)
+
+    def _reduced_gradients(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        grads, metrics = self.accumulate_gradients(x, y, sample_weight)
+        with tf.name_scope("reduce"):
+            return self.reduce_gradients(grads), metrics
 
     def accumulate_gradients(self, x, y, sample_weight):
         """Phase 1: local gradients of the whole batch, summed over microbatches.

@@ -30,6 +30,8 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.utils.python_utils import pythonify_logs
 
+from tfdist.ps.ledger import StepLedger
+
 # Steps in flight per worker before a train-function call waits for the oldest
 # (bounds how stale the per-step logs are; enough to keep every worker busy).
 _IN_FLIGHT_PER_WORKER = 4
@@ -69,13 +71,14 @@ def _for_ps_models(original, ps_version):
 
 def _fit(original, model, strategy, *args, **kwargs):
     arguments = inspect.signature(original).bind(model, *args, **kwargs).arguments
-    check_fit_input(arguments.get("x"), arguments.get("steps_per_epoch"))
+    check_fit_input(arguments.get("x"), arguments.get("steps_per_epoch"),
+                    model.steps_per_execution)
     history = original(model, *args, **kwargs)
     strategy.coordinator.join()
     return history
 
 
-def check_fit_input(x, steps_per_epoch):
+def check_fit_input(x, steps_per_epoch, steps_per_execution=1):
     """Input a parameter-server `fit` cannot use, refused before any step.
 
     Example:
@@ -101,6 +104,14 @@ def check_fit_input(x, steps_per_epoch):
                 f"the dataset's size is {kind}: workers read repeated copies of "
                 f"the data, so only the step count can end an epoch."
             )
+    if steps_per_execution > 1 and (steps_per_epoch or 1) % steps_per_execution:
+        raise ValueError(
+            f"`steps_per_execution={steps_per_execution}` needs `steps_per_epoch` set "
+            f"to a multiple of it (got {steps_per_epoch}) under "
+            f"ParameterServerStrategy: each worker "
+            f"call runs that many steps from its repeated copy of the data, so "
+            f"an epoch must be a whole number of calls."
+        )
 
 
 def _make_train_function(original, model, strategy, force=False):
@@ -125,17 +136,27 @@ class ScheduledTrainFunction:
         self._strategy = strategy
         self._pending = collections.deque()
         self._latest = {}
-        self._depth = _IN_FLIGHT_PER_WORKER * strategy.extended._num_workers
-        steps = model.steps_per_execution
+        self._depth = _IN_FLIGHT_PER_WORKER * strategy.num_workers
+        self._scheduled = 0
+        steps = self._steps = model.steps_per_execution
+        if type(model).train_step is TensorFlowTrainer.train_step:
+            step = strategy.train_step(model)
+            ledger = StepLedger(strategy, colocate_with=model.optimizer.iterations.value)
 
-        def one_step(iterator):
-            return strategy.run(model.train_step, args=(next(iterator),))
+            def one_step(iterator, step_id):
+                grads, metrics = strategy.run(step.gradients, args=(next(iterator),))
+                ledger.apply_once(
+                    step_id, lambda: strategy.run(step.apply_gradients, args=(grads,)))
+                return metrics
+        else:  # the model's own train_step: applied at least once
+            def one_step(iterator, step_id):
+                return strategy.run(model.train_step, args=(next(iterator),))
 
         @tf.function
-        def worker_steps(iterator):
-            outputs = one_step(iterator)
-            for _ in tf.range(steps - 1):
-                outputs = one_step(iterator)
+        def worker_steps(iterator, first_id):
+            outputs = one_step(iterator, first_id)
+            for i in tf.range(1, steps, dtype=tf.int64):
+                outputs = one_step(iterator, first_id + i)
             return outputs
 
         self._worker_steps = worker_steps
@@ -148,8 +169,10 @@ class ScheduledTrainFunction:
                 f"iterator over a tf.data.Dataset, got {type(iterator).__name__}."
             )
         per_worker = self._strategy.per_worker_iterator(dataset)
+        first_id = tf.constant(self._scheduled, tf.int64)
+        self._scheduled += self._steps
         self._pending.append(
-            self._strategy.coordinator.schedule(self._worker_steps, args=(per_worker,))
+            self._strategy.coordinator.schedule(self._worker_steps, args=(per_worker, first_id))
         )
         while len(self._pending) > self._depth:
             self._latest = pythonify_logs(self._pending.popleft().fetch())

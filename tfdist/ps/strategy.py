@@ -152,6 +152,16 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
         keras_fit.install()
 
     @property
+    def num_workers(self) -> int:
+        """Worker tasks in the cluster."""
+        return self.extended._num_workers
+
+    @property
+    def num_ps(self) -> int:
+        """Ps tasks in the cluster."""
+        return self.extended._num_ps
+
+    @property
     def coordinator(self):
         """The `ClusterCoordinator` that schedules this strategy's steps."""
         return self._coordinator

@@ -1,0 +1,214 @@
+"""Parameter-server `model.fit` runs for the tests; prints one `RESULT {json}` line.
+
+Modes:
+- `--mode=checks`: an in-process cluster (2 workers, 2 ps); fits a model with a
+  partitioned embedding and reports placement, step counts, callbacks' files,
+  evaluation and a weights round trip.
+- `--mode=ps` / `--mode=sync`: the same classification budget trained
+  asynchronously (in-process cluster, `--workers`) or synchronously
+  (`tfdist.Strategy`, `--workers` devices); reports held-out accuracy.
+- `--mode=drill`: under `tfdist launch` (TF_CONFIG); every task writes its pid
+  to `--pid_dir`, and the chief SIGKILLs worker 1 after `--kill_at` steps.
+"""
+
+import json
+import os
+import pathlib
+import signal
+
+from absl import app, flags
+
+flags.DEFINE_enum("mode", "checks", ["checks", "ps", "sync", "drill"], "What to run.")
+flags.DEFINE_integer("workers", 2, "Workers (in-process cluster) or devices (sync).")
+flags.DEFINE_integer("epochs", 3, "Epochs.")
+flags.DEFINE_integer("steps_per_epoch", 30, "Steps per epoch.")
+flags.DEFINE_string("pid_dir", None, "drill: where each task writes <type>-<index>.pid.")
+flags.DEFINE_integer("kill_at", 20, "drill: the chief kills worker 1 after this many steps.")
+flags.DEFINE_integer("delay_ms", 100, "drill: time a worker takes to produce each batch.")
+flags.DEFINE_string("out_dir", None, "checks: where callbacks write.")
+FLAGS = flags.FLAGS
+
+FEATURES, CLASSES, VOCAB = 16, 4, 4096
+
+
+def classification(n, seed):
+    """Gaussian blobs: a task both training modes can learn to the same band."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    centers = np.random.default_rng(1).normal(size=(CLASSES, FEATURES)) * 1.2
+    y = rng.integers(0, CLASSES, n)
+    x = centers[y] + rng.normal(size=(n, FEATURES))
+    return x.astype("float32"), y.astype("int32")
+
+
+def mlp(optimizer="adam"):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def emit(result):
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_checks():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfdist
+
+    strategy = tfdist.ParameterServerStrategy(
+        cluster_resolver=tfdist.ps.in_process_cluster(workers=2, ps=2), microbatches=2)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, size=(1024, 4)).astype("int32")
+    labels = (tokens[:, 0] % CLASSES).astype("int32")
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.5)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, 32),  # 512 KiB: split across the 2 ps
+            keras.layers.Flatten(),
+            keras.layers.Dense(CLASSES),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(schedule), steps_per_execution=3,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    out = pathlib.Path(FLAGS.out_dir)
+    refused = []
+    for bad in (dict(x=(t for t in [tokens]), y=None),
+                dict(x=tf.data.Dataset.from_tensor_slices((tokens, labels)).batch(32).repeat(),
+                     y=None)):
+        try:
+            model.fit(**bad, epochs=1, verbose=0)
+        except ValueError as e:
+            refused.append(str(e))
+    try:  # steps_per_execution=3 must divide the epoch
+        model.fit(tokens, labels, batch_size=32, epochs=1, verbose=0)
+    except ValueError as e:
+        refused.append(str(e))
+    data = tf.data.Dataset.from_tensor_slices((tokens, labels)).shuffle(1024).batch(32).repeat()
+    history = model.fit(
+        data, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
+        validation_data=(tokens[:256], labels[:256]), verbose=0,
+        callbacks=[keras.callbacks.ModelCheckpoint(str(out / "ckpt.weights.h5"),
+                                                   save_weights_only=True),
+                   keras.callbacks.TensorBoard(str(out / "tb")),
+                   keras.callbacks.BackupAndRestore(str(out / "backup"))])
+
+    def placement(variable):
+        value = variable.value
+        return [v.device for v in getattr(value, "variables", [value])]
+
+    evaluated = model.evaluate(tokens, labels, batch_size=64, verbose=0, return_dict=True)
+    predicted = model.predict(tokens[:64], verbose=0)
+    model.save_weights(out / "final.weights.h5")
+    local = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(VOCAB, 32),
+                              keras.layers.Flatten(), keras.layers.Dense(CLASSES)])
+    local.load_weights(out / "final.weights.h5")
+    iterations = int(model.optimizer.iterations)
+    emit({
+        "refused": refused,
+        "iterations": iterations,
+        "learning_rate": float(model.optimizer.learning_rate),
+        "schedule_at_iterations": float(schedule(iterations)),
+        "history_keys": sorted(history.history),
+        "history_len": len(history.history["loss"]),
+        "model_placement": {v.path: placement(v) for v in model.weights},
+        "optimizer_placement": {v.path: placement(v) for v in model.optimizer.variables},
+        "files": sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()),
+        "evaluated_accuracy": evaluated["accuracy"],
+        "local_accuracy": float(np.mean(local.predict(tokens, verbose=0).argmax(-1) == labels)),
+        "prediction_max_diff": float(np.abs(local.predict(tokens[:64], verbose=0)
+                                            - predicted).max()),
+    })
+
+
+def run_budget(mode):
+    """Same data, batch size, optimizer and number of steps; accuracy on held-out data."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tfdist
+
+    x, y = classification(4096, seed=0)
+    x_test, y_test = classification(2048, seed=1)
+    if mode == "ps":
+        tfdist_strategy = tfdist.ParameterServerStrategy(
+            cluster_resolver=tfdist.ps.in_process_cluster(workers=FLAGS.workers, ps=1))
+        batch = 32  # each worker's step
+    else:
+        tfdist.use_virtual_devices(FLAGS.workers)
+        tfdist_strategy = tfdist.Strategy(data=FLAGS.workers)
+        batch = 32 * FLAGS.workers  # the same examples per step as all workers together
+    steps = FLAGS.epochs * FLAGS.steps_per_epoch * (FLAGS.workers if mode == "ps" else 1)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(4096, seed=0).batch(
+        batch, drop_remainder=True).repeat()
+    with tfdist_strategy.scope():
+        model = mlp()
+    model.fit(data, epochs=FLAGS.epochs, steps_per_epoch=steps // FLAGS.epochs, verbose=0)
+    accuracy = float(np.mean(model.predict(x_test, verbose=0).argmax(-1) == y_test))
+    emit({"accuracy": accuracy, "iterations": int(model.optimizer.iterations.numpy()), "steps": steps})
+
+
+def run_drill():
+    import keras
+    import tensorflow as tf
+    from tensorflow.python.data.experimental.ops import testing
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    pid_dir = pathlib.Path(FLAGS.pid_dir)
+    (pid_dir / f"{task['type']}-{task['index']}.pid").write_text(str(os.getpid()))
+    import tfdist
+
+    strategy = tfdist.ParameterServerStrategy()  # workers and ps serve here
+
+    class KillWorker(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.steps = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
+            if self.steps == FLAGS.kill_at:
+                pid = int((pid_dir / "worker-1.pid").read_text())
+                print(f"killing worker:1 (pid {pid}) after {self.steps} steps", flush=True)
+                os.kill(pid, signal.SIGKILL)
+
+    x, y = classification(2048, seed=0)
+    # Each batch takes --delay_ms to produce on the worker: steps are in flight
+    # when the kill lands, and fit lasts long enough for the restarted worker
+    # to rejoin.
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat().apply(
+        testing.sleep(FLAGS.delay_ms * 1000))
+    with strategy.scope():
+        model = mlp()
+    model.fit(data, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch, verbose=0,
+              callbacks=[KillWorker()])
+    emit({"iterations": int(model.optimizer.iterations),
+          "steps": FLAGS.epochs * FLAGS.steps_per_epoch})
+
+
+def main(argv):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    keras.config.disable_traceback_filtering()  # whole tracebacks in the test log
+    if FLAGS.mode == "checks":
+        run_checks()
+    elif FLAGS.mode == "drill":
+        run_drill()
+    else:
+        run_budget(FLAGS.mode)
+
+
+if __name__ == "__main__":
+    app.run(main)

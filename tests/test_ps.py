@@ -1,0 +1,141 @@
+"""Asynchronous parameter-server `model.fit` (tfdist.ParameterServerStrategy).
+
+Clusters run in subprocesses (an in-process cluster turns its process into a
+cluster member for good): tests/scripts/ps_fit.py and the example.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist.ps.keras_fit import check_fit_input
+from helpers import TFDIST
+
+ROOT = pathlib.Path(__file__).parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "ps_fit.py"
+
+
+def run(command, timeout=300):
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done.stdout + done.stderr
+
+
+def result(output):
+    line = next(l for l in output.splitlines() if "RESULT " in l)
+    return json.loads(line.split("RESULT ", 1)[1])
+
+
+@pytest.mark.multiprocess
+def test_example_applies_every_step_with_4_workers_and_2_ps():
+    out = run([*TFDIST, "launch", "--chief", "--workers=4", "--ps=2", "--timeout=240", "--",
+               sys.executable, str(ROOT / "keras_examples" / "parameter_server.py"),
+               "--epochs=3", "--steps_per_epoch=40"])
+    assert "[chief:0] optimizer.iterations = 120 (steps asked: 120; 4 workers, 2 ps)" in out
+    assert "[launch] job succeeded" in out
+
+
+def test_fit_places_counts_calls_back_and_saves(tmp_path):
+    r = result(run([sys.executable, str(SCRIPT), "--mode=checks", f"--out_dir={tmp_path}",
+                    "--epochs=3", "--steps_per_epoch=30"]))
+    # Bad input is refused before any step.
+    assert "got a generator" in r["refused"][0]
+    assert "`steps_per_epoch` is required" in r["refused"][1]
+    assert "`steps_per_execution=3` needs `steps_per_epoch`" in r["refused"][2]
+    # Every step applied once (microbatches=2, 3 steps per scheduled call);
+    # the learning-rate schedule sees that count.
+    assert r["iterations"] == 3 * 30
+    assert r["learning_rate"] == pytest.approx(r["schedule_at_iterations"], rel=1e-6)
+    # Variables and optimizer state live on ps tasks only; the 512 KiB
+    # embedding and its two Adam slots are split across both.
+    placements = {**r["model_placement"], **r["optimizer_placement"]}
+    assert all(d.startswith("/job:ps/") for ds in placements.values() for d in ds)
+    two_ps = {"/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"}
+    for name in ("sequential/embedding/embeddings", "adam/sequential_embedding_embeddings_momentum",
+                 "adam/sequential_embedding_embeddings_velocity"):
+        assert set(placements[name]) == two_ps, name
+    assert len(placements["sequential/dense/kernel"]) == 1
+    # Callbacks: History with validation, ModelCheckpoint, TensorBoard, and
+    # BackupAndRestore (which deletes its backup when fit succeeds).
+    assert r["history_keys"] == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    assert r["history_len"] == 3
+    assert "ckpt.weights.h5" in r["files"]
+    assert any(f.startswith("tb/train/events.out.tfevents") for f in r["files"])
+    assert any(f.startswith("tb/validation/events.out.tfevents") for f in r["files"])
+    assert not any(f.startswith("backup") for f in r["files"])
+    # evaluate/predict on the chief agree exactly with a plain model loaded
+    # from the saved (whole, unpartitioned) weights.
+    assert r["evaluated_accuracy"] == r["local_accuracy"]
+    assert r["prediction_max_diff"] == 0.0
+
+
+@pytest.mark.multiprocess
+def test_async_training_reaches_synchronous_accuracy():
+    budget = ["--workers=2", "--epochs=3", "--steps_per_epoch=30"]
+    ps = result(run([sys.executable, str(SCRIPT), "--mode=ps", *budget]))
+    sync = result(run([sys.executable, str(SCRIPT), "--mode=sync", *budget]))
+    # Same examples seen: 180 async steps of 32 vs 90 synchronous steps of 2 x 32.
+    assert ps["iterations"] == ps["steps"] == 180
+    assert sync["iterations"] == sync["steps"] == 90
+    assert sync["accuracy"] > 0.9
+    assert abs(ps["accuracy"] - sync["accuracy"]) <= 0.01
+
+
+@pytest.mark.multiprocess
+def test_worker_killed_mid_epoch_loses_no_step_and_rejoins(tmp_path):
+    out = run([*TFDIST, "launch", "--chief", "--workers=3", "--ps=1", "--restart-on-failure=1",
+               "--timeout=240", "--", sys.executable, str(SCRIPT), "--mode=drill",
+               f"--pid_dir={tmp_path}", "--epochs=4", "--steps_per_epoch=60", "--kill_at=15"])
+    assert "killing worker:1" in out
+    assert "[launch] worker:1 exited with code 137: restart 1 of 1" in out
+    assert "Worker /job:worker/replica:0/task:1 has been recovered" in out
+    r = result(out)
+    assert r["iterations"] == r["steps"] == 240
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 5  # chief, 3 workers, ps (worker 1's restart overwrote its file)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
+def resolver(**cluster):
+    spec = {k: [f"127.0.0.1:{2000 + i}" for i in range(n)] for k, n in cluster.items()}
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), task_type="chief", task_id=0, rpc_layer="grpc")
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(cluster_resolver=resolver(chief=1, worker=2)), ValueError, "no ps tasks"),
+    (dict(cluster_resolver=resolver(chief=1, ps=1)), ValueError, "no worker tasks"),
+    (dict(cluster_resolver=resolver(chief=1, worker=2, ps=1), zero=1), ValueError,
+     "`zero=1` is not available under ParameterServerStrategy"),
+    (dict(cluster_resolver=resolver(chief=1, worker=2, ps=1), data=4), ValueError,
+     "`data=4` must equal the number of worker tasks, 2"),
+    (dict(cluster_resolver=resolver(chief=1, worker=2, ps=1), variable_partitioner="even"),
+     TypeError, "`variable_partitioner` must be"),
+])
+def test_bad_cluster_or_config_is_refused_before_connecting(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tfdist.ParameterServerStrategy(**kwargs)
+
+
+def test_evaluator_task_is_told_to_validate_on_the_chief():
+    spec = tf.train.ClusterSpec({"chief": ["127.0.0.1:2000"], "worker": ["127.0.0.1:2001"],
+                                 "ps": ["127.0.0.1:2002"]})
+    evaluator = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, task_type="evaluator", task_id=0, rpc_layer="grpc")
+    with pytest.raises(ValueError, match="validation on the chief"):
+        tfdist.ParameterServerStrategy(cluster_resolver=evaluator)
+
+
+def test_fit_input_checks():
+    check_fit_input(tf.data.Dataset.range(8).batch(2), None)  # finite: fine
+    check_fit_input(tf.data.Dataset.range(8).repeat(), 10)
+    with pytest.raises(ValueError, match="size is unknown"):
+        check_fit_input(tf.data.Dataset.range(8).filter(lambda t: t > 2), None)
+    with pytest.raises(ValueError, match="steps_per_execution=4"):
+        check_fit_input(tf.data.Dataset.range(8).repeat(), 10, steps_per_execution=4)
