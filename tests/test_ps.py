@@ -91,15 +91,30 @@ def test_async_training_reaches_synchronous_accuracy():
 def test_worker_killed_mid_epoch_loses_no_step_and_rejoins(tmp_path):
     out = run([*TFDIST, "launch", "--chief", "--workers=3", "--ps=1", "--restart-on-failure=1",
                "--timeout=240", "--", sys.executable, str(SCRIPT), "--mode=drill",
-               f"--pid_dir={tmp_path}", "--epochs=4", "--steps_per_epoch=60", "--kill_at=15"])
-    assert "killing worker:1" in out
+               f"--pid_dir={tmp_path}", "--epochs=4", "--steps_per_epoch=100", "--kill_at=15"])
+    assert "killing worker-1" in out
     assert "[launch] worker:1 exited with code 137: restart 1 of 1" in out
     assert "Worker /job:worker/replica:0/task:1 has been recovered" in out
     r = result(out)
-    assert r["iterations"] == r["steps"] == 240
+    assert r["iterations"] == r["steps"] == 400
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 5  # chief, 3 workers, ps (worker 1's restart overwrote its file)
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
+@pytest.mark.multiprocess
+def test_ps_killed_stops_fit_clearly_and_the_restarted_job_resumes(tmp_path):
+    backup = tmp_path / "backup"
+    out = run([*TFDIST, "launch", "--chief", "--workers=2", "--ps=1", "--restart-on-failure=1",
+               "--timeout=240", "--", sys.executable, str(SCRIPT), "--mode=drill",
+               f"--pid_dir={tmp_path}", "--epochs=4", "--steps_per_epoch=40", "--kill_at=60",
+               "--kill_task=ps-0", f"--backup_dir={backup}"])
+    assert "killing ps-0" in out
+    assert "RuntimeError: A parameter server task became unreachable during fit" in out
+    assert "[launch] chief:0 exited with code 1: restart 1 of 1" in out
+    # The restarted chief resumed from the epoch-1 backup and finished the job.
+    r = result(out)
+    assert r["iterations"] == r["steps"] == 160
 
 
 def resolver(**cluster):

@@ -23,7 +23,9 @@ flags.DEFINE_integer("workers", 2, "Workers (in-process cluster) or devices (syn
 flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_integer("steps_per_epoch", 30, "Steps per epoch.")
 flags.DEFINE_string("pid_dir", None, "drill: where each task writes <type>-<index>.pid.")
-flags.DEFINE_integer("kill_at", 20, "drill: the chief kills worker 1 after this many steps.")
+flags.DEFINE_integer("kill_at", 20, "drill: the chief kills --kill_task after this many steps.")
+flags.DEFINE_string("kill_task", "worker-1", "drill: the task the chief kills (<type>-<index>).")
+flags.DEFINE_string("backup_dir", None, "drill: BackupAndRestore directory.")
 flags.DEFINE_integer("delay_ms", 100, "drill: time a worker takes to produce each batch.")
 flags.DEFINE_string("out_dir", None, "checks: where callbacks write.")
 FLAGS = flags.FLAGS
@@ -179,8 +181,9 @@ def run_drill():
         def on_train_batch_end(self, batch, logs=None):
             self.steps += 1
             if self.steps == FLAGS.kill_at:
-                pid = int((pid_dir / "worker-1.pid").read_text())
-                print(f"killing worker:1 (pid {pid}) after {self.steps} steps", flush=True)
+                pid = int((pid_dir / f"{FLAGS.kill_task}.pid").read_text())
+                print(f"killing {FLAGS.kill_task} (pid {pid}) after {self.steps} steps",
+                      flush=True)
                 os.kill(pid, signal.SIGKILL)
 
     x, y = classification(2048, seed=0)
@@ -191,8 +194,14 @@ def run_drill():
         testing.sleep(FLAGS.delay_ms * 1000))
     with strategy.scope():
         model = mlp()
+    callbacks = [KillWorker()]
+    if FLAGS.backup_dir:
+        callbacks.append(keras.callbacks.BackupAndRestore(FLAGS.backup_dir))
+        # A restarted chief resumes at its last backed-up epoch: kill only once.
+        killed = pathlib.Path(FLAGS.backup_dir).exists()
+        callbacks = callbacks[1:] if killed else callbacks
     model.fit(data, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch, verbose=0,
-              callbacks=[KillWorker()])
+              callbacks=callbacks)
     emit({"iterations": int(model.optimizer.iterations),
           "steps": FLAGS.epochs * FLAGS.steps_per_epoch})
 

@@ -21,6 +21,7 @@ writes back, losing concurrent updates), so step counts are exact.
 """
 
 import collections
+import contextlib
 import functools
 import inspect
 import types
@@ -174,16 +175,34 @@ class ScheduledTrainFunction:
         self._pending.append(
             self._strategy.coordinator.schedule(self._worker_steps, args=(per_worker, first_id))
         )
-        while len(self._pending) > self._depth:
-            self._latest = pythonify_logs(self._pending.popleft().fetch())
+        with _ps_failure_explained():
+            while len(self._pending) > self._depth:
+                self._latest = pythonify_logs(self._pending.popleft().fetch())
         return self._latest
 
     def flush(self):
         """Waits for every scheduled step; returns the newest step's logs."""
-        self._strategy.coordinator.join()
-        while self._pending:
-            self._latest = pythonify_logs(self._pending.popleft().fetch())
+        with _ps_failure_explained():
+            self._strategy.coordinator.join()
+            while self._pending:
+                self._latest = pythonify_logs(self._pending.popleft().fetch())
         return self._latest
+
+
+@contextlib.contextmanager
+def _ps_failure_explained():
+    """The coordinator retries steps of failed workers itself; what reaches
+    the chief as "unavailable" is a lost parameter server."""
+    try:
+        yield
+    except tf.errors.UnavailableError as e:
+        detail = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise RuntimeError(
+            f"A parameter server task became unreachable during fit ({detail}). "
+            f"The variables it held are lost: restart the job; with "
+            f"keras.callbacks.BackupAndRestore, fit resumes from the last "
+            f"completed epoch."
+        ) from e
 
 
 def _metrics_after_join(original, model, strategy, logs):
