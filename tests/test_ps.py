@@ -138,6 +138,14 @@ def test_bad_cluster_or_config_is_refused_before_connecting(kwargs, error, match
         tfdist.ParameterServerStrategy(**kwargs)
 
 
+def test_tf_config_without_ps_tasks_is_refused(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"chief": ["127.0.0.1:2000"], "worker": ["127.0.0.1:2001"]},
+        "task": {"type": "chief", "index": 0}, "environment": "cloud"}))
+    with pytest.raises(ValueError, match=r"cluster \(1 chief, 1 worker\) has no ps tasks"):
+        tfdist.ParameterServerStrategy()
+
+
 def test_evaluator_task_is_told_to_validate_on_the_chief():
     spec = tf.train.ClusterSpec({"chief": ["127.0.0.1:2000"], "worker": ["127.0.0.1:2001"],
                                  "ps": ["127.0.0.1:2002"]})
