@@ -50,7 +50,9 @@ def test_fit_places_counts_calls_back_and_saves(tmp_path):
     assert "`steps_per_execution=3` needs `steps_per_epoch`" in r["refused"][2]
     # Every step applied once (microbatches=2, 3 steps per scheduled call);
     # the learning-rate schedule sees that count.
-    assert r["iterations"] == 3 * 30
+    # ... and then 6 more from a dataset function each worker ran.
+    assert r["iterations"] == 3 * 30 + 6
+    assert len(r["dataset_fn_loss"]) == 1
     assert r["learning_rate"] == pytest.approx(r["schedule_at_iterations"], rel=1e-6)
     # Variables and optimizer state live on ps tasks only; the 512 KiB
     # embedding and its two Adam slots are split across both.

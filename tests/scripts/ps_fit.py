@@ -106,6 +106,11 @@ def run_checks():
                    keras.callbacks.TensorBoard(str(out / "tb")),
                    keras.callbacks.BackupAndRestore(str(out / "backup"))])
 
+    def dataset_fn(context):  # each worker builds its own
+        return tf.data.Dataset.from_tensor_slices((tokens, labels)).batch(32).repeat()
+
+    history_fn = model.fit(dataset_fn, epochs=1, steps_per_epoch=6, verbose=0)
+
     def placement(variable):
         value = variable.value
         return [v.device for v in getattr(value, "variables", [value])]
@@ -120,6 +125,7 @@ def run_checks():
     emit({
         "refused": refused,
         "iterations": iterations,
+        "dataset_fn_loss": history_fn.history["loss"],
         "learning_rate": float(model.optimizer.learning_rate),
         "schedule_at_iterations": float(schedule(iterations)),
         "history_keys": sorted(history.history),

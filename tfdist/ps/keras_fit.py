@@ -6,7 +6,8 @@ worker. `install()` wraps five methods of Keras's `TensorFlowTrainer`; for a
 model whose strategy is a tfdist `ParameterServerStrategy` (and only then):
 
 - `fit` first refuses, before any step, input that workers cannot rebuild
-  and data of unknown size without `steps_per_epoch`;
+  and data of unknown size without `steps_per_epoch`, and takes a dataset
+  function (`fn(input_context) -> tf.data.Dataset`) run on each worker;
 - `make_train_function` makes each call of the train function schedule
   `steps_per_execution` steps, as one function, on the next free worker; it
   returns the logs of a step that finished earlier instead of waiting;
@@ -71,10 +72,17 @@ def _for_ps_models(original, ps_version):
 
 
 def _fit(original, model, strategy, *args, **kwargs):
-    arguments = inspect.signature(original).bind(model, *args, **kwargs).arguments
-    check_fit_input(arguments.get("x"), arguments.get("steps_per_epoch"),
+    call = inspect.signature(original).bind(model, *args, **kwargs)
+    x = call.arguments.get("x")
+    if callable(x) and not isinstance(x, tf.data.Dataset):  # a dataset function
+        if call.arguments.get("steps_per_epoch") is None:
+            raise ValueError(
+                "`steps_per_epoch` is required when `fit` gets a dataset function "
+                "under ParameterServerStrategy: each worker builds its own dataset.")
+        call.arguments["x"] = strategy.dataset_from_function(x)
+    check_fit_input(call.arguments.get("x"), call.arguments.get("steps_per_epoch"),
                     model.steps_per_execution)
-    history = original(model, *args, **kwargs)
+    history = original(*call.args, **call.kwargs)
     strategy.coordinator.join()
     return history
 

@@ -12,6 +12,7 @@ is stopped (the function never returns there); on the chief it connects to
 the cluster and returns, and the script goes on to build and fit the model.
 """
 
+import warnings
 import weakref
 
 import numpy as np
@@ -149,6 +150,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
         self._init_step_owner(config.resolve(workers))
         self._coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
         self._per_worker_iterators = weakref.WeakKeyDictionary()
+        self._dataset_functions = weakref.WeakKeyDictionary()
         keras_fit.install()
 
     @property
@@ -178,6 +180,27 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
         self._check_static_batch(dataset)
         return dataset
 
+    def dataset_from_function(self, dataset_fn):
+        """The chief's dataset for `dataset_fn`; workers each call `dataset_fn`.
+
+        `model.fit(dataset_fn, steps_per_epoch=...)` uses it: `dataset_fn`
+        takes a `tf.distribute.InputContext` and returns a `tf.data.Dataset`;
+        each worker builds its own dataset with it (reading, say, files only
+        the workers can see), and the chief builds one for Keras's bookkeeping.
+
+        Example:
+
+        ```python
+        def dataset_fn(context):
+            return tf.data.TFRecordDataset(files).map(parse).batch(64).repeat()
+
+        model.fit(dataset_fn, epochs=3, steps_per_epoch=100)
+        ```
+        """
+        dataset = dataset_fn(tf.distribute.InputContext())
+        self._dataset_functions[dataset] = dataset_fn
+        return dataset
+
     def per_worker_iterator(self, dataset):
         """An iterator over `dataset`, repeated, on every worker (one per dataset).
 
@@ -187,8 +210,15 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
         """
         iterator = self._per_worker_iterators.get(dataset)
         if iterator is None:
-            distributed = super().experimental_distribute_dataset(dataset.repeat())
-            iterator = iter(self._coordinator.create_per_worker_dataset(distributed))
+            dataset_fn = self._dataset_functions.get(dataset)
+            if dataset_fn is None:
+                distributed = super().experimental_distribute_dataset(dataset.repeat())
+            else:
+                distributed = self.distribute_datasets_from_function(
+                    lambda context: dataset_fn(context).repeat())
+            with warnings.catch_warnings():  # TensorFlow's note on tf.data options in graphs
+                warnings.filterwarnings("ignore", message="To make it possible to preserve")
+                iterator = iter(self._coordinator.create_per_worker_dataset(distributed))
             self._per_worker_iterators[dataset] = iterator
         return iterator
 
