@@ -50,13 +50,14 @@ def task():
     else:
         strategy = tfdist.MultiWorkerStrategy(timeout_seconds=300)
     x, y = digits.load()
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
-    data = data.repeat().apply(testing.sleep(FLAGS.delay_ms * 1000))
-    if FLAGS.role == "sync":  # each worker reads, and waits for, its own batches
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = (
-            tf.data.experimental.AutoShardPolicy.OFF)
-        data = data.with_options(options)
+
+    def batches(context=None):  # what each worker reads: BATCH rows, after the delay
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
+        return data.repeat().apply(testing.sleep(FLAGS.delay_ms * 1000))
+
+    # Synchronous: every worker's own pipeline gives its replica BATCH rows per step.
+    data = batches() if FLAGS.role == "ps" else strategy.distribute_datasets_from_function(
+        batches)
     with strategy.scope():
         model = digits.build_model(hidden=64)
 
