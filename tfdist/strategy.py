@@ -35,7 +35,6 @@ _collective_key_bases = itertools.count(1)
 _NOT_YET = {
     "pipeline": ("pipeline parallelism", 1),
     "tensor": ("tensor parallelism", 1),
-    "zero": ("sharded optimizer state (ZeRO)", 0),
 }
 
 
@@ -153,7 +152,7 @@ class _StepOwner:
         config = self._config
         wanted = [
             f"{name}={getattr(config, name)!r}"
-            for name, plain in (("microbatches", 1), ("xla", False))
+            for name, plain in (("microbatches", 1), ("xla", False), ("zero", 0))
             if getattr(config, name) != plain
         ]
         if wanted:

@@ -32,6 +32,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfdist.config import ParallelConfig
+from tfdist.optim.zero import ZeroUpdate, check_shardable
 
 # Loss reductions that are a mean over the batch: the full-batch loss is the
 # size-weighted sum of the microbatch losses.
@@ -71,6 +72,11 @@ class TrainStep:
         self.model = model
         self.config = config
         self._compute = self._compute_gradients
+        self._zero = None
+        if config.zero:
+            # Before the first step: moves the optimizer's slots into shards.
+            with tf.init_scope():
+                self._zero = ZeroUpdate(model, config.zero)
         if config.xla:
             self._compute = tf.function(
                 self._compute_gradients, jit_compile=True, reduce_retracing=True
@@ -100,6 +106,9 @@ class TrainStep:
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         with tf.name_scope("tfdist"):  # the phases' ops are named tfdist/<phase>/...
             grads, metrics = self.accumulate_gradients(x, y, sample_weight)
+            if self._zero is not None:  # reduce(-scatter), sharded apply, gather
+                self._zero(grads)
+                return metrics
             with tf.name_scope("reduce"):
                 grads = self.reduce_gradients(grads)
             with tf.name_scope("apply"):
@@ -210,6 +219,8 @@ def check_trainable(model, config: ParallelConfig):
         )
     if not model.trainable_weights:
         raise ValueError("The model has no trainable weights: nothing to train.")
+    if config.zero:
+        check_shardable(optimizer, config.zero)
     policy = model.dtype_policy.name
     if policy != config.precision:
         raise ValueError(

@@ -1,0 +1,1 @@
+"""Sharded optimizer state (ZeRO): layouts, sharded storage, the sharded update."""
