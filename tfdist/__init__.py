@@ -27,10 +27,10 @@ _LAZY = {
     "Strategy": "tfdist.strategy",
     "use_virtual_devices": "tfdist.devices",
 }
-_LAZY_MODULES = ("callbacks", "cluster", "engine")
+_LAZY_MODULES = ("callbacks", "cluster", "engine", "optim")
 
 __all__ = ["MultiWorkerStrategy", "ParallelConfig", "Strategy", "callbacks", "cluster",
-           "engine", "use_virtual_devices"]
+           "engine", "optim", "use_virtual_devices"]
 
 
 def __getattr__(name):

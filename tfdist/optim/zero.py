@@ -39,7 +39,7 @@ import threading
 import keras
 import tensorflow as tf
 
-from tfdist.engine.collectives import all_gather, reduce_scatter
+from tfdist.collectives import all_gather, reduce_scatter
 from tfdist.optim.layout import ShardLayout
 from tfdist.optim.sharded import ShardedStorage, shard_keras_variable
 
