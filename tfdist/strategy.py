@@ -130,6 +130,8 @@ class _StepOwner:
                 fn = self.train_step(model)
             else:
                 self._check_custom_train_step(model)
+        if isinstance(fn, TrainStep):
+            fn.prepare()  # before the replicas trace it
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def experimental_distribute_dataset(self, dataset, options=None):

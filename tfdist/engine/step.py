@@ -73,10 +73,6 @@ class TrainStep:
         self.config = config
         self._compute = self._compute_gradients
         self._zero = None
-        if config.zero:
-            # Before the first step: moves the optimizer's slots into shards.
-            with tf.init_scope():
-                self._zero = ZeroUpdate(model, config.zero)
         if config.xla:
             self._compute = tf.function(
                 self._compute_gradients, jit_compile=True, reduce_retracing=True
@@ -100,13 +96,41 @@ class TrainStep:
         """
         with self.model.distribute_strategy.scope():
             self.model._symbolic_build(data_batch=data)
+        self.prepare()
+
+    def prepare(self):
+        """Readies state the step keeps outside the model, before it is traced.
+
+        With `zero` > 0 this moves the (built) optimizer's state into shards,
+        keeping its values. Strategies call it when they run the step; it is
+        idempotent.
+
+        Example:
+
+        ```python
+        step = strategy.train_step(model)
+        step.build(dataset.element_spec)   # builds, then prepares
+        ```
+        """
+        if self.config.zero and self._zero is None:
+            if not self.model.optimizer.built:
+                raise RuntimeError(
+                    "The optimizer is not built: call `TrainStep.build(...)` "
+                    "(or `model.fit`, which builds it) before running the step.")
+            with tf.init_scope():
+                self._zero = ZeroUpdate(self.model, self.config.zero)
 
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         with tf.name_scope("tfdist"):  # the phases' ops are named tfdist/<phase>/...
             grads, metrics = self.accumulate_gradients(x, y, sample_weight)
-            if self._zero is not None:  # reduce(-scatter), sharded apply, gather
+            if self.config.zero:  # reduce(-scatter), sharded apply, gather
+                if self._zero is None:
+                    raise RuntimeError(
+                        "Run the step with the tfdist strategy's `run` (or call "
+                        "`TrainStep.prepare()` first): with `zero` the "
+                        "optimizer state must be sharded before the first step.")
                 self._zero(grads)
                 return metrics
             with tf.name_scope("reduce"):
