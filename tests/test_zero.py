@@ -194,3 +194,40 @@ def test_overridden_train_step_refuses_zero():
         model = make_custom()
     with pytest.raises(ValueError, match=r"overrides `train_step`.*zero=1"):
         model.fit(*data(64), batch_size=32, verbose=0)
+
+
+def test_mixed_float16_and_xla_match_zero0_on_the_same_mesh():
+    for config in ({"precision": "mixed_float16"}, {"xla": True, "microbatches": 2}):
+        reference = train_with("adam", **config)
+        result = train_with("adam", zero=2 if "precision" in config else 1, **config)
+        # float16 compute, but the same per-replica arithmetic as the reference.
+        assert_parity(result, reference, rtol=1e-5, atol=1e-6)
+        if "precision" in config:
+            scaler, ref_scaler = result[2].optimizer, reference[2].optimizer
+            assert float(scaler.dynamic_scale.numpy()) == float(ref_scaler.dynamic_scale.numpy())
+            assert int(scaler.step_counter.numpy()) == int(ref_scaler.step_counter.numpy())
+
+
+def test_zero2_non_finite_gradient_on_one_replica_skips_the_step_everywhere():
+    from test_engine import components
+
+    strategy = tfdist.Strategy(data=4, zero=2, precision="mixed_float16", devices=devices(4))
+    with strategy.scope():
+        model = make_model(optimizer=keras.optimizers.Adam(1e-2))
+    x, y = data(32)
+    x[8:16] = 1e6  # replica 1's rows overflow float16
+    before = components(model)
+    scale = float(model.optimizer.scale_loss(1.0))
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for path, values in components(model).items():
+        for old, new in zip(before[path], values):
+            np.testing.assert_array_equal(old, new, err_msg=path)
+    assert float(model.optimizer.scale_loss(1.0)) == scale / 2
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert all(not v.numpy().any() for v in model.optimizer.inner_optimizer._momentums)
+    model.fit(*data(32, seed=1), batch_size=32, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    kernel = components(model)[model.weights[0].path]
+    assert not np.array_equal(kernel[0], before[model.weights[0].path][0])
+    for value in kernel[1:]:
+        np.testing.assert_array_equal(value, kernel[0])
