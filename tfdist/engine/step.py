@@ -14,6 +14,11 @@ One call is one optimizer step on one replica (it runs in replica context, insid
    Under loss scaling, every replica sees the same reduced gradients, so a
    non-finite gradient on any replica skips the step on every replica.
 
+With `zero` > 0, phases 2 and 3 are `tfdist.optim.zero.ZeroUpdate`'s: the
+gradients are all-reduced (zero=1) or reduce-scattered (zero=2), each replica
+updates its shard of the optimizer state and parameters, and the parameters are
+all-gathered (`tfdist/reduce`, `tfdist/apply`, `tfdist/gather`).
+
 Losses, metrics and sample weights behave as in Keras's `train_step`: the loss
 tracker and compiled metrics are updated once per microbatch, which for Keras's
 streaming metrics equals one update with the whole batch.
