@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(BIN)/python tools/bench_data_parallel.py
 	$(BIN)/python tools/bench_profiling.py
 	$(BIN)/python tools/bench_ps.py
+	$(BIN)/python tools/bench_zero.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

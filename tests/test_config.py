@@ -24,7 +24,8 @@ def test_json_and_dict_round_trip():
         ({"pipeline": -2}, ValueError, r"`pipeline` must be an int >= 1, got -2"),
         ({"tensor": 0}, ValueError, r"`tensor` must be an int >= 1"),
         ({"microbatches": 0}, ValueError, r"`microbatches` must be an int >= 1, got 0"),
-        ({"zero": 3}, ValueError, r"`zero` must be one of \(0, 1, 2\).*got 3"),
+        ({"zero": 3}, NotImplementedError, r"`zero=3` \(sharded parameters\) is not supported yet"),
+        ({"zero": 4}, ValueError, r"`zero` must be one of \(0, 1, 2\).*got 4"),
         ({"zero": -1}, ValueError, r"`zero` must be one of"),
         ({"precision": "float16"}, ValueError,
          r"`precision` must be one of \('float32', 'mixed_float16', 'mixed_bfloat16'\), got 'float16'"),
@@ -76,7 +77,7 @@ def test_config_and_keywords_are_exclusive():
 
 @pytest.mark.parametrize("fields, name", [({"pipeline": 2}, "pipeline"),
                                           ({"tensor": 2}, "tensor"),
-                                          ({"zero": 1}, "zero")])
+                                          ({"zero": 3}, "zero")])
 def test_modes_of_later_versions_say_so(fields, name):
     with pytest.raises(NotImplementedError, match=rf"`{name}="):
         tfdist.Strategy(devices=devices(4), **fields)

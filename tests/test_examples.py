@@ -29,3 +29,17 @@ def test_profile_fit_example_writes_a_trace_and_scalars(tmp_path):
     trace = re.search(r"^trace: (.*\.xplane\.pb)$", out, re.M)[1]
     assert pathlib.Path(trace).parent.parent == tmp_path / "plugins" / "profile"
     assert list((tmp_path / "tfdist").glob("events.out.tfevents.*"))
+
+
+def test_zero_adam_example_prints_loss_and_a_quarter_of_the_state_per_device():
+    out = run_example("zero_adam.py", "--devices=4", "--zero=2", "--epochs=2")
+    epochs = re.findall(r"epoch (\d): loss ([\d.]+)  optimizer bytes (.*)", out)
+    assert [e[0] for e in epochs] == ["1", "2"]
+    assert float(epochs[1][1]) < float(epochs[0][1])
+    sizes = dict(re.findall(r"(CPU:\d)=([\d,]+)", epochs[1][2]))
+    assert sorted(sizes) == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+    # digits MLP (64-256-256-10): 85,002 parameters, Adam's two float32 slots
+    # split 4 ways (+ padding, iteration counter and learning rate).
+    slots = 2 * 4 * 85_002
+    assert all(slots / 4 <= int(s.replace(",", "")) <= 1.001 * slots / 4 + 12
+               for s in sizes.values())

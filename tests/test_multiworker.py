@@ -10,23 +10,35 @@ import pytest
 
 import tfdist
 from helpers import TFDIST, assert_parity, devices, train
+from tfdist.callbacks.metrics import optimizer_state_bytes
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "multiworker_fit.py"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, microbatches):
+@pytest.mark.parametrize("microbatches,zero", [(1, 0), (2, 0), (1, 1)])
+def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, microbatches, zero):
     out = tmp_path / "worker0.json"
     done = subprocess.run(
         [*TFDIST, "launch", "--workers=2", "--timeout=240",
-         f"--microbatches={microbatches}", "--",
+         f"--microbatches={microbatches}", f"--zero={zero}", "--",
          sys.executable, str(SCRIPT), f"--out={out}"],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
     workers = json.loads(out.read_text())
     assert workers["replicas"] == 2
+    # zero=1 shards the optimizer state across the two processes; the local run
+    # does not, so this is also zero=1 against zero=0.
     local = train(tfdist.Strategy(data=2, microbatches=microbatches, devices=devices(2)))
     # Across processes the all-reduce is the same two-term sum: tight tolerance.
     assert_parity((workers["losses"], [np.array(w) for w in workers["weights"]], None),
                   local, rtol=1e-5)
+    for value, ref in zip(workers["optimizer"], local[2].optimizer.variables):
+        np.testing.assert_allclose(value, ref.numpy(), rtol=1e-5, atol=1e-6)
+    (worker_bytes,) = workers["optimizer_bytes"].values()  # its one device
+    local_bytes = max(optimizer_state_bytes(local[2].optimizer).values())
+    scalars = 8 + 4  # iterations, learning rate
+    if zero:  # each worker holds half of the momentum slots
+        assert worker_bytes - scalars == (local_bytes - scalars) // 2
+    else:
+        assert worker_bytes == local_bytes

@@ -28,10 +28,10 @@ _LAZY = {
     "Strategy": "tfdist.strategy",
     "use_virtual_devices": "tfdist.devices",
 }
-_LAZY_MODULES = ("callbacks", "cluster", "engine", "ps")
+_LAZY_MODULES = ("callbacks", "cluster", "engine", "optim", "ps")
 
 __all__ = ["MultiWorkerStrategy", "ParallelConfig", "ParameterServerStrategy", "Strategy",
-           "callbacks", "cluster", "engine", "ps", "use_virtual_devices"]
+           "callbacks", "cluster", "engine", "optim", "ps", "use_virtual_devices"]
 
 
 def __getattr__(name):

@@ -90,12 +90,22 @@ class ParallelConfig:
                 raise ValueError(
                     f"`{name}` must be an int >= 1, got {value!r}."
                 )
+        if self.zero == 3:
+            raise NotImplementedError(
+                "`zero=3` (sharded parameters) is not supported yet; use "
+                "zero=1 (optimizer state sharded) or zero=2 (optimizer state "
+                "and gradients sharded).")
         if self.zero not in ZERO_STAGES:
             raise ValueError(
                 f"`zero` must be one of {ZERO_STAGES} (0: off, 1: optimizer "
                 f"state sharded, 2: optimizer state and gradients sharded), "
                 f"got {self.zero!r}."
             )
+        if self.zero and self.data == 1:
+            raise ValueError(
+                f"`zero={self.zero}` shards optimizer state across the "
+                f"data-parallel replicas, but `data=1`: there is nothing to "
+                f"shard. Use data >= 2, or zero=0.")
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
             raise ValueError(
                 f"`precision` must be one of {PRECISIONS}, got {self.precision!r}."

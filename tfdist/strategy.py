@@ -35,7 +35,6 @@ _collective_key_bases = itertools.count(1)
 _NOT_YET = {
     "pipeline": ("pipeline parallelism", 1),
     "tensor": ("tensor parallelism", 1),
-    "zero": ("sharded optimizer state (ZeRO)", 0),
 }
 
 
@@ -132,6 +131,8 @@ class _StepOwner:
                 fn = self.train_step(model)
             else:
                 self._check_custom_train_step(model)
+        if isinstance(fn, TrainStep):
+            fn.prepare()  # before the replicas trace it
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def experimental_distribute_dataset(self, dataset, options=None):
@@ -157,7 +158,7 @@ class _StepOwner:
         config = self._config
         wanted = [
             f"{name}={getattr(config, name)!r}"
-            for name, plain in (("microbatches", 1), ("xla", False))
+            for name, plain in (("microbatches", 1), ("xla", False), ("zero", 0))
             if getattr(config, name) != plain
         ]
         if wanted:

@@ -12,6 +12,7 @@ the trained model.
 
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import digits  # noqa: E402  (first: it quiets TensorFlow's C++ logs)
@@ -49,8 +50,12 @@ def main(argv):
     print(f"{task.task if task else 'local'}: {strategy.num_replicas_in_sync} replicas, "
           f"{strategy.config.to_json()}; losses "
           f"{[round(v, 4) for v in history.history['loss']]}")
-    if logdir and (task is None or task.task in ("chief:0", "worker:0")):
-        model.save(os.path.join(logdir, "digits.keras"))
+    if logdir:
+        # Every task saves (with `zero`, reading the optimizer state gathers
+        # it from all tasks); only the chief's file is kept.
+        chief = task is None or task.task in ("chief:0", "worker:0")
+        with tempfile.TemporaryDirectory() as private:
+            model.save(os.path.join(logdir if chief else private, "digits.keras"))
 
 
 if __name__ == "__main__":

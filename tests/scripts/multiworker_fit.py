@@ -2,7 +2,9 @@
 
 Takes its cluster from TF_CONFIG and its ParallelConfig from TFDIST_CONFIG (both
 set by the launcher), trains the test MLP with `model.fit` and writes the
-reported losses and final weights to `--out` (worker 0 only).
+reported losses, final weights, optimizer state (read whole: under `zero` every
+worker takes part in gathering it) and optimizer-state bytes per device to `--out`
+(worker 0 only).
 """
 
 import json
@@ -26,11 +28,16 @@ def main(argv):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from helpers import train
 
-    losses, weights, _ = train(strategy)
+    from tfdist.callbacks.metrics import optimizer_state_bytes
+
+    losses, weights, model = train(strategy)
+    optimizer = [v.numpy().tolist() for v in model.optimizer.variables]
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     if task["index"] == 0 and FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump({"losses": losses, "weights": [w.tolist() for w in weights],
+                       "optimizer": optimizer,
+                       "optimizer_bytes": optimizer_state_bytes(model.optimizer),
                        "replicas": strategy.num_replicas_in_sync}, f)
 
 

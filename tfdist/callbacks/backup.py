@@ -1,5 +1,8 @@
 """`BackupAndRestore` that every task of a multi-worker job can share."""
 
+import os
+import tempfile
+
 import keras
 
 
@@ -13,7 +16,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     for the job (the chief, or worker 0 without one: the strategy's
     `extended.should_checkpoint`) writes and deletes the backup, and every task
     restores from it, so all resume at the same step. With one task it is
-    Keras's callback unchanged.
+    Keras's callback unchanged. With `zero`, reading the sharded optimizer
+    state gathers it from every task, so the other tasks join each save (into a
+    private temporary file they delete).
 
     Args: as `keras.callbacks.BackupAndRestore`; `backup_dir` must be a
         directory every task reads (a shared volume on Kubernetes, any local
@@ -37,7 +42,18 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def _save_model(self):
         if self._writes():
             super()._save_model()
+        elif _has_sharded_state(self.model):
+            with tempfile.TemporaryDirectory() as private:
+                self.model.save_weights(os.path.join(private, "backup.weights.h5"))
 
     def on_train_end(self, logs=None):
         if self._writes():
             super().on_train_end(logs)
+
+
+def _has_sharded_state(model):
+    from tfdist.optim.sharded import ShardedStorage
+
+    optimizer = getattr(model, "optimizer", None)
+    return optimizer is not None and any(
+        isinstance(getattr(v, "value", None), ShardedStorage) for v in optimizer.variables)

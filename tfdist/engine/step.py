@@ -14,6 +14,11 @@ One call is one optimizer step on one replica (it runs in replica context, insid
    Under loss scaling, every replica sees the same reduced gradients, so a
    non-finite gradient on any replica skips the step on every replica.
 
+With `zero` > 0, phases 2 and 3 are `tfdist.optim.zero.ZeroUpdate`'s: the
+gradients are all-reduced (zero=1) or reduce-scattered (zero=2), each replica
+updates its shard of the optimizer state and parameters, and the parameters are
+all-gathered (`tfdist/reduce`, `tfdist/apply`, `tfdist/gather`).
+
 Losses, metrics and sample weights behave as in Keras's `train_step`: the loss
 tracker and compiled metrics are updated once per microbatch, which for Keras's
 streaming metrics equals one update with the whole batch.
@@ -32,6 +37,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfdist.config import ParallelConfig
+from tfdist.optim.zero import ZeroUpdate, check_shardable
 
 # Loss reductions that are a mean over the batch: the full-batch loss is the
 # size-weighted sum of the microbatch losses.
@@ -71,6 +77,7 @@ class TrainStep:
         self.model = model
         self.config = config
         self._compute = self._compute_gradients
+        self._zero = None
         if config.xla:
             self._compute = tf.function(
                 self._compute_gradients, jit_compile=True, reduce_retracing=True
@@ -94,10 +101,43 @@ class TrainStep:
         """
         with self.model.distribute_strategy.scope():
             self.model._symbolic_build(data_batch=data)
+        self.prepare()
+
+    def prepare(self):
+        """Readies state the step keeps outside the model, before it is traced.
+
+        With `zero` > 0 this moves the (built) optimizer's state into shards,
+        keeping its values. Strategies call it when they run the step; it is
+        idempotent.
+
+        Example:
+
+        ```python
+        step = strategy.train_step(model)
+        step.build(dataset.element_spec)   # builds, then prepares
+        ```
+        """
+        if self.config.zero and self._zero is None:
+            if not self.model.optimizer.built:
+                raise RuntimeError(
+                    "The optimizer is not built: call `TrainStep.build(...)` "
+                    "(or `model.fit`, which builds it) before running the step.")
+            with tf.init_scope():
+                self._zero = ZeroUpdate(self.model, self.config.zero)
 
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""
         with tf.name_scope("tfdist"):  # the phases' ops are named tfdist/<phase>/...
+            if self.config.zero:  # reduce(-scatter), sharded apply, gather
+                if self._zero is None:
+                    raise RuntimeError(
+                        "Run the step with the tfdist strategy's `run` (or call "
+                        "`TrainStep.prepare()` first): with `zero` the "
+                        "optimizer state must be sharded before the first step.")
+                x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+                grads, metrics = self.accumulate_gradients(x, y, sample_weight)
+                self._zero(grads)
+                return metrics
             grads, metrics = self._reduced_gradients(data)
             with tf.name_scope("apply"):
                 self.apply_gradients(grads)
@@ -229,6 +269,8 @@ def check_trainable(model, config: ParallelConfig):
         )
     if not model.trainable_weights:
         raise ValueError("The model has no trainable weights: nothing to train.")
+    if config.zero:
+        check_shardable(optimizer, config.zero)
     policy = model.dtype_policy.name
     if policy != config.precision:
         raise ValueError(

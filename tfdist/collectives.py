@@ -1,0 +1,72 @@
+"""Reduce-scatter and all-gather for the replica running this code.
+
+`tf.distribute`'s replica context offers all-reduce and a merge-call based
+all-gather, but no reduce-scatter, and TensorFlow's reduce-scatter collective
+has no CPU implementation. These functions issue collectives directly with the
+strategy's own group and instance keys (its `CollectiveAllReduce` launcher for
+this replica), so they order with the strategy's other collectives and work the
+same on one host and across workers:
+
+- `reduce_scatter`: one all-to-all (each replica sends shard r to replica r) and
+  a local sum of the N shards received: each replica ends up with only its own
+  reduced shard; no replica ever holds another replica's reduced shard.
+- `all_gather`: one gather of equal-shaped shards along a new leading axis.
+"""
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops, values_util
+from tensorflow.python.ops import gen_collective_ops
+
+
+def _launcher():
+    """The strategy's collective launcher of the current replica."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        raise RuntimeError("tfdist collectives run in replica context (inside strategy.run).")
+    collectives = context.strategy.extended._cross_device_ops
+    if not isinstance(collectives, cross_device_ops.CollectiveAllReduce):
+        raise NotImplementedError(
+            f"tfdist's reduce-scatter needs a strategy that communicates with "
+            f"collective ops, not {type(collectives).__name__}.")
+    return collectives._launchers[values_util.get_current_replica_id_as_int()]
+
+
+def reduce_scatter(rows):
+    """Sums `rows` (shape `(N, m)`, N replicas) across replicas; returns this
+    replica's row of the sum, shape `(m,)`.
+
+    Example (in replica context, 4 replicas):
+
+    ```python
+    rows = tf.reshape(padded_flat_gradient, (4, -1))
+    my_shard = reduce_scatter(rows)   # sum over replicas of rows[my_replica_id]
+    ```
+    """
+    launcher = _launcher()
+    options = launcher._options
+    token = launcher._get_ordering_token()
+    with tf.device(launcher._device):
+        received = gen_collective_ops.collective_all_to_all_v2(
+            rows,
+            group_size=launcher._group_size,
+            group_key=launcher._group_key,
+            instance_key=launcher._next_instance_key(),
+            ordering_token=[] if token is None else [token],
+            communication_hint=options.implementation.value,
+            timeout_seconds=options.timeout_seconds or 0,
+        )
+        return tf.reduce_sum(received, axis=0)
+
+
+def all_gather(row):
+    """Gathers `row` (shape `(m,)`, the same shape on every replica) from every
+    replica; returns shape `(N, m)`, row r from replica r.
+
+    Example (in replica context):
+
+    ```python
+    shards = all_gather(my_updated_shard)   # (num_replicas, shard_size)
+    ```
+    """
+    launcher = _launcher()
+    return launcher._all_gather(row[tf.newaxis], launcher._options)

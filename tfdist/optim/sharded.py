@@ -1,0 +1,135 @@
+"""`ShardedStorage`: a variable whose elements are split across the replicas.
+
+Each replica's device holds one variable of `layout.shard_size` elements, its
+own shard (see `ShardLayout`), and nothing else. It is a
+`tf.distribute` on-read variable, so inside a replica (in `strategy.run`)
+reading or assigning it reads or assigns that replica's shard: Keras's own
+optimizer code, which reads and assigns its slot variables, runs unchanged on a
+shard. Outside replicas (saving, loading, `numpy()`) it behaves as one variable
+of the full, unsharded shape: reads gather every shard, assigns scatter a full
+value, and a checkpoint holds the full tensor, exactly what an unsharded
+variable saves. Loading into any number of replicas reshards.
+
+`shard_keras_variable` moves an existing Keras variable's storage into shards in
+place: the Keras object (its identity, path, shape and place in its optimizer)
+is unchanged.
+"""
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, values, values_util
+from tensorflow.python.ops import resource_variable_ops
+
+from tfdist.optim.layout import ShardLayout
+
+
+class ShardedStorage(values.SyncOnReadVariable):
+    """One shard per replica device; the full value when read across replicas.
+
+    Build one with `ShardedStorage.create`.
+
+    Example:
+
+    ```python
+    layout = ShardLayout((1000, 64), strategy.num_replicas_in_sync)
+    with strategy.scope():
+        storage = ShardedStorage.create(strategy, layout, None, "m", "float32")
+    storage.numpy().shape          # (1000, 64): gathered
+    [c.shape for c in storage.values]  # one (16000,) shard per device (4 replicas)
+    ```
+    """
+
+    @classmethod
+    def create(cls, strategy, layout: ShardLayout, initial, name: str, dtype):
+        """Creates the shards of `initial` (a full-shape value, or None for
+        zeros) on the strategy's local devices; the shard index of a device is
+        its replica id in the sync group."""
+        extended = strategy.extended
+        components = []
+        with tf.init_scope():
+            if initial is not None:
+                initial = tf.convert_to_tensor(initial, dtype=dtype)
+            for local, device in enumerate(extended.worker_devices):
+                index = extended._get_replica_id_in_sync_group(local)
+                with tf.device(device):
+                    shard = (tf.zeros([layout.shard_size], dtype) if initial is None
+                             else layout.shard(initial, index))
+                    # ResourceVariable directly: the strategy's variable creator
+                    # (which would mirror it) is bypassed.
+                    components.append(resource_variable_ops.ResourceVariable(
+                        shard, trainable=False, name=f"{name}/shard_{index}"))
+            return cls(strategy, components, layout)
+
+    def __init__(self, strategy, components, layout: ShardLayout):
+        super().__init__(strategy, components, tf.VariableAggregation.NONE)
+        self._layout = layout
+
+    @property
+    def layout(self) -> ShardLayout:
+        return self._layout
+
+    def _cross_replica(self):
+        with distribute_lib.enter_or_assert_strategy(self._distribute_strategy):
+            return (distribute_lib.in_cross_replica_context()
+                    and not values_util.in_replica_update_context())
+
+    def _get_cross_replica(self):
+        """The full value: every replica's shard, gathered and unpadded."""
+        shards = [v.read_value() for v in self._values]
+        strategy = self._distribute_strategy
+        if len(shards) == strategy.num_replicas_in_sync:
+            with tf.device(self._values[0].device):
+                return self._layout.unshard(tf.stack(shards))
+        # Other workers hold the other shards: a cross-worker gather, which
+        # every worker must take part in (as in any multi-worker save).
+        gathered = strategy.gather(values.PerReplica(tuple(shards)), axis=0)
+        return self._layout.unshard(gathered)
+
+    def assign(self, value, use_locking=False, name=None, read_value=True):
+        """In a replica: assigns its shard. Across replicas: scatters a full value."""
+        if not self._cross_replica():
+            return super().assign(value, use_locking, name, read_value)
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        extended = self._distribute_strategy.extended
+        for local, component in enumerate(self._values):
+            index = extended._get_replica_id_in_sync_group(local)
+            with tf.device(component.device):
+                component.assign(self._layout.shard(value, index), use_locking)
+        return self if read_value else None
+
+    def assign_add(self, value, use_locking=False, name=None, read_value=True):
+        if not self._cross_replica():
+            return super().assign_add(value, use_locking, name, read_value)
+        return self.assign(self._get_cross_replica() + value, use_locking, name, read_value)
+
+    def assign_sub(self, value, use_locking=False, name=None, read_value=True):
+        if not self._cross_replica():
+            return super().assign_sub(value, use_locking, name, read_value)
+        return self.assign(self._get_cross_replica() - value, use_locking, name, read_value)
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self._get_cross_replica()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+def shard_keras_variable(variable, num_shards: int, strategy):
+    """Moves a Keras variable's storage into `ShardedStorage`, keeping its value.
+
+    The Keras variable keeps its shape, path and identity; only where its
+    elements live changes. Returns the new storage.
+
+    Example:
+
+    ```python
+    with strategy.scope():
+        slot = keras.Variable(tf.zeros((1000, 64)))
+    storage = shard_keras_variable(slot, 4, strategy)
+    slot.numpy().shape   # (1000, 64), now held as four shards of 16,000
+    ```
+    """
+    layout = ShardLayout(variable.shape, num_shards)
+    storage = ShardedStorage.create(
+        strategy, layout, variable.value, name=variable.name, dtype=variable.dtype)
+    variable._value = storage
+    return storage

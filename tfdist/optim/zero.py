@@ -1,0 +1,310 @@
+"""`ZeroUpdate`: the reduce and apply phases of a step with sharded optimizer state.
+
+With `zero` >= 1 the optimizer state of every trainable variable is split
+element by element across the N replicas (`ShardLayout`): replica r holds
+shard r of every slot (Adam's `m` and `v`, SGD's momentum, ...) and nothing
+else. One step, in replica context:
+
+1. **reduce**: `zero=1` all-reduces the gradients (one packed collective) and
+   each replica takes its shard of them; `zero=2` reduce-scatters them (one
+   packed all-to-all and a local sum), so each replica only ever holds the
+   reduced gradient of its own shard.
+2. **apply**: each replica copies its shard of every parameter into a shard
+   buffer and runs the optimizer's own Keras `update_step` on it, with the
+   gradient shard and the slot shards (the slots' storage is replica-local, so
+   Keras's reads and assigns touch the shard). Learning-rate schedules, weight
+   decay (with its exclusions), `loss_scale_factor` and `clipvalue` act as in
+   Keras's `apply`; `optimizer.iterations` advances once per applied step.
+   Under a `LossScaleOptimizer` every replica takes the same skip decision (the
+   reduced gradients of every shard must be finite) and updates the scale
+   identically.
+3. **gather**: the updated parameter shards are all-gathered (one packed
+   collective) and every replica writes the full parameters back; variable
+   constraints then apply to the full value, as in Keras.
+
+This is exact for optimizers whose update is elementwise (each element of the
+new variable and slots depends only on the same element of the gradient,
+variable and slots, plus scalars): see `ELEMENTWISE` and `elementwise`.
+
+The user's optimizer object stays `model.optimizer` ("the face": callbacks,
+the learning rate and `iterations` read it); only its slots' storage moves
+into shards (`shard_keras_variable`), so saving (`save_weights`, `save`,
+`tf.train.Checkpoint`, `BackupAndRestore`) writes the full unsharded state,
+exactly as an unsharded run, and loading reshards it.
+"""
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+
+from tfdist.collectives import all_gather, reduce_scatter
+from tfdist.optim.layout import ShardLayout
+from tfdist.optim.sharded import ShardedStorage, shard_keras_variable
+
+# Keras optimizers whose `update_step` is elementwise (the class itself, not
+# subclasses, which may override it).
+ELEMENTWISE = {
+    keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW,
+    keras.optimizers.Adamax, keras.optimizers.RMSprop, keras.optimizers.Adagrad,
+    keras.optimizers.Adadelta, keras.optimizers.Lion,
+}
+_declared = set()
+
+
+def elementwise(cls):
+    """Declares a custom Keras optimizer class safe to shard element by element.
+
+    Its `update_step(gradient, variable, learning_rate)` must compute each
+    element of the new variable and of its slots (variables it made with
+    `add_variable_from_reference` / `add_optimizer_variables`) from the same
+    element of the gradient, variable and slots and from scalars only (no
+    norms, means or reshapes of whole variables), and keep no other state.
+
+    Example:
+
+    ```python
+    @tfdist.optim.elementwise
+    class SignSGD(keras.optimizers.Optimizer):
+        def update_step(self, gradient, variable, learning_rate):
+            self.assign_sub(variable, learning_rate * keras.ops.sign(gradient))
+    ```
+    """
+    if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
+        raise TypeError(
+            f"`elementwise` decorates a keras.optimizers.Optimizer subclass, got {cls!r}.")
+    _declared.add(cls)
+    return cls
+
+
+def check_shardable(optimizer, zero: int):
+    """Errors for an optimizer (or options) whose state cannot be sharded exactly."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    cls = type(inner)
+    if cls not in ELEMENTWISE and cls not in _declared:
+        names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
+        raise ValueError(
+            f"`zero={zero}` shards optimizer state element by element, which is "
+            f"exact only for optimizers whose update is elementwise; tfdist does "
+            f"not know {cls.__module__}.{cls.__qualname__} to be. Supported: "
+            f"{names}. Declare your own elementwise optimizer with "
+            f"`@tfdist.optim.elementwise`, or use zero=0.")
+    unsupported = {
+        "use_ema": inner.use_ema,
+        "clipnorm": inner.clipnorm,
+        "global_clipnorm": inner.global_clipnorm,
+    }
+    for name, value in unsupported.items():
+        if value:
+            raise NotImplementedError(
+                f"`{name}={value!r}` on the optimizer is not supported with "
+                f"`zero={zero}` in this version (it needs whole-variable state "
+                f"or norms); use zero=0, or `clipvalue` for clipping.")
+
+
+class ZeroUpdate:
+    """Reduce, sharded apply and gather of one model's gradients (replica context).
+
+    Built once per model (before the first step; it moves the optimizer's slots
+    into shards) and called by `TrainStep` in place of its reduce and apply
+    phases.
+
+    Args:
+        model: a compiled, built `keras.Model` under a tfdist strategy.
+        zero: the stage, 1 or 2.
+
+    Example:
+
+    ```python
+    update = ZeroUpdate(model, zero=2)     # in TrainStep, once
+    update(local_gradients)                # per step, in replica context
+    ```
+    """
+
+    def __init__(self, model, zero: int):
+        check_shardable(model.optimizer, zero)
+        self.zero = zero
+        self.model = model
+        self.scaler = model.optimizer if isinstance(
+            model.optimizer, keras.optimizers.LossScaleOptimizer) else None
+        self.inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        strategy = model.distribute_strategy
+        self.num_shards = strategy.num_replicas_in_sync
+        self.variables = list(self.inner._trainable_variables)
+        self.layouts = [ShardLayout(v.shape, self.num_shards) for v in self.variables]
+        with strategy.scope():
+            for slot, _ in _slots(self.inner, self.variables):
+                shard_keras_variable(slot, self.num_shards, strategy)
+            # The parameter shards each replica updates (working buffers).
+            self.buffers = [
+                ShardedStorage.create(strategy, layout, None,
+                                      f"{v.path.replace('/', '_')}_shard", v.dtype)
+                for v, layout in zip(self.variables, self.layouts)
+            ]
+
+    def __call__(self, grads):
+        """Applies `grads` (this replica's, aligned with `model.trainable_weights`)."""
+        index_of = self.inner._get_variable_index
+        present = [(index_of(v), g) for v, g in
+                   zip(self.model.trainable_weights, grads) if g is not None]
+        if not present:
+            raise ValueError("No gradients provided for any variable.")
+        indices = [i for i, _ in present]
+        grads = [tf.convert_to_tensor(g) for _, g in present]
+        layouts = [self.layouts[i] for i in indices]
+        context = tf.distribute.get_replica_context()
+        replica = context.replica_id_in_sync_group
+        with tf.name_scope("reduce"):
+            if self.zero == 1:
+                reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+                shards = [layout.shard(g, replica) for layout, g in zip(layouts, reduced)]
+                finite = self.scaler and self.scaler.check_finite(reduced)
+            else:
+                shards = _packed_reduce_scatter(grads, layouts)
+                finite = self.scaler and _all_finite(context, shards)
+        with tf.name_scope("apply"):
+            for i in indices:
+                self.buffers[i].assign(self.layouts[i].shard(self.variables[i].value, replica))
+            if self.scaler is None:
+                self._apply(shards, indices)
+                applied = 1
+            else:
+                tf.cond(finite, lambda: self._apply_scaled(shards, indices),
+                        self.scaler._stateful_handle_non_finite_grads)
+                applied = tf.cast(finite, self.inner._iterations.dtype)
+            # After the update (which reads it), outside the cond (a merge call).
+            self.inner._iterations.assign_add(applied)
+        with tf.name_scope("gather"):
+            updated = [self.buffers[i].value() for i in indices]
+            full = _packed_all_gather(updated, layouts)
+            for i, value in zip(indices, full):
+                variable = self.variables[i]
+                variable.assign(value)
+                if variable.constraint is not None:
+                    variable.assign(variable.constraint(variable))
+
+    def _apply_scaled(self, shards, indices):
+        """The finite-gradient branch under a LossScaleOptimizer."""
+        scaler = self.scaler
+        scale = scaler.dynamic_scale
+        self._apply([g / scale for g in shards], indices)
+
+        def upscale():
+            scaler.step_counter.assign(0)
+            scaler.dynamic_scale.assign(scaler.dynamic_scale * 2.0)
+
+        def increment():
+            scaler.step_counter.assign_add(1)
+
+        tf.cond(tf.equal(scaler.step_counter, scaler.dynamic_growth_steps - 1),
+                upscale, increment)
+
+    def _apply(self, shards, indices):
+        """Keras's `apply` (without the counter) on this replica's shards."""
+        inner = self.inner
+        if inner.loss_scale_factor is not None:
+            shards = [g / inner.loss_scale_factor for g in shards]
+        shards = inner._clip_gradients(shards)  # clipvalue: elementwise
+        learning_rate = inner.learning_rate
+        buffers = [self.buffers[i] for i in indices]
+        if inner.weight_decay is not None:
+            for i, buffer in zip(indices, buffers):
+                if inner._use_weight_decay(self.variables[i]):
+                    lr = tf.cast(learning_rate, buffer.dtype)
+                    wd = tf.cast(inner.weight_decay, buffer.dtype)
+                    buffer.assign_sub(buffer * wd * lr)
+        with _indexed_as(inner, buffers, indices):
+            for gradient, buffer in zip(shards, buffers):
+                inner.update_step(gradient, buffer, learning_rate)
+
+
+def _slots(optimizer, variables):
+    """(slot, variable index) of every per-variable slot of a Keras optimizer.
+
+    Keras optimizers keep slots in lists aligned with the variables they were
+    built on (`add_optimizer_variables`); any other non-scalar state is refused.
+    """
+    found = {}
+    for value in vars(optimizer).values():
+        if not isinstance(value, (list, tuple)) or len(value) != len(variables):
+            continue
+        for i, (slot, variable) in enumerate(zip(value, variables)):
+            if (isinstance(slot, keras.Variable) and slot is not variable
+                    and slot.shape == variable.shape):
+                found[id(slot)] = (slot, i)
+    known = {id(optimizer._iterations), id(getattr(optimizer, "_learning_rate", None))}
+    for variable in optimizer.variables:
+        if id(variable) not in found and id(variable) not in known:
+            raise ValueError(
+                f"{type(optimizer).__name__} has state {variable.path!r} of shape "
+                f"{tuple(variable.shape)} that is not a per-variable slot, so "
+                f"tfdist cannot shard it; use zero=0.")
+    return list(found.values())
+
+
+def _packed_reduce_scatter(grads, layouts):
+    """Reduce-scatter of every gradient, one collective per dtype."""
+    return _per_dtype(grads, layouts, lambda rows: reduce_scatter(tf.concat(rows, 1)),
+                      lambda layout, g: layout.rows(g))
+
+
+def _packed_all_gather(shards, layouts):
+    """Every replica's shards, gathered into full values; one collective per dtype."""
+    def gather(parts):
+        return all_gather(tf.concat(parts, 0))
+
+    gathered = _per_dtype(shards, layouts, gather, lambda layout, s: s, axis=1)
+    return [layout.unshard(rows) for layout, rows in zip(layouts, gathered)]
+
+
+def _per_dtype(values, layouts, collective, prepare, axis=0):
+    """Runs `collective` once per dtype on the concatenated `prepare`d values
+    and splits its result back (along `axis`) into per-value shard-size parts."""
+    results = [None] * len(values)
+    groups = {}
+    for position, value in enumerate(values):
+        groups.setdefault(value.dtype, []).append(position)
+    for positions in groups.values():
+        out = collective([prepare(layouts[p], values[p]) for p in positions])
+        sizes = [layouts[p].shard_size for p in positions]
+        for p, part in zip(positions, tf.split(out, sizes, axis=axis)):
+            results[p] = part
+    return results
+
+
+def _all_finite(context, shards):
+    """One decision for every replica: are all reduced gradient shards finite?"""
+    bad = tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(s), tf.float32))
+                    for s in shards])
+    return tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, bad), 0.0)
+
+
+_index_lock = threading.Lock()
+_index_depth = {}
+
+
+@contextlib.contextmanager
+def _indexed_as(optimizer, buffers, indices):
+    """Makes `optimizer` find each buffer's slots: those of variable `indices[k]`.
+
+    Keras's `update_step` looks its slots up by the variable it updates. The
+    replicas of one step trace this together (the keys are the same on all), so
+    the entries are reference-counted.
+    """
+    keys = {optimizer._var_key(b): i for b, i in zip(buffers, indices)}
+    table = optimizer._trainable_variables_indices
+    with _index_lock:
+        depth = _index_depth.get(id(optimizer), 0)
+        if depth == 0:
+            table.update(keys)
+        _index_depth[id(optimizer)] = depth + 1
+    try:
+        yield
+    finally:
+        with _index_lock:
+            _index_depth[id(optimizer)] -= 1
+            if _index_depth[id(optimizer)] == 0:
+                del _index_depth[id(optimizer)]
+                for key in keys:
+                    table.pop(key, None)
