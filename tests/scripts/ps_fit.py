@@ -28,6 +28,7 @@ flags.DEFINE_string("kill_task", "worker-1", "drill: the task the chief kills (<
 flags.DEFINE_string("backup_dir", None, "drill: BackupAndRestore directory.")
 flags.DEFINE_integer("delay_ms", 100, "drill: time a worker takes to produce each batch.")
 flags.DEFINE_string("out_dir", None, "checks: where callbacks write.")
+flags.DEFINE_string("precision", "float32", "ps / sync: the strategies' precision.")
 FLAGS = flags.FLAGS
 
 FEATURES, CLASSES, VOCAB = 16, 4, 4096
@@ -151,11 +152,12 @@ def run_budget(mode):
     x_test, y_test = classification(2048, seed=1)
     if mode == "ps":
         tfdist_strategy = tfdist.ParameterServerStrategy(
-            cluster_resolver=tfdist.ps.in_process_cluster(workers=FLAGS.workers, ps=1))
+            cluster_resolver=tfdist.ps.in_process_cluster(workers=FLAGS.workers, ps=1),
+            precision=FLAGS.precision)
         batch = 32  # each worker's step
     else:
         tfdist.use_virtual_devices(FLAGS.workers)
-        tfdist_strategy = tfdist.Strategy(data=FLAGS.workers)
+        tfdist_strategy = tfdist.Strategy(data=FLAGS.workers, precision=FLAGS.precision)
         batch = 32 * FLAGS.workers  # the same examples per step as all workers together
     steps = FLAGS.epochs * FLAGS.steps_per_epoch * (FLAGS.workers if mode == "ps" else 1)
     data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(4096, seed=0).batch(
