@@ -13,6 +13,7 @@ arguments and behave as their parents everywhere except two places:
 """
 
 import contextlib
+import inspect
 import itertools
 import weakref
 
@@ -156,8 +157,11 @@ class _StepOwner:
         refused if the config asks for something only tfdist's step does.
         """
         mesh = self.tensor_mesh
-        if mesh is not None and _keras_step_owner(fn, _EVAL_STEPS) is not None:
-            fn = mesh.on_group_batch(fn)  # the tensor group evaluates one batch
+        if mesh is not None:  # a tensor group evaluates and predicts one batch
+            if _keras_step_owner(fn, ("test_step",)) is not None:
+                fn = mesh.on_group_batch(fn)
+            elif _keras_predict_step(fn):
+                fn = mesh.on_group_batch(fn, own_rows=True)
         model = _keras_step_owner(fn, ("train_step",))
         if model is not None:
             if type(model).train_step is TensorFlowTrainer.train_step:
@@ -204,15 +208,20 @@ class _StepOwner:
         check_trainable(model, config)
 
 
-_EVAL_STEPS = ("test_step", "predict_step")
-
-
 def _keras_step_owner(fn, names):
     """The Keras model whose bound method `fn` is, if its name is in `names`."""
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, keras.Model) and getattr(fn, "__name__", "") in names:
         return owner
     return None
+
+
+def _keras_predict_step(fn):
+    """Whether `fn` is the step Keras's `predict` runs (a closure over the
+    model named `one_step_on_data`, calling `predict_step`)."""
+    fn = inspect.unwrap(fn)  # under autograph's do_not_convert
+    return getattr(fn, "__name__", "") == "one_step_on_data" and any(
+        isinstance(cell.cell_contents, keras.Model) for cell in fn.__closure__ or ())
 
 
 @contextlib.contextmanager

@@ -139,17 +139,18 @@ class TensorMesh:
         gathered = tf.nest.map_structure(lambda t: None if t is None else gather(t), data)
         return gathered, own
 
-    def on_group_batch(self, step):
+    def on_group_batch(self, step, own_rows=False):
         """`step` (Keras's test or predict step) run on the tensor group's
-        batch; a predict step returns only this replica's own rows.
+        batch; with `own_rows`, its outputs cut to this replica's own rows.
 
         Example:
 
         ```python
-        strategy.run(mesh.on_group_batch(model.predict_step), args=(batch,))
+        strategy.run(mesh.on_group_batch(model.predict_step, own_rows=True),
+                     args=(batch,))
         ```
         """
-        rows_only = getattr(step, "__name__", "") == "predict_step"
+        rows_only = own_rows
 
         def on_group_batch(data):
             data, (start, size) = self.group_batch(data)
