@@ -144,3 +144,12 @@ def test_modes_not_composed_yet_say_so(fields, name):
 def test_multi_worker_tensor_parallelism_is_not_available():
     with pytest.raises(NotImplementedError, match=r"`tensor=2`: tensor parallelism"):
         tfdist.MultiWorkerStrategy(tensor=2)
+
+
+def test_optimizer_that_is_not_elementwise_is_refused_before_a_step():
+    strategy = tfdist.Strategy(tensor=2, devices=devices(2))
+    with strategy.scope():
+        model = make_model(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0))
+    with pytest.raises(NotImplementedError, match=r"`global_clipnorm=1.0`.*`tensor=2`"):
+        model.fit(*data(64), batch_size=32, verbose=0)
+    assert model.optimizer.iterations.numpy() == 0

@@ -287,6 +287,8 @@ def check_trainable(model, config: ParallelConfig):
         raise ValueError("The model has no trainable weights: nothing to train.")
     if config.zero:
         check_shardable(optimizer, config.zero)
+    if config.tensor > 1:  # split weights are updated shard by shard
+        check_shardable(optimizer, config.zero, mode=f"`tensor={config.tensor}`")
     policy = model.dtype_policy.name
     if policy != config.precision:
         raise ValueError(
