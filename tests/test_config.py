@@ -76,7 +76,7 @@ def test_config_and_keywords_are_exclusive():
 
 
 @pytest.mark.parametrize("fields, name", [({"pipeline": 2}, "pipeline"),
-                                          ({"tensor": 2}, "tensor"),
+                                          ({"pipeline": 2, "tensor": 2}, "pipeline"),
                                           ({"zero": 3}, "zero")])
 def test_modes_of_later_versions_say_so(fields, name):
     with pytest.raises(NotImplementedError, match=rf"`{name}="):

@@ -43,3 +43,15 @@ def test_zero_adam_example_prints_loss_and_a_quarter_of_the_state_per_device():
     slots = 2 * 4 * 85_002
     assert all(slots / 4 <= int(s.replace(",", "")) <= 1.001 * slots / 4 + 12
                for s in sizes.values())
+
+
+def test_tensor_parallel_example_splits_attention_and_mlp_and_learns():
+    out = run_example("tensor_parallel_transformer.py", "--devices=4", "--tensor=2",
+                      "--epochs=2", "--width=32")
+    assert re.search(r"multi_head_attention\s+MultiHeadAttention\s+heads", out)
+    assert len(re.findall(r"Dense\s+(column|row)\s", out)) == 2
+    losses = [float(v) for v in re.findall(r"epoch \d: loss ([\d.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    sizes = [int(v.replace(",", "")) for v in re.findall(r"CPU:\d=([\d,]+)", out)]
+    whole = int(re.search(r"unsplit model: ([\d,]+) bytes", out)[1].replace(",", ""))
+    assert len(sizes) == 4 and len(set(sizes)) == 1 and sizes[0] < whole

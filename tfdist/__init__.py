@@ -28,10 +28,11 @@ _LAZY = {
     "Strategy": "tfdist.strategy",
     "use_virtual_devices": "tfdist.devices",
 }
-_LAZY_MODULES = ("callbacks", "cluster", "engine", "optim", "ps")
+_LAZY_MODULES = ("callbacks", "cluster", "engine", "layers", "optim", "ps", "tensor")
 
 __all__ = ["MultiWorkerStrategy", "ParallelConfig", "ParameterServerStrategy", "Strategy",
-           "callbacks", "cluster", "engine", "optim", "ps", "use_virtual_devices"]
+           "callbacks", "cluster", "engine", "layers", "optim", "ps", "tensor",
+           "use_virtual_devices"]
 
 
 def __getattr__(name):

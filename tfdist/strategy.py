@@ -13,6 +13,7 @@ arguments and behave as their parents everywhere except two places:
 """
 
 import contextlib
+import inspect
 import itertools
 import weakref
 
@@ -23,6 +24,8 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from tfdist.config import ParallelConfig
 from tfdist.engine.step import TrainStep, check_microbatches_divide, check_trainable
 from tfdist.profiling import start_profiler_server
+from tfdist.tensor import plan as tensor_plan
+from tfdist.tensor.mesh import TensorMesh, check_tensor_config
 
 # Each strategy gets its own range of collective group keys: TensorFlow's
 # collective runtime remembers a group key's size for the life of the process,
@@ -38,10 +41,11 @@ _NOT_YET = {
 }
 
 
-def requested_config(config, fields, check_available=True) -> ParallelConfig:
+def requested_config(config, fields, check_available=True, available=()) -> ParallelConfig:
     """The validated `ParallelConfig` a strategy was asked for, from `config=`
     (a ParallelConfig or dict) or from keywords; not yet resolved for devices.
-    With `check_available`, modes this version cannot run are refused.
+    With `check_available`, modes this version cannot run are refused, except
+    those the caller names in `available`.
 
     Example:
 
@@ -63,7 +67,7 @@ def requested_config(config, fields, check_available=True) -> ParallelConfig:
             f"{type(config).__name__}."
         )
     for name, (mode, off) in _NOT_YET.items():
-        if check_available and getattr(config, name) != off:
+        if check_available and name not in available and getattr(config, name) != off:
             raise NotImplementedError(
                 f"`{name}={getattr(config, name)}`: {mode} is not available in "
                 f"this version of tfdist; use {name}={off}."
@@ -97,6 +101,33 @@ class _StepOwner:
         """The strategy's validated `ParallelConfig`."""
         return self._config
 
+    @property
+    def tensor_mesh(self):
+        """The data x tensor `TensorMesh` of the replicas when `tensor` > 1, else None."""
+        return getattr(self, "_tensor_mesh", None)
+
+    def describe(self, model: keras.Model) -> str:
+        """How `model`'s layers are laid out under this strategy, one per line.
+
+        With `tensor` > 1: which layers are split (column / row-parallel
+        Dense pairs, attention by heads, embeddings by vocabulary) and which
+        stay replicated, and why.
+
+        Example:
+
+        ```python
+        strategy = tfdist.Strategy(tensor=2)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, "relu"),
+                                      keras.layers.Dense(16), keras.layers.Dense(3)])
+        print(strategy.describe(model))
+        # dense    Dense  column      paired with dense_1 (64 -> 32 units per device)
+        # dense_1  Dense  row         paired with dense
+        # dense_2  Dense  replicated  no Dense consumes its output alone
+        ```
+        """
+        return tensor_plan.describe(tensor_plan.plan(model, self._config.tensor))
+
     def scope(self):
         """The parent's scope, with the Keras dtype policy of `precision` set.
 
@@ -125,7 +156,13 @@ class _StepOwner:
         `train_step` runs its own step (plain data parallelism), which is
         refused if the config asks for something only tfdist's step does.
         """
-        model = _keras_train_step_owner(fn)
+        mesh = self.tensor_mesh
+        if mesh is not None:  # a tensor group evaluates and predicts one batch
+            if _keras_step_owner(fn, ("test_step",)) is not None:
+                fn = mesh.on_group_batch(fn)
+            elif _keras_predict_step(fn):
+                fn = mesh.on_group_batch(fn, own_rows=True)
+        model = _keras_step_owner(fn, ("train_step",))
         if model is not None:
             if type(model).train_step is TensorFlowTrainer.train_step:
                 fn = self.train_step(model)
@@ -171,12 +208,20 @@ class _StepOwner:
         check_trainable(model, config)
 
 
-def _keras_train_step_owner(fn):
-    """The Keras model whose bound `train_step` `fn` is, else None."""
+def _keras_step_owner(fn, names):
+    """The Keras model whose bound method `fn` is, if its name is in `names`."""
     owner = getattr(fn, "__self__", None)
-    if isinstance(owner, keras.Model) and getattr(fn, "__name__", "") == "train_step":
+    if isinstance(owner, keras.Model) and getattr(fn, "__name__", "") in names:
         return owner
     return None
+
+
+def _keras_predict_step(fn):
+    """Whether `fn` is the step Keras's `predict` runs (a closure over the
+    model named `one_step_on_data`, calling `predict_step`)."""
+    fn = inspect.unwrap(fn)  # under autograph's do_not_convert
+    return getattr(fn, "__name__", "") == "one_step_on_data" and any(
+        isinstance(cell.cell_contents, keras.Model) for cell in fn.__closure__ or ())
 
 
 @contextlib.contextmanager
@@ -227,11 +272,15 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
                 f"{devices!r}."
             )
         devices = list(devices)
-        self._init_step_owner(requested_config(config, fields).resolve(len(devices)))
+        config = requested_config(config, fields, available=("tensor",))
+        config = check_tensor_config(config.resolve(len(devices)))
+        self._init_step_owner(config)
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
         super().__init__(devices=devices)
+        if config.tensor > 1:
+            self._tensor_mesh = TensorMesh(self, config.tensor)
 
 
 class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy):

@@ -38,6 +38,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfdist.config import ParallelConfig
 from tfdist.optim.zero import ZeroUpdate, check_shardable
+from tfdist.tensor.plan import partition_model
 
 # Loss reductions that are a mean over the batch: the full-batch loss is the
 # size-weighted sum of the microbatch losses.
@@ -78,6 +79,7 @@ class TrainStep:
         self.config = config
         self._compute = self._compute_gradients
         self._zero = None
+        self._partitioned = False
         if config.xla:
             self._compute = tf.function(
                 self._compute_gradients, jit_compile=True, reduce_retracing=True
@@ -117,6 +119,11 @@ class TrainStep:
         step.build(dataset.element_spec)   # builds, then prepares
         ```
         """
+        mesh = self._mesh()
+        if mesh is not None and not self._partitioned:
+            with tf.init_scope():
+                partition_model(self.model, mesh)
+            self._partitioned = True
         if self.config.zero and self._zero is None:
             if not self.model.optimizer.built:
                 raise RuntimeError(
@@ -125,9 +132,15 @@ class TrainStep:
             with tf.init_scope():
                 self._zero = ZeroUpdate(self.model, self.config.zero)
 
+    def _mesh(self):
+        return getattr(self.model.distribute_strategy, "tensor_mesh", None)
+
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""
         with tf.name_scope("tfdist"):  # the phases' ops are named tfdist/<phase>/...
+            if self._mesh() is not None:
+                with tf.name_scope("group_batch"):  # a tensor group shares its batch
+                    data, _ = self._mesh().group_batch(data)
             if self.config.zero:  # reduce(-scatter), sharded apply, gather
                 if self._zero is None:
                     raise RuntimeError(
@@ -234,7 +247,10 @@ class TrainStep:
         return loss, y_pred, grads
 
     def reduce_gradients(self, grads):
-        """Phase 2: one batched all-reduce (sum) of every gradient across replicas."""
+        """Phase 2: one batched all-reduce (sum) of every gradient across replicas
+        (with `tensor` > 1: across the replicas of the same tensor rank)."""
+        if self._mesh() is not None:
+            return self._mesh().reduce_gradients(grads)
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return grads
@@ -271,6 +287,8 @@ def check_trainable(model, config: ParallelConfig):
         raise ValueError("The model has no trainable weights: nothing to train.")
     if config.zero:
         check_shardable(optimizer, config.zero)
+    if config.tensor > 1:  # split weights are updated shard by shard
+        check_shardable(optimizer, config.zero, mode=f"`tensor={config.tensor}`")
     policy = model.dtype_policy.name
     if policy != config.precision:
         raise ValueError(

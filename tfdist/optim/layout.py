@@ -32,6 +32,7 @@ class ShardLayout:
         self.size = self.shape.num_elements()
         self.shard_size = max(1, math.ceil(self.size / num_shards))
         self.padding = self.shard_size * num_shards - self.size
+        self.shard_shape = [self.shard_size]
 
     def rows(self, value):
         """`value` (of `shape`) as a `(num_shards, shard_size)` tensor: row r is shard r."""

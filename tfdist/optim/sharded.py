@@ -1,7 +1,8 @@
 """`ShardedStorage`: a variable whose elements are split across the replicas.
 
-Each replica's device holds one variable of `layout.shard_size` elements, its
-own shard (see `ShardLayout`), and nothing else. It is a
+Each replica's device holds one variable of `layout.shard_shape`, its own
+shard, and nothing else: an element shard of ZeRO (`ShardLayout`) or a slice
+along one axis for tensor parallelism (`tfdist.tensor.AxisLayout`). It is a
 `tf.distribute` on-read variable, so inside a replica (in `strategy.run`)
 reading or assigning it reads or assigns that replica's shard: Keras's own
 optimizer code, which reads and assigns its slot variables, runs unchanged on a
@@ -39,10 +40,12 @@ class ShardedStorage(values.SyncOnReadVariable):
     """
 
     @classmethod
-    def create(cls, strategy, layout: ShardLayout, initial, name: str, dtype):
+    def create(cls, strategy, layout: ShardLayout, initial, name: str, dtype,
+               trainable=False):
         """Creates the shards of `initial` (a full-shape value, or None for
         zeros) on the strategy's local devices; the shard index of a device is
-        its replica id in the sync group."""
+        its replica id in the sync group. `trainable` shards are watched by
+        gradient tapes (a partitioned model weight)."""
         extended = strategy.extended
         components = []
         with tf.init_scope():
@@ -51,12 +54,12 @@ class ShardedStorage(values.SyncOnReadVariable):
             for local, device in enumerate(extended.worker_devices):
                 index = extended._get_replica_id_in_sync_group(local)
                 with tf.device(device):
-                    shard = (tf.zeros([layout.shard_size], dtype) if initial is None
+                    shard = (tf.zeros(layout.shard_shape, dtype) if initial is None
                              else layout.shard(initial, index))
                     # ResourceVariable directly: the strategy's variable creator
                     # (which would mirror it) is bypassed.
                     components.append(resource_variable_ops.ResourceVariable(
-                        shard, trainable=False, name=f"{name}/shard_{index}"))
+                        shard, trainable=trainable, name=f"{name}/shard_{index}"))
             return cls(strategy, components, layout)
 
     def __init__(self, strategy, components, layout: ShardLayout):
@@ -113,11 +116,12 @@ class ShardedStorage(values.SyncOnReadVariable):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
-def shard_keras_variable(variable, num_shards: int, strategy):
+def shard_keras_variable(variable, layout, strategy):
     """Moves a Keras variable's storage into `ShardedStorage`, keeping its value.
 
     The Keras variable keeps its shape, path and identity; only where its
-    elements live changes. Returns the new storage.
+    elements live changes. `layout` is a layout object (`ShardLayout`,
+    `AxisLayout`) or an int: that many element shards. Returns the new storage.
 
     Example:
 
@@ -128,8 +132,10 @@ def shard_keras_variable(variable, num_shards: int, strategy):
     slot.numpy().shape   # (1000, 64), now held as four shards of 16,000
     ```
     """
-    layout = ShardLayout(variable.shape, num_shards)
+    if isinstance(layout, int):
+        layout = ShardLayout(variable.shape, layout)
     storage = ShardedStorage.create(
-        strategy, layout, variable.value, name=variable.name, dtype=variable.dtype)
+        strategy, layout, variable.value, name=variable.name, dtype=variable.dtype,
+        trainable=variable.trainable)
     variable._value = storage
     return storage

@@ -78,18 +78,22 @@ def elementwise(cls):
     return cls
 
 
-def check_shardable(optimizer, zero: int):
-    """Errors for an optimizer (or options) whose state cannot be sharded exactly."""
+def check_shardable(optimizer, zero: int, mode=None):
+    """Errors for an optimizer (or options) whose state cannot be sharded exactly.
+
+    `mode` names the option that shards it in the messages (default `zero=...`).
+    """
+    mode = mode or f"`zero={zero}`"
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     cls = type(inner)
     if cls not in ELEMENTWISE and cls not in _declared:
         names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
         raise ValueError(
-            f"`zero={zero}` shards optimizer state element by element, which is "
+            f"{mode} shards optimizer state element by element, which is "
             f"exact only for optimizers whose update is elementwise; tfdist does "
             f"not know {cls.__module__}.{cls.__qualname__} to be. Supported: "
             f"{names}. Declare your own elementwise optimizer with "
-            f"`@tfdist.optim.elementwise`, or use zero=0.")
+            f"`@tfdist.optim.elementwise`, or turn {mode} off.")
     unsupported = {
         "use_ema": inner.use_ema,
         "clipnorm": inner.clipnorm,
@@ -99,8 +103,8 @@ def check_shardable(optimizer, zero: int):
         if value:
             raise NotImplementedError(
                 f"`{name}={value!r}` on the optimizer is not supported with "
-                f"`zero={zero}` in this version (it needs whole-variable state "
-                f"or norms); use zero=0, or `clipvalue` for clipping.")
+                f"{mode} in this version (it needs whole-variable state "
+                f"or norms); turn {mode} off, or use `clipvalue` for clipping.")
 
 
 class ZeroUpdate:

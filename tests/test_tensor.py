@@ -1,0 +1,155 @@
+"""Tensor parallelism on MLPs: parity, placement, memory, refusals."""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from helpers import CLASSES, FEATURES, assert_parity, data, devices, make_model, train
+
+MESHES = [(1, 2), (1, 4), (2, 2)]  # (data, tensor)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train()
+
+
+@pytest.mark.parametrize("data_size, tensor", MESHES)
+def test_unchanged_mlp_matches_one_device(reference, data_size, tensor):
+    strategy = tfdist.Strategy(data=data_size, tensor=tensor,
+                               devices=devices(data_size * tensor))
+    result = train(strategy)
+    # Each tensor group sums its matmuls' partial products in another order
+    # than one device does (and data groups add their gradients): 1e-4 holds.
+    assert_parity(result, reference)
+    layouts = [line.split()[2] for line in strategy.describe(result[2]).splitlines()]
+    assert layouts == ["column", "row", "replicated"]
+
+
+def make_explicit(optimizer=None, seed=0):
+    """The helpers' MLP written with the explicit layers (same initialisers)."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((FEATURES,)),
+        tfdist.layers.ColumnParallelDense(32, activation="relu"),
+        tfdist.layers.RowParallelDense(32, activation="tanh"),
+        tfdist.layers.ColumnParallelDense(CLASSES, gather_output=True),
+    ])
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_explicit_layers_match_the_plain_model_on_one_device():
+    reference = train(make=make_explicit)  # no strategy: plain Dense behaviour
+    strategy = tfdist.Strategy(data=2, tensor=2, devices=devices(4))
+    result = train(strategy, make=make_explicit)
+    assert_parity(result, reference)
+    # The gathered classifier is split too: 4 classes -> 2 per device.
+    assert [c.shape for c in result[2].layers[2].kernel.value.values] == [(32, 2)] * 4
+
+
+def component_bytes(model):
+    """{device: bytes of every model-weight component placed on it}."""
+    per_device = collections.Counter()
+    for weight in model.weights:
+        for component in weight.value.values:
+            per_device[component.device] += component.numpy().nbytes
+    return per_device
+
+
+def make_wide(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((FEATURES,)),
+                              keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(64),
+                              keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("data_size, tensor", MESHES)
+def test_each_device_holds_its_shards_and_a_1_over_t_share(data_size, tensor):
+    n = data_size * tensor
+    strategy = tfdist.Strategy(data=data_size, tensor=tensor, devices=devices(n))
+    with strategy.scope():
+        model = make_wide()
+    model.fit(*data(64), batch_size=32, verbose=0)
+    first, second, head = model.layers
+    for weight in (first.kernel, first.bias, second.kernel):
+        components = weight.value.values
+        assert [c.device for c in components] == list(strategy.extended.worker_devices)
+        full = weight.numpy()
+        axis = 0 if weight is second.kernel else -1
+        for replica, component in enumerate(components):
+            np.testing.assert_array_equal(
+                component.numpy(), np.split(full, tensor, axis=axis)[replica % tensor])
+    split = 4 * (16 * 256 + 256 + 256 * 64)
+    replicated = 4 * (64 + 64 * CLASSES + CLASSES)
+    assert component_bytes(model) == {
+        device: split // tensor + replicated for device in strategy.extended.worker_devices}
+    # The optimizer's slots of a split weight are split the same way.
+    slots = [v for v in model.optimizer.variables if v.shape == first.kernel.shape]
+    assert len(slots) == 2
+    for slot in slots:
+        assert [c.shape for c in slot.value.values] == [(16, 256 // tensor)] * n
+
+
+def test_replicated_weights_stay_identical_on_every_device():
+    strategy = tfdist.Strategy(data=2, tensor=2, devices=devices(4))
+    _, _, model = train(strategy, make=make_wide)
+    head = model.layers[2]
+    for weight in (head.kernel, head.bias, model.layers[1].bias):
+        values = [c.numpy() for c in weight.value.values]
+        for value in values[1:]:
+            np.testing.assert_array_equal(value, values[0])
+
+
+def test_explicit_layer_with_indivisible_units_names_layer_and_dimension():
+    strategy = tfdist.Strategy(tensor=4, devices=devices(4))
+    with strategy.scope():
+        layer = tfdist.layers.ColumnParallelDense(30, name="up")
+        with pytest.raises(ValueError, match=r"Layer 'up' \(ColumnParallelDense\): "
+                                             r"units=30 is not divisible by tensor=4"):
+            layer.build((None, 8))
+        embedding = tfdist.layers.ParallelEmbedding(10, 4, name="tokens")
+        with pytest.raises(ValueError, match=r"'tokens'.*input_dim=10 is not divisible"):
+            embedding.build((None, 3))
+
+
+def test_unchanged_model_with_indivisible_units_stays_replicated_and_says_why():
+    strategy = tfdist.Strategy(tensor=4, devices=devices(4))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((FEATURES,)),
+                                  keras.layers.Dense(30, activation="relu", name="up"),
+                                  keras.layers.Dense(8, activation="softmax", name="down"),
+                                  keras.layers.Dense(4, name="out")])
+    lines = strategy.describe(model).splitlines()
+    assert [line.split()[2] for line in lines] == ["replicated"] * 3
+    assert "units=30 is not divisible by tensor=4" in lines[0]
+    assert "activation 'softmax' is not elementwise" in lines[1]
+    assert "no Dense consumes its output alone" in lines[2]
+
+
+@pytest.mark.parametrize("fields, name", [({"zero": 1}, "zero"), ({"xla": True}, "xla")])
+def test_modes_not_composed_yet_say_so(fields, name):
+    with pytest.raises(NotImplementedError, match=rf"`tensor=2` with `{name}="):
+        tfdist.Strategy(tensor=2, devices=devices(4), **fields)
+
+
+def test_multi_worker_tensor_parallelism_is_not_available():
+    with pytest.raises(NotImplementedError, match=r"`tensor=2`: tensor parallelism"):
+        tfdist.MultiWorkerStrategy(tensor=2)
+
+
+def test_optimizer_that_is_not_elementwise_is_refused_before_a_step():
+    strategy = tfdist.Strategy(tensor=2, devices=devices(2))
+    with strategy.scope():
+        model = make_model(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0))
+    with pytest.raises(NotImplementedError, match=r"`global_clipnorm=1.0`.*`tensor=2`"):
+        model.fit(*data(64), batch_size=32, verbose=0)
+    assert model.optimizer.iterations.numpy() == 0

@@ -1,0 +1,204 @@
+"""`TensorMesh`: the data x tensor mesh of a strategy's replicas, and its collectives.
+
+Every device is one replica of the strategy (`num_replicas_in_sync` = N).
+Replica r has tensor rank `r % t` and data index `r // t`: a *tensor group* is
+t consecutive replicas (they hold the t shards of every partitioned weight and
+work on the same examples); a *data group* is the d = N / t replicas of one
+tensor rank (they hold the same shards and see different examples).
+
+The collectives are TensorFlow's `CollectiveReduceV2` / `CollectiveGatherV2`
+issued by one `CollectiveReplicaLauncher` per replica and group, with group keys
+from the strategy's own key range, and the ordering token of the strategy's own
+launcher on that device: every collective a device issues (tensor group, data
+group, or the strategy's all-replica ones) is ordered by program order, which
+is the same on every replica, so collectives of different groups never
+deadlock.
+
+The two Megatron operators (Shoeybi et al., 2019) are `copy` ("f": identity
+forward, all-reduce of the gradient backward) and `reduce` ("g": all-reduce
+forward, identity backward).
+"""
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_utils, values_util
+
+
+class TensorMesh:
+    """The data x tensor layout of a strategy's N replicas, t shards per group.
+
+    Args:
+        strategy: a `tfdist.Strategy` (its replicas, in order, form the mesh).
+        tensor: the tensor-group size t, which divides N.
+
+    Example:
+
+    ```python
+    strategy = tfdist.Strategy(data=2, tensor=2)   # 4 devices
+    mesh = strategy.tensor_mesh
+    mesh.tensor, mesh.data                 # (2, 2)
+    # in replica context (inside strategy.run), replica 3:
+    mesh.rank()                            # 1: its shard of every weight
+    y = mesh.reduce(partial_sum)           # summed over replicas 2 and 3
+    ```
+    """
+
+    def __init__(self, strategy, tensor: int):
+        self.strategy = strategy
+        self.tensor = tensor
+        extended = strategy.extended
+        devices = list(extended.worker_devices)
+        self.num_replicas = len(devices)
+        self.data = self.num_replicas // tensor
+        collectives = extended._cross_device_ops
+        keys = extended._collective_keys
+        self._tensor_launchers = []
+        self._data_launchers = []
+        for replica, device in enumerate(devices):
+            rank, index = replica % tensor, replica // tensor
+            tensor_group = devices[index * tensor:(index + 1) * tensor]
+            data_group = devices[rank::tensor]
+            own = collectives._launchers[replica]
+            self._tensor_launchers.append(_launcher(keys, tensor_group, device, own))
+            self._data_launchers.append(_launcher(keys, data_group, device, own))
+
+    def replica(self):
+        """The current replica's id, or None outside this mesh's replicas."""
+        context = tf.distribute.get_replica_context()
+        if context is None or context.strategy is not self.strategy:
+            return None
+        return values_util.get_current_replica_id_as_int()
+
+    def rank(self):
+        """The current replica's tensor rank (its shard index), or None outside
+        this mesh's replicas (then layers compute with full weights)."""
+        replica = self.replica()
+        return None if replica is None else replica % self.tensor
+
+    def _tensor_launcher(self):
+        return self._tensor_launchers[self.replica()]
+
+    def reduce(self, x):
+        """Megatron's "g": sum over the tensor group forward, identity backward."""
+        launcher = self._tensor_launcher()
+
+        @tf.custom_gradient
+        def reduce(x):
+            return launcher.all_reduce(x), lambda dy: dy
+
+        return reduce(x)
+
+    def copy(self, x):
+        """Megatron's "f": identity forward, gradient summed over the tensor group."""
+        launcher = self._tensor_launcher()
+
+        @tf.custom_gradient
+        def copy(x):
+            return tf.identity(x), launcher.all_reduce
+
+        return copy(x)
+
+    def gather_last(self, x):
+        """Concatenates the tensor group's `x` along the last axis (rank order);
+        backward, each rank keeps its own slice of the gradient."""
+        launcher = self._tensor_launcher()
+        rank = self.rank()
+
+        @tf.custom_gradient
+        def gather(x):
+            stacked = launcher._all_gather(x[tf.newaxis], None)  # (t, ..., m)
+            last = x.shape.rank
+            moved = tf.transpose(stacked, [*range(1, last), 0, last])  # (..., t, m)
+            full = tf.reshape(moved, tf.concat([tf.shape(x)[:-1], [-1]], 0))
+
+            def grad(dy):
+                width = tf.shape(x)[-1]
+                return dy[..., rank * width:(rank + 1) * width]
+
+            return full, grad
+
+        return gather(x)
+
+    def group_batch(self, data):
+        """The tensor group's batches, concatenated in rank order, and where
+        this replica's own rows are in them: `(data, (start, size))`.
+
+        Each replica of a strategy receives its own slice of the global
+        batch; the replicas of one tensor group must compute on the same
+        examples, so they exchange their slices (sizes may differ).
+        """
+        launcher = self._tensor_launcher()
+        tensors = [t for t in tf.nest.flatten(data) if t is not None]
+        sizes = launcher._all_gather(tf.shape(tensors[0])[:1], None)  # (t,)
+        rank = self.rank()
+        own = (tf.reduce_sum(sizes[:rank]), sizes[rank])
+        def gather(t):
+            gathered = launcher.all_gather(t, axis=0)
+            gathered.set_shape([None, *t.shape[1:]])
+            return gathered
+
+        gathered = tf.nest.map_structure(lambda t: None if t is None else gather(t), data)
+        return gathered, own
+
+    def on_group_batch(self, step, own_rows=False):
+        """`step` (Keras's test or predict step) run on the tensor group's
+        batch; with `own_rows`, its outputs cut to this replica's own rows.
+
+        Example:
+
+        ```python
+        strategy.run(mesh.on_group_batch(model.predict_step, own_rows=True),
+                     args=(batch,))
+        ```
+        """
+        rows_only = own_rows
+
+        def on_group_batch(data):
+            data, (start, size) = self.group_batch(data)
+            outputs = step(data)
+            if rows_only:
+                outputs = tf.nest.map_structure(lambda t: t[start:start + size], outputs)
+            return outputs
+
+        return on_group_batch
+
+    def reduce_gradients(self, grads):
+        """The data-parallel reduction of this replica's gradients (None kept).
+
+        Every replica of a tensor group differentiates its group's batch loss,
+        scaled by Keras by 1/N (N replicas): summing over the d replicas of
+        the data group gives 1/t of the gradient of the global batch, for a
+        shard as for a replicated weight (identical on the t ranks), so the
+        sum is multiplied by t. One packed collective per step.
+        """
+        present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+        if self.data > 1 and present:
+            launcher = self._data_launchers[self.replica()]
+            present = launcher.batch_all_reduce([present])
+        reduced = iter([g * tf.cast(self.tensor, g.dtype) for g in present])
+        return [None if g is None else next(reduced) for g in grads]
+
+
+def check_tensor_config(config):
+    """Refuses what `tensor` > 1 does not compose with yet; returns `config`.
+
+    Example:
+
+    >>> check_tensor_config(ParallelConfig(tensor=2, data=2)).tensor  # doctest: +SKIP
+    2
+    """
+    if config.tensor > 1:
+        for name, off in (("zero", 0), ("xla", False)):
+            if getattr(config, name) != off:
+                raise NotImplementedError(
+                    f"`tensor={config.tensor}` with `{name}={getattr(config, name)!r}` "
+                    f"is not available in this version of tfdist; use {name}={off!r} "
+                    f"with tensor parallelism.")
+    return config
+
+
+def _launcher(keys, group, device, own):
+    """A launcher for `group` on `device`, ordered with the strategy's `own`."""
+    launcher = cross_device_utils.CollectiveReplicaLauncher(
+        keys.get_group_key(group), len(group), keys, device, own._options)
+    launcher._ordering_token = own._ordering_token
+    return launcher

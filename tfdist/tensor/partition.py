@@ -1,0 +1,155 @@
+"""Partitioning built Keras layers across a tensor group (Megatron layouts).
+
+Each function below moves a built layer's weights into per-device shards
+(`ShardedStorage` with an `AxisLayout`: the Keras variables keep their full
+shape, path and identity) and gives the layer (this object only) a call that
+computes on its shards inside the strategy's replicas. Outside them (Keras's
+symbolic build, eager calls, another strategy) the layer reads its weights
+whole and computes exactly as before.
+
+- `column`: a Dense / EinsumDense whose kernel and bias are split along the
+  output axis (`axis` of the kernel): each rank computes its slice of the
+  output. Its input passes Megatron's "f" (`copy_input`), unless the owner of
+  several projections applied it once (attention).
+- `row`: a Dense / EinsumDense whose kernel is split along its first (input)
+  axis; it takes a column layer's sliced output, and the partial products are
+  summed over the group ("g") before the replicated bias and the activation.
+- `vocabulary`: an Embedding whose table is split by rows; each rank looks up
+  the ids it owns (zeros elsewhere) and the group sums ("g").
+- `heads`: a MultiHeadAttention: query/key/value column-parallel by heads, the
+  output projection row-parallel; each distinct input passes "f" once.
+"""
+
+import keras
+import tensorflow as tf
+from keras.src import backend
+
+from tfdist.optim.sharded import shard_keras_variable
+from tfdist.tensor.layout import AxisLayout
+
+
+def column(layer, mesh, axis=-1, copy_input=True, gather_output=False):
+    """Splits a built Dense/EinsumDense by output features over `mesh`'s group.
+
+    Example:
+
+    ```python
+    column(model.layers[0], strategy.tensor_mesh)   # (in, out) -> (in, out/t)
+    ```
+    """
+    kernel_axis = axis % len(layer._kernel.shape)
+    _split(layer._kernel, kernel_axis, mesh)
+    if layer.bias is not None:
+        # The bias has the kernel's output axes (those after its input axes).
+        offset = len(layer._kernel.shape) - len(layer.bias.shape)
+        _split(layer.bias, kernel_axis - offset, mesh)
+    own_call = type(layer).call
+
+    def call(inputs, training=None):
+        if mesh.rank() is None:
+            return own_call(layer, inputs)
+        x = mesh.copy(inputs) if copy_input else inputs
+        y = own_call(layer, x)
+        return mesh.gather_last(y) if gather_output else y
+
+    layer.call = call
+
+
+def row(layer, mesh):
+    """Splits a built Dense/EinsumDense by input features over `mesh`'s group.
+
+    Example:
+
+    ```python
+    row(model.layers[1], strategy.tensor_mesh)      # (in, out) -> (in/t, out)
+    ```
+    """
+    _split(layer._kernel, 0, mesh)
+    # Its input is a slice of the features inside replicas, whole outside.
+    layer.input_spec = None
+    own_call = type(layer).call
+
+    def call(inputs, training=None):
+        if mesh.rank() is None:
+            return own_call(layer, inputs)
+        if isinstance(layer, keras.layers.EinsumDense):
+            partial = keras.ops.einsum(layer.equation, inputs, layer.kernel)
+        else:
+            partial = keras.ops.matmul(inputs, layer.kernel)
+        y = mesh.reduce(partial)
+        if layer.bias is not None:
+            y = keras.ops.add(y, layer.bias)
+        return y if layer.activation is None else layer.activation(y)
+
+    layer.call = call
+
+
+def vocabulary(layer, mesh):
+    """Splits a built Embedding's table by rows (vocabulary) over the group.
+
+    Example:
+
+    ```python
+    vocabulary(model.layers[0], strategy.tensor_mesh)  # (V, d) -> (V/t, d)
+    ```
+    """
+    _split(layer._embeddings, 0, mesh)
+    own_call = type(layer).call
+    rows = layer.input_dim // mesh.tensor
+
+    def call(inputs):
+        rank = mesh.rank()
+        if rank is None:
+            return own_call(layer, inputs)
+        ids = tf.cast(inputs, tf.int32) - rank * rows
+        owned = tf.logical_and(ids >= 0, ids < rows)
+        found = tf.gather(tf.convert_to_tensor(layer.embeddings),
+                          tf.where(owned, ids, tf.zeros_like(ids)))
+        found = found * tf.cast(owned, found.dtype)[..., tf.newaxis]
+        return tf.cast(mesh.reduce(found), layer.compute_dtype)
+
+    layer.call = call
+
+
+def heads(layer, mesh):
+    """Splits a built MultiHeadAttention by heads over the group.
+
+    Example:
+
+    ```python
+    heads(block_attention, strategy.tensor_mesh)  # 8 heads -> 8/t per device
+    ```
+    """
+    for projection in (layer._query_dense, layer._key_dense, layer._value_dense):
+        column(projection, mesh, axis=-2, copy_input=False)  # (d, heads, size)
+    row(layer._output_dense, mesh)                              # (heads, size, d)
+    own_call = type(layer).call
+
+    def call(query, value, key=None, **kwargs):
+        if mesh.rank() is None:
+            return own_call(layer, query, value, key, **kwargs)
+        copies = {}
+
+        def copy(x):  # "f" once per distinct input (self-attention: once)
+            if x is None:
+                return None
+            if id(x) not in copies:
+                copies[id(x)] = mesh.copy(x)
+                backend.set_keras_mask(copies[id(x)], backend.get_keras_mask(x))
+            return copies[id(x)]
+
+        return own_call(layer, copy(query), copy(value), copy(key), **kwargs)
+
+    layer.call = call
+
+
+def _split(variable, axis, mesh):
+    layout = AxisLayout(variable.shape, axis, mesh.tensor)
+    with mesh.strategy.scope():
+        shard_keras_variable(variable, layout, mesh.strategy)
+
+
+def layout_of(variable):
+    """The `AxisLayout` of a partitioned Keras variable, else None."""
+    layout = getattr(getattr(variable, "_value", None), "layout", None)
+    return layout if isinstance(layout, AxisLayout) else None

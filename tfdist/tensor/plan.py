@@ -1,0 +1,231 @@
+"""Which layers of an unchanged Keras model are partitioned, and how.
+
+`plan(model, tensor)` decides, `apply(plan, mesh)` partitions, `describe`
+renders the decisions. The rules:
+
+- **Dense pairs**: a Dense whose output feeds exactly one layer, a Dense that
+  is its only input, becomes column-parallel and that consumer row-parallel
+  (an MLP: one all-reduce forward, one backward). The first Dense's units must
+  be divisible by `tensor` and its activation elementwise.
+- **MultiHeadAttention**: split by heads when `num_heads` is divisible by
+  `tensor` (query/key/value column-parallel, output row-parallel).
+- **Embedding**: split by vocabulary when `input_dim` is divisible by `tensor`.
+- Everything else, and any of these that breaks a rule, stays replicated;
+  the plan says why.
+"""
+
+import dataclasses
+
+import keras
+
+from tfdist.optim.sharded import shard_keras_variable
+from tfdist.optim.zero import _slots
+from tfdist.tensor import partition
+
+# Keras activations that act element by element (safe on a slice of features).
+_ELEMENTWISE = (
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu",
+    "swish", "mish", "tanh", "sigmoid", "hard_sigmoid", "hard_silu",
+    "softplus", "softsign", "exponential",
+)
+
+
+@dataclasses.dataclass
+class Decision:
+    """How one layer is laid out: `layout` is "column", "row", "heads",
+    "vocabulary" or "replicated"; `reason` says why (or what it pairs with)."""
+
+    layer: keras.layers.Layer
+    layout: str
+    reason: str
+
+
+def plan(model, tensor: int) -> list:
+    """The layout of every layer of `model` with weights, for tensor groups of
+    `tensor` devices.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, "relu"),
+    ...                           keras.layers.Dense(4)])
+    >>> [(d.layer.name, d.layout) for d in plan(model, 2)]  # doctest: +SKIP
+    [('dense', 'column'), ('dense_1', 'row')]
+    """
+    decisions, taken = [], set()
+    for layer in _layers(model):
+        if id(layer) in taken:
+            continue
+        if partition.layout_of(_main_weight(layer)) is not None:
+            decisions.append(getattr(layer, "_tfdist_decision", None) or Decision(
+                layer, _explicit_layout(layer), f"tfdist.layers.{type(layer).__name__}"))
+        elif isinstance(layer, keras.layers.MultiHeadAttention):
+            decisions.append(_attention(layer, tensor))
+        elif isinstance(layer, keras.layers.Embedding):
+            decisions.append(_embedding(layer, tensor))
+        elif type(layer) is keras.layers.Dense:
+            pair = _dense_pair(layer, tensor, taken)
+            decisions.extend(pair)
+            taken.update(id(d.layer) for d in pair)
+        elif layer.weights:
+            decisions.append(Decision(layer, "replicated",
+                                      f"{type(layer).__name__} has no tensor-parallel layout"))
+    return decisions
+
+
+def apply(decisions, mesh):
+    """Partitions the layers of a plan (layers already partitioned are kept)."""
+    for decision in decisions:
+        layer = decision.layer
+        if partition.layout_of(_main_weight(layer)) is not None:
+            continue
+        if decision.layout == "column":
+            partition.column(layer, mesh)
+        elif decision.layout == "row":
+            partition.row(layer, mesh)
+        elif decision.layout == "heads":
+            partition.heads(layer, mesh)
+        elif decision.layout == "vocabulary":
+            partition.vocabulary(layer, mesh)
+        layer._tfdist_decision = decision  # what describe reports afterwards
+
+
+def describe(decisions) -> str:
+    """One line per layer: name, class, layout and why.
+
+    Example:
+
+    ```python
+    print(strategy.describe(model))
+    # dense      Dense  column      paired with dense_1 (64 -> 32 per device)
+    # dense_1    Dense  row         paired with dense
+    # dense_2    Dense  replicated  no Dense consumes its output alone
+    ```
+    """
+    rows = [(d.layer.name, type(d.layer).__name__, d.layout, d.reason) for d in decisions]
+    widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+    return "\n".join(
+        "  ".join(value.ljust(width) for value, width in zip(r[:3], widths)) + "  " + r[3]
+        for r in rows)
+
+
+def _layers(model):
+    """Every layer with weights, in order, attention sublayers left to their owner."""
+    found = []
+    for layer in model._flatten_layers(include_self=False, recursive=False):
+        if isinstance(layer, keras.Model):
+            found.extend(_layers(layer))
+        elif not isinstance(layer, keras.layers.InputLayer):
+            found.append(layer)
+    return found
+
+
+def _main_weight(layer):
+    for name in ("_kernel", "_embeddings", "_query_dense"):
+        value = getattr(layer, name, None)
+        if value is not None:
+            return value._kernel if name == "_query_dense" else value
+    return None
+
+
+def _explicit_layout(layer):
+    return {"ColumnParallelDense": "column", "RowParallelDense": "row",
+            "ParallelEmbedding": "vocabulary"}.get(type(layer).__name__, "partitioned")
+
+
+def _attention(layer, tensor):
+    heads = layer.num_heads
+    if getattr(layer, "_use_gate", False):
+        return Decision(layer, "replicated", "gated attention is not split in this version")
+    if heads % tensor:
+        return Decision(layer, "replicated",
+                        f"num_heads={heads} is not divisible by tensor={tensor}")
+    return Decision(layer, "heads", f"{heads} heads -> {heads // tensor} per device")
+
+
+def _embedding(layer, tensor):
+    if layer.input_dim % tensor:
+        return Decision(layer, "replicated",
+                        f"input_dim (vocabulary)={layer.input_dim} is not divisible "
+                        f"by tensor={tensor}")
+    return Decision(layer, "vocabulary",
+                    f"{layer.input_dim} rows -> {layer.input_dim // tensor} per device")
+
+
+def _dense_pair(layer, tensor, taken):
+    """[column, row] decisions for `layer` and its consumer, or [replicated]."""
+    consumer = _only_consumer(layer)
+    if consumer is None or type(consumer) is not keras.layers.Dense or id(consumer) in taken:
+        why = "no Dense consumes its output alone" if consumer is None or type(
+            consumer) is not keras.layers.Dense else f"{consumer.name} is already paired"
+        return [Decision(layer, "replicated", why)]
+    if _only_consumer_input(consumer) is not layer:
+        return [Decision(layer, "replicated", f"{consumer.name} has other inputs")]
+    if layer.units % tensor:
+        return [Decision(layer, "replicated",
+                         f"units={layer.units} is not divisible by tensor={tensor}")]
+    activation = keras.activations.serialize(layer.activation)
+    name = activation if isinstance(activation, str) else str(activation)
+    if name not in _ELEMENTWISE:
+        return [Decision(layer, "replicated",
+                         f"activation {name!r} is not elementwise (it would act on a "
+                         f"slice of the features)")]
+    return [Decision(layer, "column", f"paired with {consumer.name} "
+                     f"({layer.units} -> {layer.units // tensor} units per device)"),
+            Decision(consumer, "row", f"paired with {layer.name}")]
+
+
+def _only_consumer(layer):
+    nodes = layer._outbound_nodes
+    if len(layer._inbound_nodes) != 1 or len(nodes) != 1:
+        return None
+    return nodes[0].operation
+
+
+def _only_consumer_input(layer):
+    if len(layer._inbound_nodes) != 1:
+        return None
+    parents = layer._inbound_nodes[0].parent_nodes
+    return parents[0].operation if len(parents) == 1 else None
+
+
+def partition_model(model, mesh):
+    """Partitions `model` by its plan and its optimizer's slots like their
+    variables (values kept). Idempotent; `TrainStep.prepare` calls it.
+
+    Example:
+
+    ```python
+    partition_model(model, strategy.tensor_mesh)
+    model.layers[0].kernel.value.values   # one (in, out/t) shard per device
+    ```
+    """
+    optimizer = getattr(model, "optimizer", None)
+    built = optimizer is not None and optimizer.built
+    optimizers = [optimizer, getattr(optimizer, "inner_optimizer", None)] if built else []
+    optimizers = [o for o in optimizers if o is not None]
+    keys_before = [{id(v): o._var_key(v) for v in o._trainable_variables} for o in optimizers]
+    apply(plan(model, mesh.tensor), mesh)
+    for o, before in zip(optimizers, keys_before):
+        _rekey(o, before)
+    if not optimizers:
+        return
+    inner = optimizers[-1]
+    variables = list(inner._trainable_variables)
+    with mesh.strategy.scope():
+        for slot, index in _slots(inner, variables):
+            layout = partition.layout_of(variables[index])
+            if layout is not None and partition.layout_of(slot) is None:
+                shard_keras_variable(slot, layout, mesh.strategy)
+
+
+def _rekey(optimizer, before):
+    """Keras's TensorFlow optimizers key variables by their storage; a
+    partitioned variable has new storage, so its keys are renewed."""
+    renamed = {before[id(v)]: optimizer._var_key(v) for v in optimizer._trainable_variables}
+    optimizer._trainable_variables_indices = {
+        renamed.get(key, key): index
+        for key, index in optimizer._trainable_variables_indices.items()}
+    excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
+    if excluded:
+        optimizer._exclude_from_weight_decay = {renamed.get(k, k) for k in excluded}
+    optimizer.__dict__.pop("_exclude_from_weight_decay_cache", None)
