@@ -187,7 +187,8 @@ def check_tensor_config(config):
     2
     """
     if config.tensor > 1:
-        for name, off in (("zero", 0), ("xla", False)):
+        for name, off in (("zero", 0), ("xla", False), ("microbatches", 1),
+                          ("precision", "float32")):
             if getattr(config, name) != off:
                 raise NotImplementedError(
                     f"`tensor={config.tensor}` with `{name}={getattr(config, name)!r}` "
