@@ -25,6 +25,8 @@ else. One step, in replica context:
 This is exact for optimizers whose update is elementwise (each element of the
 new variable and slots depends only on the same element of the gradient,
 variable and slots, plus scalars): see `ELEMENTWISE` and `elementwise`.
+Adafactor, which is not, has its own exact update on shards
+(`tfdist.optim.adafactor`, in `SHARDED_UPDATES`).
 
 The user's optimizer object stays `model.optimizer` ("the face": callbacks,
 the learning rate and `iterations` read it); only its slots' storage moves
@@ -40,6 +42,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.collectives import all_gather, reduce_scatter
+from tfdist.optim import adafactor
 from tfdist.optim.layout import ShardLayout
 from tfdist.optim.sharded import ShardedStorage, shard_keras_variable
 
@@ -50,6 +53,11 @@ ELEMENTWISE = {
     keras.optimizers.Adamax, keras.optimizers.RMSprop, keras.optimizers.Adagrad,
     keras.optimizers.Adadelta, keras.optimizers.Lion,
 }
+# Keras optimizers that are not elementwise but have an exact update on shards
+# in tfdist: a module with `apply(optimizer, gradients, buffers, layouts,
+# indices, learning_rate)` and `replicated_state(optimizer)` (small state
+# every replica keeps whole).
+SHARDED_UPDATES = {keras.optimizers.Adafactor: adafactor}
 _declared = set()
 
 
@@ -82,8 +90,8 @@ def check_shardable(optimizer, zero: int):
     """Errors for an optimizer (or options) whose state cannot be sharded exactly."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     cls = type(inner)
-    if cls not in ELEMENTWISE and cls not in _declared:
-        names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
+    if cls not in ELEMENTWISE and cls not in _declared and cls not in SHARDED_UPDATES:
+        names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE | set(SHARDED_UPDATES)))
         raise ValueError(
             f"`zero={zero}` shards optimizer state element by element, which is "
             f"exact only for optimizers whose update is elementwise; tfdist does "
@@ -101,6 +109,12 @@ def check_shardable(optimizer, zero: int):
                 f"`{name}={value!r}` on the optimizer is not supported with "
                 f"`zero={zero}` in this version (it needs whole-variable state "
                 f"or norms); use zero=0, or `clipvalue` for clipping.")
+    if cls in SHARDED_UPDATES and inner is not optimizer:
+        raise NotImplementedError(
+            f"{cls.__name__} under a {type(optimizer).__name__} (loss scaling) is "
+            f"not supported with `zero={zero}` in this version (its sharded "
+            f"update all-reduces inside the step's skip-if-non-finite branch); "
+            f"use precision='float32', or zero=0.")
 
 
 class ZeroUpdate:
@@ -134,7 +148,7 @@ class ZeroUpdate:
         self.variables = list(self.inner._trainable_variables)
         self.layouts = [ShardLayout(v.shape, self.num_shards) for v in self.variables]
         with strategy.scope():
-            for slot, _ in _slots(self.inner, self.variables):
+            for slot, _ in _slots(self.inner, self.variables, self._replicated()):
                 shard_keras_variable(slot, self.num_shards, strategy)
             # The parameter shards each replica updates (working buffers).
             self.buffers = [
@@ -142,6 +156,11 @@ class ZeroUpdate:
                                       f"{v.path.replace('/', '_')}_shard", v.dtype)
                 for v, layout in zip(self.variables, self.layouts)
             ]
+
+    def _replicated(self):
+        """State every replica keeps whole (not sharded)."""
+        rule = SHARDED_UPDATES.get(type(self.inner))
+        return rule.replicated_state(self.inner) if rule else []
 
     def __call__(self, grads):
         """Applies `grads` (this replica's, aligned with `model.trainable_weights`)."""
@@ -214,26 +233,33 @@ class ZeroUpdate:
                     lr = tf.cast(learning_rate, buffer.dtype)
                     wd = tf.cast(inner.weight_decay, buffer.dtype)
                     buffer.assign_sub(buffer * wd * lr)
+        rule = SHARDED_UPDATES.get(type(inner))
+        if rule is not None:
+            rule.apply(inner, shards, buffers, [self.layouts[i] for i in indices],
+                       indices, learning_rate)
+            return
         with _indexed_as(inner, buffers, indices):
             for gradient, buffer in zip(shards, buffers):
                 inner.update_step(gradient, buffer, learning_rate)
 
 
-def _slots(optimizer, variables):
+def _slots(optimizer, variables, replicated=()):
     """(slot, variable index) of every per-variable slot of a Keras optimizer.
 
     Keras optimizers keep slots in lists aligned with the variables they were
-    built on (`add_optimizer_variables`); any other non-scalar state is refused.
+    built on (`add_optimizer_variables`); any other state, except the known
+    `replicated` variables, is refused.
     """
+    skip = {id(v) for v in replicated}
     found = {}
     for value in vars(optimizer).values():
         if not isinstance(value, (list, tuple)) or len(value) != len(variables):
             continue
         for i, (slot, variable) in enumerate(zip(value, variables)):
             if (isinstance(slot, keras.Variable) and slot is not variable
-                    and slot.shape == variable.shape):
+                    and id(slot) not in skip and slot.shape == variable.shape):
                 found[id(slot)] = (slot, i)
-    known = {id(optimizer._iterations), id(getattr(optimizer, "_learning_rate", None))}
+    known = skip | {id(optimizer._iterations), id(getattr(optimizer, "_learning_rate", None))}
     for variable in optimizer.variables:
         if id(variable) not in found and id(variable) not in known:
             raise ValueError(
