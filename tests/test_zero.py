@@ -109,6 +109,25 @@ def test_worst_device_holds_a_1_over_n_share_of_the_optimizer_state(n):
     assert all(c.shape.num_elements() == big.shape.num_elements() // n for c in components)
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_adafactor_shards_its_velocity_and_keeps_row_and_column_statistics_whole(n):
+    strategy = tfdist.Strategy(data=n, zero=1, devices=devices(n))
+    with strategy.scope():
+        model = make_big_first_layer(keras.optimizers.Adafactor())
+    model.fit(*data(64), batch_size=64, verbose=0)
+    per_device = optimizer_state_bytes(model.optimizer)
+    assert sorted(per_device) == [f"CPU:{i}" for i in range(n)]
+    # The velocity (one float32 per parameter) is split 1/n; r and c (one
+    # float32 per row and per column of kernels (16, 512) and (512, 4)) are
+    # replicated, as are the int32 placeholders of the two biases' r and c,
+    # the iteration counter and the learning rate.
+    velocity = 4 * sum(v.shape.num_elements() for v in model.trainable_variables)
+    rows_and_columns = 4 * (16 + 512 + 512 + 4)
+    scalars = 4 * 4 + 8 + 4
+    assert max(per_device.values()) <= 1.02 * velocity / n + rows_and_columns + scalars
+    assert min(per_device.values()) >= velocity / n + rows_and_columns + scalars
+
+
 def _step_graph(model):
     """The graph of the per-step function `fit` traced (all replicas' ops)."""
     cells = [c.cell_contents for c in model.train_function.__closure__]
@@ -185,6 +204,16 @@ def test_an_optimizer_not_known_to_be_elementwise_is_refused_before_training():
         model = make_model(optimizer=keras.optimizers.Lamb(1e-3))
     with pytest.raises(ValueError, match=r"tfdist does not know keras.*Lamb to be\. "
                                          r"Supported: .*Adam.*@tfdist.optim.elementwise"):
+        model.fit(*data(64), batch_size=32, verbose=0)
+    assert model.optimizer.iterations.numpy() == 0
+
+
+def test_adafactor_under_loss_scaling_is_refused_before_training():
+    strategy = tfdist.Strategy(data=2, zero=2, precision="mixed_float16", devices=devices(2))
+    with strategy.scope():
+        model = make_model(optimizer=keras.optimizers.Adafactor())
+    with pytest.raises(NotImplementedError, match=r"Adafactor under a LossScaleOptimizer "
+                                                  r"\(loss scaling\) is not supported with `zero=2`"):
         model.fit(*data(64), batch_size=32, verbose=0)
     assert model.optimizer.iterations.numpy() == 0
 
