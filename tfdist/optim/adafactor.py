@@ -22,12 +22,18 @@ may start and end in the middle of a row, and spans any columns), one step is:
 3. each replica finishes its shard of the variable.
 
 The arithmetic is Keras's, element for element; only the order in which the
-sums are added differs (rtol ~1e-7).
+sums are added differs (rtol ~1e-7). Everything is computed first and
+returned as assignments, so a caller may commit them conditionally (under
+loss scaling, only if the gradients are finite) while the collectives stay
+outside the condition.
 
 Example (what `ZeroUpdate` does per step, in replica context):
 
 ```python
-adafactor.apply(optimizer, gradient_shards, parameter_shards, layouts, indices, lr)
+state, new_values = adafactor.updates(optimizer, gradient_shards, parameter_shards,
+                                      layouts, indices, lr)
+for variable, value in state:
+    variable.assign(value)
 ```
 """
 
@@ -41,35 +47,37 @@ def replicated_state(optimizer):
     return [s for s in list(optimizer._r) + list(optimizer._c) if s is not None]
 
 
-def apply(optimizer, gradients, buffers, layouts, indices, learning_rate):
+def updates(optimizer, gradients, values, layouts, indices, learning_rate):
     """Keras's `Adafactor.update_step` for every variable, on this replica's shards.
 
-    `gradients[k]` and `buffers[k]` (the replica's shard of the parameter,
+    `gradients[k]` and `values[k]` (the replica's shard of the parameter,
     weight decay already applied) belong to variable `indices[k]`, laid out
-    by `layouts[k]`.
+    by `layouts[k]`. Returns `(state, new_values)`: the (optimizer variable,
+    new value) pairs to assign, and the new parameter shards.
     """
     context = tf.distribute.get_replica_context()
     replica = context.replica_id_in_sync_group
-    steps = [_Step(optimizer, g, b, layout, i, replica, learning_rate)
-             for g, b, layout, i in zip(gradients, buffers, layouts, indices)]
+    steps = [_Step(optimizer, g, value, layout, i, replica, learning_rate)
+             for g, value, layout, i in zip(gradients, values, layouts, indices)]
     sums = context.all_reduce(tf.distribute.ReduceOp.SUM,
                               [t for step in steps for t in step.partial_sums()])
     for step in steps:
         sums = step.second_moment(sums)
     update_sums = context.all_reduce(tf.distribute.ReduceOp.SUM,
                                      tf.stack([step.update_square_sum for step in steps]))
-    for k, step in enumerate(steps):
-        step.finish(update_sums[k])
+    new_values = [step.finish(update_sums[k]) for k, step in enumerate(steps)]
+    return [pair for step in steps for pair in step.state], new_values
 
 
 class _Step:
     """One variable's Adafactor step on one shard, in the three phases above."""
 
-    def __init__(self, optimizer, gradient, buffer, layout, index, replica, learning_rate):
-        self.optimizer, self.buffer, self.layout = optimizer, buffer, layout
+    def __init__(self, optimizer, gradient, value, layout, index, replica, learning_rate):
+        self.optimizer, self.value, self.layout = optimizer, value, layout
         self.r, self.c, self.v = optimizer._r[index], optimizer._c[index], optimizer._v[index]
         self.factored = len(layout.shape) >= 2
-        dtype = buffer.dtype
+        self.state = []  # (optimizer variable, new value)
+        dtype = value.dtype
         # As Keras: learning rate, step, relative step size, beta_2.
         lr = ops.cast(learning_rate, dtype)
         self.gradient = ops.cast(gradient, dtype)
@@ -94,18 +102,18 @@ class _Step:
     def partial_sums(self):
         """This shard's part of: sum of squares of the variable, and (factored)
         the row and column sums of `g**2 + epsilon_1`."""
-        sums = [tf.reshape(tf.reduce_sum(tf.square(self.buffer)), [1])]
+        sums = [tf.reshape(tf.reduce_sum(tf.square(self.value)), [1])]
         if self.factored:
             sums += [tf.math.unsorted_segment_sum(self.square, self.row, self.num_rows),
                      tf.math.unsorted_segment_sum(self.square, self.col, self.num_cols)]
         return sums
 
     def second_moment(self, sums):
-        """Updates r, c (whole) and this shard of v; computes the shard of `u`.
+        """New r, c (whole) and this shard of v (into `state`); this shard of `u`.
         Consumes this variable's entries of the all-reduced `sums`; returns the rest."""
         optimizer, size = self.optimizer, self.layout.size
         variable_square_sum, sums = sums[0][0], sums[1:]
-        self.alpha = ops.maximum(ops.cast(optimizer.epsilon_2, self.buffer.dtype),
+        self.alpha = ops.maximum(ops.cast(optimizer.epsilon_2, self.value.dtype),
                                  ops.sqrt(variable_square_sum / size)) * self.rho
         beta = self.beta
         if self.factored:
@@ -115,23 +123,21 @@ class _Step:
             col_means = tf.reshape(col_sums / rows, self.c.shape)
             r = ops.add(ops.multiply(beta, self.r), ops.multiply(ops.subtract(1, beta), row_means))
             c = ops.add(ops.multiply(beta, self.c), ops.multiply(ops.subtract(1, beta), col_means))
-            optimizer.assign(self.r, r)
-            optimizer.assign(self.c, c)
+            self.state += [(self.r, r), (self.c, c)]
             r_normalised = tf.reshape(ops.divide(r, ops.mean(r, axis=-1, keepdims=True)), [-1])
             v = ops.multiply(tf.gather(r_normalised, self.row), tf.gather(tf.reshape(c, [-1]), self.col))
         else:
             v = ops.add(ops.multiply(beta, self.v),
                         ops.multiply(ops.subtract(1, beta), self.square))
         v = tf.where(self.valid, v, tf.zeros_like(v))
-        optimizer.assign(self.v, v)
+        self.state.append((self.v, v))
         self.u = tf.where(self.valid, ops.divide(self.gradient, ops.sqrt(v)), tf.zeros_like(v))
         self.update_square_sum = tf.reduce_sum(tf.square(self.u))
         return sums
 
     def finish(self, update_square_sum):
-        """Clips `u` by the RMS of the whole update and applies it to the shard."""
-        optimizer = self.optimizer
-        one = ops.cast(1.0, self.buffer.dtype)
+        """The new shard: `u` clipped by the RMS of the whole update, applied."""
+        one = ops.cast(1.0, self.value.dtype)
         rms = ops.sqrt(update_square_sum / self.layout.size)
-        u_hat = ops.divide(self.u, ops.maximum(one, ops.divide(rms, optimizer.clip_threshold)))
-        optimizer.assign_sub(self.buffer, ops.multiply(self.alpha, u_hat))
+        u_hat = ops.divide(self.u, ops.maximum(one, ops.divide(rms, self.optimizer.clip_threshold)))
+        return ops.subtract(self.value, ops.multiply(self.alpha, u_hat))

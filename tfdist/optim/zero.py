@@ -54,9 +54,9 @@ ELEMENTWISE = {
     keras.optimizers.Adadelta, keras.optimizers.Lion,
 }
 # Keras optimizers that are not elementwise but have an exact update on shards
-# in tfdist: a module with `apply(optimizer, gradients, buffers, layouts,
-# indices, learning_rate)` and `replicated_state(optimizer)` (small state
-# every replica keeps whole).
+# in tfdist: a module with `updates(optimizer, gradients, values, layouts,
+# indices, learning_rate)` (returns the assignments to make) and
+# `replicated_state(optimizer)` (small state every replica keeps whole).
 SHARDED_UPDATES = {keras.optimizers.Adafactor: adafactor}
 _declared = set()
 
@@ -109,12 +109,6 @@ def check_shardable(optimizer, zero: int):
                 f"`{name}={value!r}` on the optimizer is not supported with "
                 f"`zero={zero}` in this version (it needs whole-variable state "
                 f"or norms); use zero=0, or `clipvalue` for clipping.")
-    if cls in SHARDED_UPDATES and inner is not optimizer:
-        raise NotImplementedError(
-            f"{cls.__name__} under a {type(optimizer).__name__} (loss scaling) is "
-            f"not supported with `zero={zero}` in this version (its sharded "
-            f"update all-reduces inside the step's skip-if-non-finite branch); "
-            f"use precision='float32', or zero=0.")
 
 
 class ZeroUpdate:
@@ -185,11 +179,14 @@ class ZeroUpdate:
         with tf.name_scope("apply"):
             for i in indices:
                 self.buffers[i].assign(self.layouts[i].shard(self.variables[i].value, replica))
+            if self.scaler is not None:
+                shards = [g / self.scaler.dynamic_scale for g in shards]
+            update = self._update(shards, indices)
             if self.scaler is None:
-                self._apply(shards, indices)
+                update()
                 applied = 1
             else:
-                tf.cond(finite, lambda: self._apply_scaled(shards, indices),
+                tf.cond(finite, lambda: self._update_scaled(update),
                         self.scaler._stateful_handle_non_finite_grads)
                 applied = tf.cast(finite, self.inner._iterations.dtype)
             # After the update (which reads it), outside the cond (a merge call).
@@ -203,11 +200,10 @@ class ZeroUpdate:
                 if variable.constraint is not None:
                     variable.assign(variable.constraint(variable))
 
-    def _apply_scaled(self, shards, indices):
+    def _update_scaled(self, update):
         """The finite-gradient branch under a LossScaleOptimizer."""
         scaler = self.scaler
-        scale = scaler.dynamic_scale
-        self._apply([g / scale for g in shards], indices)
+        update()
 
         def upscale():
             scaler.step_counter.assign(0)
@@ -219,28 +215,43 @@ class ZeroUpdate:
         tf.cond(tf.equal(scaler.step_counter, scaler.dynamic_growth_steps - 1),
                 upscale, increment)
 
-    def _apply(self, shards, indices):
-        """Keras's `apply` (without the counter) on this replica's shards."""
+    def _update(self, shards, indices):
+        """Keras's `apply` (without the counter) on this replica's shards, as
+        a function that makes the update (called in the step, or in its
+        finite-gradient branch). What needs the other replicas (Adafactor's
+        sums) is computed now, so no collective is inside a branch."""
         inner = self.inner
         if inner.loss_scale_factor is not None:
             shards = [g / inner.loss_scale_factor for g in shards]
         shards = inner._clip_gradients(shards)  # clipvalue: elementwise
         learning_rate = inner.learning_rate
         buffers = [self.buffers[i] for i in indices]
-        if inner.weight_decay is not None:
-            for i, buffer in zip(indices, buffers):
-                if inner._use_weight_decay(self.variables[i]):
-                    lr = tf.cast(learning_rate, buffer.dtype)
-                    wd = tf.cast(inner.weight_decay, buffer.dtype)
-                    buffer.assign_sub(buffer * wd * lr)
         rule = SHARDED_UPDATES.get(type(inner))
         if rule is not None:
-            rule.apply(inner, shards, buffers, [self.layouts[i] for i in indices],
-                       indices, learning_rate)
-            return
-        with _indexed_as(inner, buffers, indices):
-            for gradient, buffer in zip(shards, buffers):
-                inner.update_step(gradient, buffer, learning_rate)
+            values = [self._decayed(i, b.value(), learning_rate) for i, b in zip(indices, buffers)]
+            state, new_values = rule.updates(inner, shards, values,
+                                             [self.layouts[i] for i in indices],
+                                             indices, learning_rate)
+            assignments = state + list(zip(buffers, new_values))
+            return lambda: [inner.assign(variable, value) for variable, value in assignments]
+
+        def elementwise():
+            for i, buffer in zip(indices, buffers):
+                buffer.assign(self._decayed(i, buffer.value(), learning_rate))
+            with _indexed_as(inner, buffers, indices):
+                for gradient, buffer in zip(shards, buffers):
+                    inner.update_step(gradient, buffer, learning_rate)
+
+        return elementwise
+
+    def _decayed(self, index, value, learning_rate):
+        """`value` (a shard of variable `index`) after Keras's weight decay."""
+        inner = self.inner
+        if inner.weight_decay is None or not inner._use_weight_decay(self.variables[index]):
+            return value
+        lr = tf.cast(learning_rate, value.dtype)
+        wd = tf.cast(inner.weight_decay, value.dtype)
+        return value - value * wd * lr
 
 
 def _slots(optimizer, variables, replicated=()):
