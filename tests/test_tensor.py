@@ -155,3 +155,15 @@ def test_optimizer_that_is_not_elementwise_is_refused_before_a_step():
     with pytest.raises(NotImplementedError, match=r"`global_clipnorm=1.0`.*`tensor=2`"):
         model.fit(*data(64), batch_size=32, verbose=0)
     assert model.optimizer.iterations.numpy() == 0
+
+
+def test_adafactor_is_refused_with_tensor_parallelism():
+    # Its updates use whole-variable RMS and row/column means: exact on
+    # ZeRO's shards (tfdist has a sharded update for that), not on tensor
+    # shards, where Keras's own update would see one slice.
+    strategy = tfdist.Strategy(tensor=2, devices=devices(2))
+    with strategy.scope():
+        model = make_model(optimizer=keras.optimizers.Adafactor())
+    with pytest.raises(ValueError, match=r"`tensor=2` shards optimizer state.*Adafactor"):
+        model.fit(*data(64), batch_size=32, verbose=0)
+    assert model.optimizer.iterations.numpy() == 0

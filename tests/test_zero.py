@@ -29,20 +29,41 @@ OPTIMIZERS = {
     "adamw": lambda: _excluding_bias(keras.optimizers.AdamW(1e-2, weight_decay=0.05)),
     "lion": lambda: keras.optimizers.Lion(
         keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=20), weight_decay=1e-2),
+    # Not elementwise: factored second moments, whole-variable RMS.
+    "adafactor": lambda: _excluding_bias(keras.optimizers.Adafactor(
+        _schedule(), weight_decay=1e-3, clip_threshold=0.5)),
 }
 
 
-def train_with(name, n=4, microbatches=1, **config):
+def make_uneven_model(optimizer):
+    """A small model whose variables do not split evenly into 4 shards: shards
+    start mid-row (kernels (10, 7), (7, 4)), cross the leading axis of a rank-3
+    kernel ((3, 4, 5)), and end in padding (biases of 5 and 7)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Reshape((4, 4)),
+        keras.layers.Conv1D(5, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(7, activation="tanh"),
+        keras.layers.Dense(4),
+    ])
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def train_with(name, n=4, microbatches=1, make=make_model, **config):
     strategy = tfdist.Strategy(data=n, microbatches=microbatches, devices=devices(n), **config)
-    return train(strategy, make=lambda: make_model(optimizer=OPTIMIZERS[name]()))
+    return train(strategy, make=lambda: make(optimizer=OPTIMIZERS[name]()))
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_zero1_and_zero2_match_zero0_on_the_same_mesh(name, microbatches):
-    reference = train_with(name, microbatches=microbatches)
+    reference = train_with(name, microbatches=microbatches, make=make_uneven_model)
     for zero in (1, 2):
-        result = train_with(name, microbatches=microbatches, zero=zero)
+        result = train_with(name, microbatches=microbatches, zero=zero, make=make_uneven_model)
         # The same arithmetic except the order of the gradient sum (zero=2
         # sums the replicas' shards after an all-to-all, not in a ring).
         assert_parity(result, reference, rtol=1e-5, atol=1e-6)
@@ -86,6 +107,25 @@ def test_worst_device_holds_a_1_over_n_share_of_the_optimizer_state(n):
     assert len(components) == n and {c.device for c in components} == {
         tf.DeviceSpec.from_string(d).to_string() for d in strategy.extended.worker_devices}
     assert all(c.shape.num_elements() == big.shape.num_elements() // n for c in components)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_adafactor_shards_its_velocity_and_keeps_row_and_column_statistics_whole(n):
+    strategy = tfdist.Strategy(data=n, zero=1, devices=devices(n))
+    with strategy.scope():
+        model = make_big_first_layer(keras.optimizers.Adafactor())
+    model.fit(*data(64), batch_size=64, verbose=0)
+    per_device = optimizer_state_bytes(model.optimizer)
+    assert sorted(per_device) == [f"CPU:{i}" for i in range(n)]
+    # The velocity (one float32 per parameter) is split 1/n; r and c (one
+    # float32 per row and per column of kernels (16, 512) and (512, 4)) are
+    # replicated, as are the int32 placeholders of the two biases' r and c,
+    # the iteration counter and the learning rate.
+    velocity = 4 * sum(v.shape.num_elements() for v in model.trainable_variables)
+    rows_and_columns = 4 * (16 + 512 + 512 + 4)
+    scalars = 4 * 4 + 8 + 4
+    assert max(per_device.values()) <= 1.02 * velocity / n + rows_and_columns + scalars
+    assert min(per_device.values()) >= velocity / n + rows_and_columns + scalars
 
 
 def _step_graph(model):
@@ -197,9 +237,12 @@ def test_overridden_train_step_refuses_zero():
 
 
 def test_mixed_float16_and_xla_match_zero0_on_the_same_mesh():
-    for config in ({"precision": "mixed_float16"}, {"xla": True, "microbatches": 2}):
-        reference = train_with("adam", **config)
-        result = train_with("adam", zero=2 if "precision" in config else 1, **config)
+    # Adafactor: its all-reduces run before the skip-if-non-finite branch.
+    for name, config in (("adam", {"precision": "mixed_float16"}),
+                         ("adafactor", {"precision": "mixed_float16"}),
+                         ("adam", {"xla": True, "microbatches": 2})):
+        reference = train_with(name, **config)
+        result = train_with(name, zero=2 if "precision" in config else 1, **config)
         # float16 compute, but the same per-replica arithmetic as the reference.
         assert_parity(result, reference, rtol=1e-5, atol=1e-6)
         if "precision" in config:

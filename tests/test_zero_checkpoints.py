@@ -3,6 +3,7 @@
 import h5py
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfdist
@@ -11,15 +12,21 @@ from helpers import StepLosses, data, devices, make_model
 CHUNK = 160  # examples per training segment: 5 steps of 32
 
 
-def _optimizer():
-    schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=4, decay_rate=0.8)
-    return keras.optimizers.Adam(schedule, weight_decay=1e-3)
+def _schedule():
+    return keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=4, decay_rate=0.8)
 
 
-def _fresh(n, zero):
+# Adam: slots only. Adafactor: also its replicated factored statistics.
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(_schedule(), weight_decay=1e-3),
+    "adafactor": lambda: keras.optimizers.Adafactor(_schedule(), weight_decay=1e-3),
+}
+
+
+def _fresh(n, zero, optimizer):
     strategy = tfdist.Strategy(data=n, zero=zero if n > 1 else 0, devices=devices(n))
     with strategy.scope():
-        model = make_model(optimizer=_optimizer())
+        model = make_model(optimizer=OPTIMIZERS[optimizer]())
     return strategy, model
 
 
@@ -41,18 +48,18 @@ def _assert_same(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-def reshard_chain(zero, tmp_path):
+def reshard_chain(zero, optimizer, tmp_path):
     """Trains on 4 devices, then 2, 1 and 4 again, moving the whole state
     between them with tf.train.Checkpoint, save_weights and model.save."""
     x, y = data()
     losses = []
     # 4 devices.
-    strategy, model = _fresh(4, zero)
+    strategy, model = _fresh(4, zero, optimizer)
     losses += _fit(model, 0)
     saved = _state(model)
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(tmp_path / "ckpt")
     # 4 -> 2: restored into an optimizer already sharded over 2 (built first).
-    strategy, model = _fresh(2, zero)
+    strategy, model = _fresh(2, zero, optimizer)
     strategy.train_step(model).build((x[:32], y[:32]))
     tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(path).assert_consumed()
     _assert_same(_state(model), saved)
@@ -60,7 +67,7 @@ def reshard_chain(zero, tmp_path):
     saved = _state(model)
     model.save_weights(tmp_path / "two.weights.h5")
     # 2 -> 1.
-    strategy, model = _fresh(1, 0)
+    strategy, model = _fresh(1, 0, optimizer)
     strategy.train_step(model).build((x[:32], y[:32]))
     model.load_weights(tmp_path / "two.weights.h5")
     _assert_same(_state(model), saved)
@@ -76,10 +83,11 @@ def reshard_chain(zero, tmp_path):
     return losses, _state(model), tmp_path
 
 
-def test_resharding_4_2_1_4_continues_exactly_as_unsharded(tmp_path):
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_resharding_4_2_1_4_continues_exactly_as_unsharded(tmp_path, optimizer):
     # zero=2 (zero=1 saves and loads through the same sharded storage).
-    reference, ref_state, _ = reshard_chain(0, tmp_path / "plain")
-    losses, state, files = reshard_chain(2, tmp_path / "zero2")
+    reference, ref_state, _ = reshard_chain(0, optimizer, tmp_path / "plain")
+    losses, state, files = reshard_chain(2, optimizer, tmp_path / "zero2")
     assert len(losses) == len(reference) == 20
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
     for value, ref in zip(state, ref_state):

@@ -1,15 +1,22 @@
 """Benchmark: sharded optimizer state (zero=1, zero=2) against zero=0.
 
-    python tools/bench_zero.py [--rounds=20] [--out=results.jsonl]
+    python tools/bench_zero.py [--rounds=30] [--out=results.jsonl]
 
 For N in {2, 4, 8} logical CPU devices, three models of the same digits MLP
 (Adam) are trained under `tfdist.Strategy(data=N, zero=z)` for z = 0, 1, 2:
 
 - optimizer-state bytes per device (largest and smallest over the N devices,
   summed over every physical component of every optimizer variable);
-- epoch time, the three models timed in alternation in one process (order
-  rotated every round; this machine is shared and noisy: only ratios measured
-  side by side mean anything); the median of per-round ratios zero=z / zero=0.
+- epoch time, the three models timed in alternation in one process, the order
+  reversed every round (0, 1, 2 then 2, 1, 0: each of zero=1 and zero=2 runs
+  as often just before zero=0 as just after). A shared machine is noisy: only
+  ratios measured side by side mean anything. Reported: the median of the
+  per-round ratios zero=z / zero=0 and their quartiles (the spread of the
+  noise), and the load average before and after;
+- the same for the process's CPU time per epoch (user + system, all threads):
+  the work done, which other processes on the machine disturb far less than
+  the wall time (on an idle machine with as many cores as devices, wall time
+  is what counts).
 
 Writes one JSON line per result (stdout, and `--out` if given), then a table.
 """
@@ -22,8 +29,8 @@ import time
 
 from absl import app, flags
 
-flags.DEFINE_integer("rounds", 20, "Alternating timed epochs per model.")
-flags.DEFINE_integer("examples", 8192, "Examples per epoch.")
+flags.DEFINE_integer("rounds", 30, "Alternating timed epochs per model.")
+flags.DEFINE_integer("examples", 4096, "Examples per epoch.")
 flags.DEFINE_integer("batch_size", 512, "Global batch size.")
 flags.DEFINE_integer("hidden", 512, "Hidden width of the MLP.")
 flags.DEFINE_list("devices", ["2", "4", "8"], "Values of N to measure.")
@@ -41,9 +48,17 @@ def emit(record):
 
 
 def timed_epoch(model, x, y):
-    start = time.perf_counter()
+    """(wall seconds, CPU seconds of this process) of one epoch."""
+    wall, cpu = time.perf_counter(), time.process_time()
     model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, shuffle=False, verbose=0)
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def summary(times, reference):
+    """Median and quartiles of the per-round ratios `times` / `reference`."""
+    ratios = [a / b for a, b in zip(times, reference)]
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return {"median": median, "q1": q1, "q3": q3}
 
 
 def measure(n, x, y):
@@ -58,19 +73,25 @@ def measure(n, x, y):
         with strategy.scope():
             models[zero] = digits.build_model(hidden=FLAGS.hidden)
         timed_epoch(models[zero], x, y)  # trace, shard, warm up
-    times = {zero: [] for zero in STAGES}
+    wall = {zero: [] for zero in STAGES}
+    cpu = {zero: [] for zero in STAGES}
+    load_before = os.getloadavg()[0]
     for r in range(FLAGS.rounds):
-        order = STAGES[r % 3:] + STAGES[:r % 3]
-        for zero in order:
-            times[zero].append(timed_epoch(models[zero], x, y))
+        for zero in STAGES if r % 2 == 0 else reversed(STAGES):
+            seconds, cpu_seconds = timed_epoch(models[zero], x, y)
+            wall[zero].append(seconds)
+            cpu[zero].append(cpu_seconds)
+    load_after = os.getloadavg()[0]
     records = []
     for zero in STAGES:
         sizes = optimizer_state_bytes(models[zero].optimizer).values()
-        ratios = [a / b for a, b in zip(times[zero], times[0])]
         record = {"bench": "zero", "devices": n, "zero": zero,
                   "optimizer_bytes_max": max(sizes), "optimizer_bytes_min": min(sizes),
-                  "epoch_median_s": statistics.median(times[zero]),
-                  "median_ratio_to_zero0": statistics.median(ratios),
+                  "epoch_median_s": statistics.median(wall[zero]),
+                  "epoch_cpu_median_s": statistics.median(cpu[zero]),
+                  "wall_ratio": summary(wall[zero], wall[0]),
+                  "cpu_ratio": summary(cpu[zero], cpu[0]),
+                  "load_before": load_before, "load_after": load_after,
                   "rounds": FLAGS.rounds, "examples": FLAGS.examples,
                   "batch_size": FLAGS.batch_size, "hidden": FLAGS.hidden}
         emit(record)
@@ -90,11 +111,15 @@ def main(argv):
     records = []
     for n in FLAGS.devices:
         records += measure(int(n), x, y)
-    print("\n| N | zero | optimizer bytes / device (max) | median epoch (s) | ratio to zero=0 |"
-          "\n|---|---|---|---|---|")
+    print("\n| N | zero | optimizer bytes / device (max) | wall epoch (s) | wall ratio "
+          "(quartiles) | CPU epoch (s) | CPU ratio (quartiles) | load (1 min) |"
+          "\n|---|---|---|---|---|---|---|---|")
     for r in records:
+        wall, cpu = r["wall_ratio"], r["cpu_ratio"]
         print(f"| {r['devices']} | {r['zero']} | {r['optimizer_bytes_max']:,} | "
-              f"{r['epoch_median_s']:.3f} | {r['median_ratio_to_zero0']:.3f} |")
+              f"{r['epoch_median_s']:.3f} | {wall['median']:.3f} ({wall['q1']:.2f}-{wall['q3']:.2f}) | "
+              f"{r['epoch_cpu_median_s']:.3f} | {cpu['median']:.3f} ({cpu['q1']:.2f}-{cpu['q3']:.2f}) | "
+              f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """`BackupAndRestore` that every task of a multi-worker job can share."""
 
+import json
 import os
 import tempfile
 
 import keras
+import tensorflow as tf
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -15,10 +17,14 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     on where to resume and the job hangs. Here only the task that checkpoints
     for the job (the chief, or worker 0 without one: the strategy's
     `extended.should_checkpoint`) writes and deletes the backup, and every task
-    restores from it, so all resume at the same step. With one task it is
-    Keras's callback unchanged. With `zero`, reading the sharded optimizer
-    state gathers it from every task, so the other tasks join each save (into a
-    private temporary file they delete).
+    restores from it, so all resume at the same step. With `zero`, reading the
+    sharded optimizer state gathers it from every task, so the other tasks join
+    each save (into a private temporary file they delete). The backup's files
+    are written aside and renamed into place: a save that does not finish (with
+    `zero`, any task's death interrupts it) leaves the previous backup whole,
+    where Keras's in-place write would leave a truncated file whose optimizer
+    state a restart silently skips. Otherwise, and with one task, it is Keras's
+    callback.
 
     Args: as `keras.callbacks.BackupAndRestore`; `backup_dir` must be a
         directory every task reads (a shared volume on Kubernetes, any local
@@ -41,10 +47,29 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _save_model(self):
         if self._writes():
-            super()._save_model()
+            self._save_aside()
         elif _has_sharded_state(self.model):
             with tempfile.TemporaryDirectory() as private:
                 self.model.save_weights(os.path.join(private, "backup.weights.h5"))
+
+    def _save_aside(self):
+        """Keras's `_save_model`, each file written aside then renamed over the last."""
+        gfile = tf.io.gfile
+        gfile.makedirs(self.backup_dir)
+        latest = ((self._weights_path, self._prev_weights_path),
+                  (self._training_metadata_path, self._prev_training_metadata_path))
+        if self.double_checkpoint:
+            for path, previous in latest:
+                if gfile.exists(path):
+                    gfile.copy(path, previous, overwrite=True)
+        partial = os.path.join(self.backup_dir, "partial.weights.h5")
+        self.model.save_weights(partial, overwrite=True)
+        gfile.rename(partial, self._weights_path, overwrite=True)
+        metadata = {"epoch": self._current_epoch, "batch": self._last_batch_seen}
+        partial = os.path.join(self.backup_dir, "partial_training_metadata.json")
+        with gfile.GFile(partial, "w") as f:
+            f.write(json.dumps(metadata))
+        gfile.rename(partial, self._training_metadata_path, overwrite=True)
 
     def on_train_end(self, logs=None):
         if self._writes():

@@ -288,7 +288,8 @@ def check_trainable(model, config: ParallelConfig):
     if config.zero:
         check_shardable(optimizer, config.zero)
     if config.tensor > 1:  # split weights are updated shard by shard
-        check_shardable(optimizer, config.zero, mode=f"`tensor={config.tensor}`")
+        check_shardable(optimizer, config.zero, mode=f"`tensor={config.tensor}`",
+                        elementwise_only=True)
     policy = model.dtype_policy.name
     if policy != config.precision:
         raise ValueError(

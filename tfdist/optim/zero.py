@@ -25,6 +25,8 @@ else. One step, in replica context:
 This is exact for optimizers whose update is elementwise (each element of the
 new variable and slots depends only on the same element of the gradient,
 variable and slots, plus scalars): see `ELEMENTWISE` and `elementwise`.
+Adafactor, which is not, has its own exact update on shards
+(`tfdist.optim.adafactor`, in `SHARDED_UPDATES`).
 
 The user's optimizer object stays `model.optimizer` ("the face": callbacks,
 the learning rate and `iterations` read it); only its slots' storage moves
@@ -40,6 +42,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.collectives import all_gather, reduce_scatter
+from tfdist.optim import adafactor
 from tfdist.optim.layout import ShardLayout
 from tfdist.optim.sharded import ShardedStorage, shard_keras_variable
 
@@ -50,6 +53,11 @@ ELEMENTWISE = {
     keras.optimizers.Adamax, keras.optimizers.RMSprop, keras.optimizers.Adagrad,
     keras.optimizers.Adadelta, keras.optimizers.Lion,
 }
+# Keras optimizers that are not elementwise but have an exact update on shards
+# in tfdist: a module with `updates(optimizer, gradients, values, layouts,
+# indices, learning_rate)` (returns the assignments to make) and
+# `replicated_state(optimizer)` (small state every replica keeps whole).
+SHARDED_UPDATES = {keras.optimizers.Adafactor: adafactor}
 _declared = set()
 
 
@@ -78,16 +86,20 @@ def elementwise(cls):
     return cls
 
 
-def check_shardable(optimizer, zero: int, mode=None):
+def check_shardable(optimizer, zero: int, mode=None, elementwise_only=False):
     """Errors for an optimizer (or options) whose state cannot be sharded exactly.
 
     `mode` names the option that shards it in the messages (default `zero=...`).
+    With `elementwise_only`, optimizers that need their own sharded update
+    (`SHARDED_UPDATES`, such as Adafactor) are refused too.
     """
     mode = mode or f"`zero={zero}`"
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     cls = type(inner)
-    if cls not in ELEMENTWISE and cls not in _declared:
-        names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
+    known = ELEMENTWISE | set(_declared) | (set() if elementwise_only else set(SHARDED_UPDATES))
+    if cls not in known:
+        names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE | (
+            set() if elementwise_only else set(SHARDED_UPDATES))))
         raise ValueError(
             f"{mode} shards optimizer state element by element, which is "
             f"exact only for optimizers whose update is elementwise; tfdist does "
@@ -138,7 +150,7 @@ class ZeroUpdate:
         self.variables = list(self.inner._trainable_variables)
         self.layouts = [ShardLayout(v.shape, self.num_shards) for v in self.variables]
         with strategy.scope():
-            for slot, _ in _slots(self.inner, self.variables):
+            for slot, _ in _slots(self.inner, self.variables, self._replicated()):
                 shard_keras_variable(slot, self.num_shards, strategy)
             # The parameter shards each replica updates (working buffers).
             self.buffers = [
@@ -146,6 +158,11 @@ class ZeroUpdate:
                                       f"{v.path.replace('/', '_')}_shard", v.dtype)
                 for v, layout in zip(self.variables, self.layouts)
             ]
+
+    def _replicated(self):
+        """State every replica keeps whole (not sharded)."""
+        rule = SHARDED_UPDATES.get(type(self.inner))
+        return rule.replicated_state(self.inner) if rule else []
 
     def __call__(self, grads):
         """Applies `grads` (this replica's, aligned with `model.trainable_weights`)."""
@@ -170,11 +187,14 @@ class ZeroUpdate:
         with tf.name_scope("apply"):
             for i in indices:
                 self.buffers[i].assign(self.layouts[i].shard(self.variables[i].value, replica))
+            if self.scaler is not None:
+                shards = [g / self.scaler.dynamic_scale for g in shards]
+            update = self._update(shards, indices)
             if self.scaler is None:
-                self._apply(shards, indices)
+                update()
                 applied = 1
             else:
-                tf.cond(finite, lambda: self._apply_scaled(shards, indices),
+                tf.cond(finite, lambda: self._update_scaled(update),
                         self.scaler._stateful_handle_non_finite_grads)
                 applied = tf.cast(finite, self.inner._iterations.dtype)
             # After the update (which reads it), outside the cond (a merge call).
@@ -188,11 +208,10 @@ class ZeroUpdate:
                 if variable.constraint is not None:
                     variable.assign(variable.constraint(variable))
 
-    def _apply_scaled(self, shards, indices):
+    def _update_scaled(self, update):
         """The finite-gradient branch under a LossScaleOptimizer."""
         scaler = self.scaler
-        scale = scaler.dynamic_scale
-        self._apply([g / scale for g in shards], indices)
+        update()
 
         def upscale():
             scaler.step_counter.assign(0)
@@ -204,40 +223,62 @@ class ZeroUpdate:
         tf.cond(tf.equal(scaler.step_counter, scaler.dynamic_growth_steps - 1),
                 upscale, increment)
 
-    def _apply(self, shards, indices):
-        """Keras's `apply` (without the counter) on this replica's shards."""
+    def _update(self, shards, indices):
+        """Keras's `apply` (without the counter) on this replica's shards, as
+        a function that makes the update (called in the step, or in its
+        finite-gradient branch). What needs the other replicas (Adafactor's
+        sums) is computed now, so no collective is inside a branch."""
         inner = self.inner
         if inner.loss_scale_factor is not None:
             shards = [g / inner.loss_scale_factor for g in shards]
         shards = inner._clip_gradients(shards)  # clipvalue: elementwise
         learning_rate = inner.learning_rate
         buffers = [self.buffers[i] for i in indices]
-        if inner.weight_decay is not None:
+        rule = SHARDED_UPDATES.get(type(inner))
+        if rule is not None:
+            values = [self._decayed(i, b.value(), learning_rate) for i, b in zip(indices, buffers)]
+            state, new_values = rule.updates(inner, shards, values,
+                                             [self.layouts[i] for i in indices],
+                                             indices, learning_rate)
+            assignments = state + list(zip(buffers, new_values))
+            return lambda: [inner.assign(variable, value) for variable, value in assignments]
+
+        def elementwise():
             for i, buffer in zip(indices, buffers):
-                if inner._use_weight_decay(self.variables[i]):
-                    lr = tf.cast(learning_rate, buffer.dtype)
-                    wd = tf.cast(inner.weight_decay, buffer.dtype)
-                    buffer.assign_sub(buffer * wd * lr)
-        with _indexed_as(inner, buffers, indices):
-            for gradient, buffer in zip(shards, buffers):
-                inner.update_step(gradient, buffer, learning_rate)
+                buffer.assign(self._decayed(i, buffer.value(), learning_rate))
+            with _indexed_as(inner, buffers, indices):
+                for gradient, buffer in zip(shards, buffers):
+                    inner.update_step(gradient, buffer, learning_rate)
+
+        return elementwise
+
+    def _decayed(self, index, value, learning_rate):
+        """`value` (a shard of variable `index`) after Keras's weight decay."""
+        inner = self.inner
+        if inner.weight_decay is None or not inner._use_weight_decay(self.variables[index]):
+            return value
+        lr = tf.cast(learning_rate, value.dtype)
+        wd = tf.cast(inner.weight_decay, value.dtype)
+        return value - value * wd * lr
 
 
-def _slots(optimizer, variables):
+def _slots(optimizer, variables, replicated=()):
     """(slot, variable index) of every per-variable slot of a Keras optimizer.
 
     Keras optimizers keep slots in lists aligned with the variables they were
-    built on (`add_optimizer_variables`); any other non-scalar state is refused.
+    built on (`add_optimizer_variables`); any other state, except the known
+    `replicated` variables, is refused.
     """
+    skip = {id(v) for v in replicated}
     found = {}
     for value in vars(optimizer).values():
         if not isinstance(value, (list, tuple)) or len(value) != len(variables):
             continue
         for i, (slot, variable) in enumerate(zip(value, variables)):
             if (isinstance(slot, keras.Variable) and slot is not variable
-                    and slot.shape == variable.shape):
+                    and id(slot) not in skip and slot.shape == variable.shape):
                 found[id(slot)] = (slot, i)
-    known = {id(optimizer._iterations), id(getattr(optimizer, "_learning_rate", None))}
+    known = skip | {id(optimizer._iterations), id(getattr(optimizer, "_learning_rate", None))}
     for variable in optimizer.variables:
         if id(variable) not in found and id(variable) not in known:
             raise ValueError(
