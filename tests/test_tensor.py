@@ -135,9 +135,7 @@ def test_unchanged_model_with_indivisible_units_stays_replicated_and_says_why():
     assert "no Dense consumes its output alone" in lines[2]
 
 
-@pytest.mark.parametrize("fields, name", [({"zero": 1}, "zero"), ({"xla": True}, "xla"),
-                                          ({"microbatches": 2}, "microbatches"),
-                                          ({"precision": "mixed_float16"}, "precision")])
+@pytest.mark.parametrize("fields, name", [({"zero": 1}, "zero"), ({"xla": True}, "xla")])
 def test_modes_not_composed_yet_say_so(fields, name):
     with pytest.raises(NotImplementedError, match=rf"`tensor=2` with `{name}="):
         tfdist.Strategy(tensor=2, devices=devices(4), **fields)

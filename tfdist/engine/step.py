@@ -84,6 +84,15 @@ class TrainStep:
             self._compute = tf.function(
                 self._compute_gradients, jit_compile=True, reduce_retracing=True
             )
+        elif config.tensor > 1 and config.microbatches > 1:
+            # The replicas are traced into one graph, in which TensorFlow
+            # chains every stateful op without a resource (the loss's shape
+            # asserts) in program order: replica 0's microbatch 1, which waits
+            # for its microbatch 0's gradient all-reduce, would come before
+            # replica 1's microbatch 0 and that all-reduce would never meet
+            # its peer. One function call per microbatch keeps each replica's
+            # chain inside its own calls.
+            self._compute = tf.function(self._compute_gradients, reduce_retracing=True)
 
     def build(self, data):
         """Creates every variable the step needs, from a batch or its spec.
@@ -249,8 +258,12 @@ class TrainStep:
     def reduce_gradients(self, grads):
         """Phase 2: one batched all-reduce (sum) of every gradient across replicas
         (with `tensor` > 1: across the replicas of the same tensor rank)."""
-        if self._mesh() is not None:
-            return self._mesh().reduce_gradients(grads)
+        mesh = self._mesh()
+        if mesh is not None:
+            grads = mesh.reduce_gradients(grads)
+            if isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer):
+                grads = mesh.share_non_finite(grads)  # the same skip everywhere
+            return grads
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return grads

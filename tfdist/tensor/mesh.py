@@ -178,6 +178,35 @@ class TensorMesh:
         return [None if g is None else next(reduced) for g in grads]
 
 
+    def share_non_finite(self, grads):
+        """`grads` (reduced, dense) made non-finite on every rank of the
+        tensor group if they are on any.
+
+        Loss scaling skips a step whose gradients are not all finite; the
+        ranks of a tensor group hold the gradients of different shards, so
+        one rank may overflow alone. One scalar all-reduce over the group
+        counts the non-finite values; if there are any, each rank adds NaN to
+        its first gradient, so the optimizer skips the step on every replica.
+
+        Example:
+
+        ```python
+        grads = mesh.share_non_finite(mesh.reduce_gradients(grads))
+        ```
+        """
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return grads
+        count = tf.add_n([tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(grads[i])),
+                                                tf.float32)) for i in present])
+        count = self._tensor_launcher().all_reduce(tf.reshape(count, [1]))[0]
+        first = present[0]
+        poison = tf.where(count > 0, float("nan"), 0.0)
+        grads = list(grads)
+        grads[first] = grads[first] + tf.cast(poison, grads[first].dtype)
+        return grads
+
+
 def check_tensor_config(config):
     """Refuses what `tensor` > 1 does not compose with yet; returns `config`.
 
@@ -187,8 +216,7 @@ def check_tensor_config(config):
     2
     """
     if config.tensor > 1:
-        for name, off in (("zero", 0), ("xla", False), ("microbatches", 1),
-                          ("precision", "float32")):
+        for name, off in (("zero", 0), ("xla", False)):
             if getattr(config, name) != off:
                 raise NotImplementedError(
                     f"`tensor={config.tensor}` with `{name}={getattr(config, name)!r}` "
