@@ -11,8 +11,9 @@ One call is one optimizer step on one replica (it runs in replica context, insid
    step, whatever the number of microbatches.
 3. **apply**: the model's own optimizer applies the reduced gradients (its own
    reduction is switched off for that call: the gradients are already reduced).
-   Under loss scaling, every replica sees the same reduced gradients, so a
-   non-finite gradient on any replica skips the step on every replica.
+   Under loss scaling, every replica sees the same reduced gradients (with
+   `tensor` > 1, a non-finite gradient is shared across the tensor group), so
+   a non-finite gradient on any replica skips the step on every replica.
 
 With `zero` > 0, phases 2 and 3 are `tfdist.optim.zero.ZeroUpdate`'s: the
 gradients are all-reduced (zero=1) or reduce-scattered (zero=2), each replica

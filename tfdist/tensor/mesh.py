@@ -215,13 +215,20 @@ def check_tensor_config(config):
     >>> check_tensor_config(ParallelConfig(tensor=2, data=2)).tensor  # doctest: +SKIP
     2
     """
-    if config.tensor > 1:
-        for name, off in (("zero", 0), ("xla", False)):
-            if getattr(config, name) != off:
-                raise NotImplementedError(
-                    f"`tensor={config.tensor}` with `{name}={getattr(config, name)!r}` "
-                    f"is not available in this version of tfdist; use {name}={off!r} "
-                    f"with tensor parallelism.")
+    if config.tensor > 1 and config.zero:
+        raise NotImplementedError(
+            f"`tensor={config.tensor}` with `zero={config.zero}` is not available in "
+            f"this version of tfdist; use zero=0 with tensor parallelism.")
+    if config.tensor > 1 and config.xla:
+        # The split layers all-reduce inside the forward and backward pass that
+        # `xla` compiles, and TensorFlow's XLA bridge has no collectives for
+        # CPU devices ("Collectives are not yet implemented for CPU devices
+        # when compiling with XLA").
+        raise NotImplementedError(
+            f"`tensor={config.tensor}` with `xla=True` is not available: the "
+            f"tensor-parallel layers all-reduce inside the compiled computation, "
+            f"and TensorFlow cannot compile collectives with XLA on CPU devices. "
+            f"Use xla=False with tensor parallelism.")
     return config
 
 
