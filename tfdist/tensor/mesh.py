@@ -177,7 +177,6 @@ class TensorMesh:
         reduced = iter([g * tf.cast(self.tensor, g.dtype) for g in present])
         return [None if g is None else next(reduced) for g in grads]
 
-
     def share_non_finite(self, grads):
         """`grads` (reduced, dense) made non-finite on every rank of the
         tensor group if they are on any.
@@ -220,10 +219,8 @@ def check_tensor_config(config):
             f"`tensor={config.tensor}` with `zero={config.zero}` is not available in "
             f"this version of tfdist; use zero=0 with tensor parallelism.")
     if config.tensor > 1 and config.xla:
-        # The split layers all-reduce inside the forward and backward pass that
-        # `xla` compiles, and TensorFlow's XLA bridge has no collectives for
-        # CPU devices ("Collectives are not yet implemented for CPU devices
-        # when compiling with XLA").
+        # TensorFlow: "Collectives are not yet implemented for CPU devices
+        # when compiling with XLA".
         raise NotImplementedError(
             f"`tensor={config.tensor}` with `xla=True` is not available: the "
             f"tensor-parallel layers all-reduce inside the compiled computation, "
