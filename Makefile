@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(BIN)/python tools/bench_profiling.py
 	$(BIN)/python tools/bench_ps.py
 	$(BIN)/python tools/bench_zero.py
+	$(BIN)/python tools/bench_tensor.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -11,8 +11,9 @@ One call is one optimizer step on one replica (it runs in replica context, insid
    step, whatever the number of microbatches.
 3. **apply**: the model's own optimizer applies the reduced gradients (its own
    reduction is switched off for that call: the gradients are already reduced).
-   Under loss scaling, every replica sees the same reduced gradients, so a
-   non-finite gradient on any replica skips the step on every replica.
+   Under loss scaling, every replica sees the same reduced gradients (with
+   `tensor` > 1, a non-finite gradient is shared across the tensor group), so
+   a non-finite gradient on any replica skips the step on every replica.
 
 With `zero` > 0, phases 2 and 3 are `tfdist.optim.zero.ZeroUpdate`'s: the
 gradients are all-reduced (zero=1) or reduce-scattered (zero=2), each replica
@@ -84,6 +85,15 @@ class TrainStep:
             self._compute = tf.function(
                 self._compute_gradients, jit_compile=True, reduce_retracing=True
             )
+        elif config.tensor > 1 and config.microbatches > 1:
+            # The replicas are traced into one graph, in which TensorFlow
+            # chains every stateful op without a resource (the loss's shape
+            # asserts) in program order: replica 0's microbatch 1, which waits
+            # for its microbatch 0's gradient all-reduce, would come before
+            # replica 1's microbatch 0 and that all-reduce would never meet
+            # its peer. One function call per microbatch keeps each replica's
+            # chain inside its own calls.
+            self._compute = tf.function(self._compute_gradients, reduce_retracing=True)
 
     def build(self, data):
         """Creates every variable the step needs, from a batch or its spec.
@@ -249,8 +259,12 @@ class TrainStep:
     def reduce_gradients(self, grads):
         """Phase 2: one batched all-reduce (sum) of every gradient across replicas
         (with `tensor` > 1: across the replicas of the same tensor rank)."""
-        if self._mesh() is not None:
-            return self._mesh().reduce_gradients(grads)
+        mesh = self._mesh()
+        if mesh is not None:
+            grads = mesh.reduce_gradients(grads)
+            if isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer):
+                grads = mesh.share_non_finite(grads)  # the same skip everywhere
+            return grads
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return grads
