@@ -22,6 +22,7 @@ import sys
 import time
 
 from absl import app, flags
+from results import emit
 
 flags.DEFINE_integer("rounds", 40, "Alternating timed epochs per strategy.")
 flags.DEFINE_integer("examples", 16384, "Examples per epoch.")
@@ -36,14 +37,6 @@ flags.DEFINE_integer("k", None, "Internal: measure one k in this process.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 FLAGS = flags.FLAGS
 DEVICES = 4
-
-
-def emit(record):
-    line = json.dumps(record)
-    print(line, flush=True)
-    if FLAGS.out:
-        with open(FLAGS.out, "a") as f:
-            f.write(line + "\n")
 
 
 def timed_epoch(model, x, y, batch_size):
@@ -82,7 +75,7 @@ def compare_with_mirrored():
           "mirrored_median_s": statistics.median(times["mirrored"]),
           "median_ratio": statistics.median(ratios), "rounds": FLAGS.rounds,
           "examples": FLAGS.examples, "batch_size": FLAGS.batch_size,
-          "hidden": FLAGS.hidden})
+          "hidden": FLAGS.hidden}, FLAGS.out)
 
 
 def measure_microbatches(k):
@@ -98,7 +91,7 @@ def measure_microbatches(k):
     emit({"bench": "data_parallel", "what": "microbatches", "microbatches": k,
           "examples_per_s": len(x) / seconds,
           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-          "batch_size": batch, "hidden": FLAGS.memory_hidden})
+          "batch_size": batch, "hidden": FLAGS.memory_hidden}, FLAGS.out)
 
 
 def main(argv):

@@ -9,7 +9,6 @@ of the per-round ratios of steps/s with / without (goal >= 0.98: overhead < 2%).
 Writes one JSON line per result, then a table.
 """
 
-import json
 import os
 import statistics
 import sys
@@ -17,6 +16,7 @@ import tempfile
 import time
 
 from absl import app, flags
+from results import emit
 
 flags.DEFINE_integer("rounds", 30, "Alternating pairs of epochs per setting.")
 flags.DEFINE_list("every_n_steps", ["10", "50"],
@@ -65,11 +65,7 @@ def main(argv):
                       "steps_per_s_with": statistics.median(metered),
                       "median_ratio": statistics.median(ratios)}
             rows.append(record)
-            line = json.dumps(record)
-            print(line, flush=True)
-            if FLAGS.out:
-                with open(FLAGS.out, "a") as f:
-                    f.write(line + "\n")
+            emit(record, FLAGS.out)
     print("\n| every_n_steps | steps/s without | steps/s with | median ratio |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['every_n_steps']} | {r['steps_per_s_without']:.1f} | "

@@ -21,6 +21,7 @@ import sys
 import time
 
 from absl import app, flags
+from results import emit
 
 flags.DEFINE_list("workers", ["1", "2", "4", "8"], "Worker counts to measure.")
 flags.DEFINE_integer("delay_ms", 200, "Time each worker takes to produce a batch.")
@@ -109,11 +110,7 @@ def main(argv):
                   "ideal_batches_per_s": round(w * 1000 / FLAGS.delay_ms, 2),
                   "scaling": round(ps / (w * one_worker), 3),
                   "async_over_sync": round(ps / sync, 3)}
-        line = json.dumps(record)
-        print(line, flush=True)
-        if FLAGS.out:
-            with open(FLAGS.out, "a") as f:
-                f.write(line + "\n")
+        emit(record, FLAGS.out)
         rows.append(record)
     print("\n| workers | PS batches/s | scaling vs w x 1 worker | sync batches/s | async / sync |"
           "\n|---|---|---|---|---|")

@@ -25,7 +25,6 @@ pooling and a 10-class head; Adam. For each (data, tensor) mesh:
 Writes one JSON line per mesh (stdout, and `--out` if given), then a table.
 """
 
-import json
 import os
 import shutil
 import statistics
@@ -34,6 +33,7 @@ import tempfile
 import time
 
 from absl import app, flags
+from results import emit
 
 flags.DEFINE_integer("rounds", 10, "Alternating timed epochs per model.")
 flags.DEFINE_integer("steps", 8, "Steps per timed epoch.")
@@ -47,14 +47,6 @@ flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 FLAGS = flags.FLAGS
 CLASSES = 10
 FLOAT = 4  # bytes of a float32 / int32
-
-
-def emit(record):
-    line = json.dumps(record)
-    print(line, flush=True)
-    if FLAGS.out:
-        with open(FLAGS.out, "a") as f:
-            f.write(line + "\n")
 
 
 def build_model():
@@ -183,7 +175,7 @@ def measure(data, tensor, x, y):
               "rounds": FLAGS.rounds, "steps": FLAGS.steps, "batch_size": FLAGS.batch_size,
               "seq": FLAGS.seq, "width": FLAGS.width, "heads": FLAGS.heads,
               "blocks": FLAGS.blocks}
-    emit(record)
+    emit(record, FLAGS.out)
     return record
 
 

@@ -21,13 +21,13 @@ For N in {2, 4, 8} logical CPU devices, three models of the same digits MLP
 Writes one JSON line per result (stdout, and `--out` if given), then a table.
 """
 
-import json
 import os
 import statistics
 import sys
 import time
 
 from absl import app, flags
+from results import emit
 
 flags.DEFINE_integer("rounds", 30, "Alternating timed epochs per model.")
 flags.DEFINE_integer("examples", 4096, "Examples per epoch.")
@@ -37,14 +37,6 @@ flags.DEFINE_list("devices", ["2", "4", "8"], "Values of N to measure.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 FLAGS = flags.FLAGS
 STAGES = (0, 1, 2)
-
-
-def emit(record):
-    line = json.dumps(record)
-    print(line, flush=True)
-    if FLAGS.out:
-        with open(FLAGS.out, "a") as f:
-            f.write(line + "\n")
 
 
 def timed_epoch(model, x, y):
@@ -94,7 +86,7 @@ def measure(n, x, y):
                   "load_before": load_before, "load_after": load_after,
                   "rounds": FLAGS.rounds, "examples": FLAGS.examples,
                   "batch_size": FLAGS.batch_size, "hidden": FLAGS.hidden}
-        emit(record)
+        emit(record, FLAGS.out)
         records.append(record)
     return records
 
