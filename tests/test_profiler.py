@@ -135,7 +135,11 @@ def test_two_launched_workers_write_their_hosts_into_one_run(tmp_path):
         [*TFDIST, "launch", "--workers=2", "--timeout=240", "--",
          sys.executable, str(TRAIN), "--epochs=1", "--profile_steps=2,4"],
         capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stdout[-4000:]
+    # On failure, show each task's last lines (the first to fail is often not
+    # the one whose error ends the output).
+    tails = [[l for l in done.stdout.splitlines() if l.startswith(f"[{task}]")][-25:]
+             for task in ("launch", "worker:0", "worker:1")]
+    assert done.returncode == 0, "\n".join(l for lines in tails for l in lines)
     (run,) = (tmp_path / "plugins" / "profile").iterdir()
     assert sorted(p.name for p in run.iterdir()) == ["worker-0.xplane.pb",
                                                      "worker-1.xplane.pb"]
