@@ -226,16 +226,6 @@ def test_a_declared_elementwise_optimizer_trains_to_parity():
                   reference, rtol=1e-5)
 
 
-def test_overridden_train_step_refuses_zero():
-    from test_engine import make_custom
-
-    strategy = tfdist.Strategy(data=2, zero=1, devices=devices(2))
-    with strategy.scope():
-        model = make_custom()
-    with pytest.raises(ValueError, match=r"overrides `train_step`.*zero=1"):
-        model.fit(*data(64), batch_size=32, verbose=0)
-
-
 def test_mixed_float16_and_xla_match_zero0_on_the_same_mesh():
     # Adafactor: its all-reduces run before the skip-if-non-finite branch.
     for name, config in (("adam", {"precision": "mixed_float16"}),
