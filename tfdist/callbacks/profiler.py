@@ -37,7 +37,9 @@ class Profiler(keras.callbacks.Callback):
         logdir: the TensorBoard log directory (created if missing).
         steps: `(start, stop)`, ints with `0 <= start < stop`.
         tasks: "chief" (the chief, or worker 0 without one, or the only
-            process) or "all" tasks of a multi-worker job.
+            process) or "all" tasks of a multi-worker job. On TensorFlow 2.20,
+            stopping a trace in a task other than the chief can abort it (a
+            TensorFlow bug, see the README's limits): keep a BackupAndRestore.
         run_name: the run's name; default: from the step range and the job's
             cluster, or the start time for a single process.
 
