@@ -75,8 +75,7 @@ def test_config_and_keywords_are_exclusive():
     assert strategy.config.microbatches == 2
 
 
-@pytest.mark.parametrize("fields, name", [({"pipeline": 2}, "pipeline"),
-                                          ({"pipeline": 2, "tensor": 2}, "pipeline"),
+@pytest.mark.parametrize("fields, name", [({"pipeline": 2, "tensor": 2}, "pipeline"),
                                           ({"zero": 3}, "zero")])
 def test_modes_of_later_versions_say_so(fields, name):
     with pytest.raises(NotImplementedError, match=rf"`{name}="):

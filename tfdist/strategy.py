@@ -23,6 +23,8 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from tfdist.config import ParallelConfig
 from tfdist.engine.step import TrainStep, check_microbatches_divide, check_trainable
+from tfdist.pipeline.stages import check_pipeline_config
+from tfdist.pipeline import stages as pipeline_stages
 from tfdist.profiling import start_profiler_server
 from tfdist.tensor import plan as tensor_plan
 from tfdist.tensor.mesh import TensorMesh, check_tensor_config
@@ -126,6 +128,12 @@ class _StepOwner:
         # dense_2  Dense  replicated  no Dense consumes its output alone
         ```
         """
+        if self._config.pipeline > 1:
+            stages = pipeline_stages.plan_stages(
+                model, self._config.pipeline, self.stage_boundaries)
+            per_stage = [[group[s] for group in self.pipeline_devices]
+                         for s in range(self._config.pipeline)]
+            return pipeline_stages.describe(stages, per_stage)
         return tensor_plan.describe(tensor_plan.plan(model, self._config.tensor))
 
     def scope(self):
@@ -263,7 +271,8 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
     ```
     """
 
-    def __init__(self, config=None, *, devices=None, **fields):
+    def __init__(self, config=None, *, devices=None, stage_boundaries=None,
+                 remat=False, **fields):
         if devices is None:
             devices = default_devices()
         elif isinstance(devices, str) or not devices:
@@ -272,13 +281,20 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
                 f"{devices!r}."
             )
         devices = list(devices)
-        config = requested_config(config, fields, available=("tensor",))
+        config = requested_config(config, fields, available=("tensor", "pipeline"))
         config = check_tensor_config(config.resolve(len(devices)))
+        check_pipeline_config(config, stage_boundaries, remat)
         self._init_step_owner(config)
+        self.stage_boundaries = stage_boundaries
+        self.remat = remat
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
-        super().__init__(devices=devices)
+        p = config.pipeline
+        # Data replica r runs stage s on devices[r * p + s]; the replicas'
+        # own devices (where their batches arrive) are the stage-0 ones.
+        self.pipeline_devices = [devices[r * p:(r + 1) * p] for r in range(len(devices) // p)]
+        super().__init__(devices=[group[0] for group in self.pipeline_devices])
         if config.tensor > 1:
             self._tensor_mesh = TensorMesh(self, config.tensor)
 

@@ -38,6 +38,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfdist.config import ParallelConfig
+from tfdist.engine.pipeline import pipeline_compute
 from tfdist.optim.zero import ZeroUpdate, check_shardable
 from tfdist.tensor.plan import partition_model
 
@@ -81,6 +82,7 @@ class TrainStep:
         self._compute = self._compute_gradients
         self._zero = None
         self._partitioned = False
+        self._pipeline = None
         if config.xla:
             self._compute = tf.function(
                 self._compute_gradients, jit_compile=True, reduce_retracing=True
@@ -129,6 +131,9 @@ class TrainStep:
         step.build(dataset.element_spec)   # builds, then prepares
         ```
         """
+        strategy = self.model.distribute_strategy
+        if self.config.pipeline > 1 and self._pipeline is None:
+            self._pipeline = pipeline_compute(self.model, strategy)
         mesh = self._mesh()
         if mesh is not None and not self._partitioned:
             with tf.init_scope():
@@ -194,32 +199,30 @@ class TrainStep:
         Returns the gradients and the metric results after the last microbatch.
         """
         k = self.config.microbatches
-        if k == 1:
+        if k == 1 and self._pipeline is None:
             with tf.name_scope("microbatch0"):
                 return self._microbatch(x, y, sample_weight, None, None)
         batch_size = _batch_size(x)
-        check_microbatches_divide(
-            tf.get_static_value(batch_size), k,
-            self.model.distribute_strategy.num_replicas_in_sync,
-        )
+        if k > 1:
+            check_microbatches_divide(
+                tf.get_static_value(batch_size), k,
+                self.model.distribute_strategy.num_replicas_in_sync,
+            )
+            check_loss_reductions(self.model, k)
+        if self._pipeline is not None:
+            with tf.name_scope("split"):
+                slices = [_microbatch_slice(x, y, sample_weight, i, k, batch_size)
+                          for i in range(k)]
+            return self._pipeline(x, y, sample_weight, slices)
         total = None
         for i in range(k):
             with tf.name_scope(f"microbatch{i}"):
-                start = (i * batch_size) // k
-                stop = ((i + 1) * batch_size) // k
-                x_i, y_i, sw_i = tree.map_structure(
-                    lambda t: None if t is None else t[start:stop],
-                    (x, y, sample_weight),
-                )
-                share = tf.cast(stop - start, tf.float32) / tf.maximum(
-                    tf.cast(batch_size, tf.float32), 1.0
-                )
+                x_i, y_i, sw_i, share, size = _microbatch_slice(
+                    x, y, sample_weight, i, k, batch_size)
                 # One microbatch at a time: its forward starts after the previous
                 # backward, so only one microbatch's activations are alive.
                 with tf.control_dependencies(_tensors(total)):
-                    grads, metrics = self._microbatch(x_i, y_i, sw_i, share, stop - start)
-                if i == 0:
-                    check_loss_reductions(self.model, k)
+                    grads, metrics = self._microbatch(x_i, y_i, sw_i, share, size)
                 total = grads if total is None else _add(total, grads)
         return total, metrics
 
@@ -366,6 +369,20 @@ def _gradients(tape, target, variables):
         (None if isinstance(source, list) else grad)
         for source, grad in zip(sources, grads)
     ]
+
+
+def _microbatch_slice(x, y, sample_weight, i, k, batch_size):
+    """Microbatch i of k: (x, y, sample_weight, share of the batch, size);
+    with k == 1 the batch itself, share None."""
+    if k == 1:
+        return x, y, sample_weight, None, batch_size
+    start = (i * batch_size) // k
+    stop = ((i + 1) * batch_size) // k
+    x_i, y_i, sw_i = tree.map_structure(
+        lambda t: None if t is None else t[start:stop], (x, y, sample_weight))
+    share = tf.cast(stop - start, tf.float32) / tf.maximum(
+        tf.cast(batch_size, tf.float32), 1.0)
+    return x_i, y_i, sw_i, share, stop - start
 
 
 def _batch_size(x):

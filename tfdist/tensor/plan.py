@@ -18,6 +18,7 @@ import dataclasses
 
 import keras
 
+from tfdist.optim.keys import optimizer_keys_follow
 from tfdist.optim.sharded import shard_keras_variable
 from tfdist.optim.zero import _slots
 from tfdist.tensor import partition
@@ -199,17 +200,12 @@ def partition_model(model, mesh):
     model.layers[0].kernel.value.values   # one (in, out/t) shard per device
     ```
     """
+    with optimizer_keys_follow(model):
+        apply(plan(model, mesh.tensor), mesh)
     optimizer = getattr(model, "optimizer", None)
-    built = optimizer is not None and optimizer.built
-    optimizers = [optimizer, getattr(optimizer, "inner_optimizer", None)] if built else []
-    optimizers = [o for o in optimizers if o is not None]
-    keys_before = [{id(v): o._var_key(v) for v in o._trainable_variables} for o in optimizers]
-    apply(plan(model, mesh.tensor), mesh)
-    for o, before in zip(optimizers, keys_before):
-        _rekey(o, before)
-    if not optimizers:
+    if optimizer is None or not optimizer.built:
         return
-    inner = optimizers[-1]
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
     variables = list(inner._trainable_variables)
     with mesh.strategy.scope():
         for slot, index in _slots(inner, variables):
@@ -218,14 +214,3 @@ def partition_model(model, mesh):
                 shard_keras_variable(slot, layout, mesh.strategy)
 
 
-def _rekey(optimizer, before):
-    """Keras's TensorFlow optimizers key variables by their storage; a
-    partitioned variable has new storage, so its keys are renewed."""
-    renamed = {before[id(v)]: optimizer._var_key(v) for v in optimizer._trainable_variables}
-    optimizer._trainable_variables_indices = {
-        renamed.get(key, key): index
-        for key, index in optimizer._trainable_variables_indices.items()}
-    excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
-    if excluded:
-        optimizer._exclude_from_weight_decay = {renamed.get(k, k) for k in excluded}
-    optimizer.__dict__.pop("_exclude_from_weight_decay_cache", None)

@@ -1,0 +1,149 @@
+"""Pipeline parallelism: stages on their devices, both schedules at one-device parity."""
+
+import keras
+import pytest
+import tensorflow as tf
+
+import tfdist
+from helpers import CLASSES, FEATURES, assert_parity, data, devices, train
+from tfdist.pipeline.placement import component_devices
+
+
+def residual_mlp(seed=0, optimizer=None):
+    """An MLP whose residual (from the first block) crosses the stage boundary."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(32, activation="relu", name="in")(inputs)
+    a = keras.layers.Dense(32, activation="tanh", name="a")(h)
+    b = keras.layers.Dense(32, activation="tanh", name="b")(a)
+    c = keras.layers.Dense(32, activation="tanh", name="c")(b)
+    joined = keras.layers.Add(name="skip")([h, c])
+    outputs = keras.layers.Dense(CLASSES, name="out")(joined)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def two_inputs(seed=0):
+    """Two inputs: the second joins after the first stage."""
+    keras.utils.set_random_seed(seed)
+    left = keras.Input((FEATURES // 2,), name="left")
+    right = keras.Input((FEATURES // 2,), name="right")
+    h = keras.layers.Dense(32, activation="relu", name="l1")(left)
+    h = keras.layers.Dense(32, activation="relu", name="l2")(h)
+    r = keras.layers.Dense(32, activation="relu", name="r1")(right)
+    joined = keras.layers.Concatenate(name="cat")([h, r])
+    outputs = keras.layers.Dense(CLASSES, name="out")(joined)
+    model = keras.Model([left, right], outputs)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("remat", [False, True])
+def test_residual_mlp_matches_one_device(schedule, remat):
+    reference = train(make=residual_mlp)
+    strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule=schedule, remat=remat,
+                               devices=devices(2))
+    assert_parity(train(strategy, make=residual_mlp), reference)
+
+
+def test_two_inputs_data_parallel_matches_one_device():
+    x, y = data()
+    x = [x[:, :FEATURES // 2], x[:, FEATURES // 2:]]
+    reference = train(make=two_inputs, x=x, y=y)
+    strategy = tfdist.Strategy(data=2, pipeline=2, microbatches=2, schedule="1f1b",
+                               devices=devices(4))
+    assert_parity(train(strategy, make=two_inputs, x=x, y=y), reference)
+
+
+@pytest.mark.parametrize("data_size, stages", [(2, 2), (1, 4)])
+def test_each_stage_lives_on_its_devices(data_size, stages):
+    mesh = devices(data_size * stages)
+    strategy = tfdist.Strategy(data=data_size, pipeline=stages, microbatches=stages,
+                               devices=mesh)
+    _, _, model = train(strategy, make=lambda: residual_mlp(
+        optimizer=keras.optimizers.Adam(1e-3)))
+    step = strategy.train_step(model)
+
+    def where(variable):
+        return {d.split("device:")[-1] for d in component_devices(variable)}
+
+    mesh = [d.split("device:")[-1] for d in mesh]
+    for stage in step._pipeline.stages:
+        wanted = {mesh[r * stages + stage.index] for r in range(data_size)}
+        for variable in stage.variables:
+            assert where(variable) == wanted, variable.path
+    slots = [v for v in model.optimizer.variables if len(v.shape)]
+    assert slots
+    stage_of = {id(v): s.index for s in step._pipeline.stages for v in s.variables}
+    for slot, variable in zip(model.optimizer._momentums, model.optimizer._trainable_variables):
+        wanted = {mesh[r * stages + stage_of[id(variable)]] for r in range(data_size)}
+        assert where(slot) == wanted, slot.path
+
+
+@pytest.mark.parametrize("schedule, microbatches", [("gpipe", 8), ("1f1b", 8)])
+def test_activations_held_per_stage(schedule, microbatches):
+    stages = 4
+    strategy = tfdist.Strategy(pipeline=stages, microbatches=microbatches,
+                               schedule=schedule, devices=devices(stages))
+    _, _, model = train(strategy, make=residual_mlp)
+    held = strategy.train_step(model)._pipeline.peak_held
+    if schedule == "gpipe":
+        assert held == [microbatches] * stages
+    else:
+        assert held == [stages - s for s in range(stages)]
+
+
+def test_describe_lists_stages_with_devices():
+    strategy = tfdist.Strategy(pipeline=2, microbatches=2, devices=devices(2))
+    with strategy.scope():
+        model = residual_mlp()
+    lines = strategy.describe(model).splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("stage 0  [CPU:0]") and "layers: in" in lines[0]
+    assert lines[1].startswith("stage 1  [CPU:1]") and "out" in lines[1]
+
+
+def test_manual_boundaries():
+    strategy = tfdist.Strategy(pipeline=2, microbatches=2, stage_boundaries=["c"],
+                               devices=devices(2))
+    with strategy.scope():
+        model = residual_mlp()
+    first, second = strategy.describe(model).splitlines()
+    assert "layers: in, a, b" in first and "layers: c, skip, out" in second
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"pipeline": 8, "stage_boundaries": None}, ValueError,
+     r"`pipeline=8` needs at least 8 layers to split, but .* has 6"),
+    ({"pipeline": 2, "stage_boundaries": ["nope"]}, ValueError,
+     r"`stage_boundaries`: no layer named 'nope'"),
+    ({"pipeline": 2, "stage_boundaries": ["a", "b"]}, ValueError,
+     r"`stage_boundaries` must name 1 layer\(s\) for pipeline=2"),
+])
+def test_bad_stages(kwargs, error, message):
+    strategy = tfdist.Strategy(microbatches=8, devices=devices(kwargs["pipeline"]), **kwargs)
+    with strategy.scope():
+        model = residual_mlp()
+    with pytest.raises(error, match=message):
+        strategy.describe(model)
+
+
+def test_bad_config():
+    with pytest.warns(UserWarning, match=r"`microbatches=2` < `pipeline=4`: .*bubble"):
+        tfdist.Strategy(pipeline=4, microbatches=2, devices=devices(4))
+    with pytest.raises(NotImplementedError, match=r"`pipeline=2` with `zero=1`"):
+        tfdist.Strategy(pipeline=2, zero=1, microbatches=2, devices=devices(4))
+    with pytest.raises(ValueError, match=r"`stage_boundaries` and `remat` apply to pipeline"):
+        tfdist.Strategy(remat=True, devices=devices(2))
+    strategy = tfdist.Strategy(pipeline=2, microbatches=4, devices=devices(2))
+    x, y = data()
+    with strategy.scope():
+        model = residual_mlp()
+    with pytest.raises(ValueError, match=r"`microbatches=4` must divide the per-replica batch"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(30, drop_remainder=True),
+                  epochs=1, verbose=0)

@@ -1,0 +1,259 @@
+"""`PipelineSchedule` and `PipelineCompute`: phase 1 of the step with `pipeline` > 1.
+
+Each replica's batch is split into `microbatches` slices that flow through the
+model's stages (`tfdist.pipeline.stages`), stage s computing on its own device.
+The step engine, not TensorFlow's executor, decides the order in which each
+stage runs its units (the forward or the backward of one microbatch): every
+unit of a stage waits (control dependencies) for that stage's previous unit, in
+the schedule's order:
+
+- "gpipe": all forwards, then all backwards;
+- "1f1b": `p - s - 1` warm-up forwards, then one forward and one backward in
+  turn, then the remaining backwards: at most `p - s` microbatches' activations
+  are held by stage s at any time (GPipe holds all `m`).
+
+Each unit computes its stage alone: the forward records a tape over the
+stage's inputs and weights; the backward turns the gradients of the stage's
+outputs (summed over every later stage that reads them) into those of its
+inputs and weights. With `remat=True` a forward keeps only its inputs and the
+backward recomputes it. The last stage's forward ends in the microbatch's loss,
+weighted by its share of the batch, so the summed gradients are the batch's.
+
+Ops are named `tfdist/stage{s}/{fwd|bwd}/mb{i}/...`.
+"""
+
+import contextlib
+
+import tensorflow as tf
+from keras.src import tree
+from keras.src.losses import loss as loss_module
+from keras.src.models.functional import operation_fn
+
+from tfdist.pipeline.placement import place_stages
+from tfdist.pipeline.stages import graph_of, plan_stages
+
+
+def schedule(kind: str, stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
+    """Each stage's units in order: ("F", i) forward, ("B", i) backward of microbatch i.
+
+    Example:
+
+    >>> schedule("1f1b", 2, 3)[0]
+    [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
+    """
+    per_stage = []
+    for s in range(stages):
+        if kind == "gpipe":
+            order = [("F", i) for i in range(microbatches)]
+            order += [("B", i) for i in range(microbatches)]
+        else:
+            warm = min(stages - s - 1, microbatches)
+            order = [("F", i) for i in range(warm)]
+            for i in range(microbatches - warm):
+                order += [("F", warm + i), ("B", i)]
+            order += [("B", i) for i in range(microbatches - warm, microbatches)]
+        per_stage.append(order)
+    return per_stage
+
+
+def emission_order(per_stage):
+    """The units of every stage merged into one order that respects both each
+    stage's order and the data dependencies (forward from stage s-1, backward
+    from stage s+1): the clock of the pipeline.
+
+    Example:
+
+    >>> emission_order(schedule("gpipe", 2, 1))
+    [(0, 'F', 0), (1, 'F', 0), (1, 'B', 0), (0, 'B', 0)]
+    """
+    stages = len(per_stage)
+    done, position, order = set(), [0] * stages, []
+    total = sum(len(units) for units in per_stage)
+    while len(order) < total:
+        progressed = False
+        for s in range(stages):
+            if position[s] == len(per_stage[s]):
+                continue
+            kind, i = per_stage[s][position[s]]
+            ready = ((s == 0 or (s - 1, "F", i) in done) if kind == "F"
+                     else (s, "F", i) in done and (s == stages - 1 or (s + 1, "B", i) in done))
+            if ready:
+                order.append((s, kind, i))
+                position[s] += 1
+                progressed = True
+        done.update(order)
+        if not progressed:
+            raise RuntimeError(f"pipeline schedule deadlocks: {per_stage}")
+    return order
+
+
+class PipelineCompute:
+    """Gradients of one replica's batch through the stages, in schedule order.
+
+    Args:
+        model: the compiled Keras model.
+        stages: its `Stage`s (`plan_stages`).
+        devices: `devices[r][s]`, the device of stage s in data replica r.
+        microbatches: microbatches per replica batch.
+        kind: "gpipe" or "1f1b".
+        remat: recompute each stage's forward in its backward.
+
+    After a step is traced, `peak_held[s]` is the largest number of
+    microbatches whose activations stage s held at once.
+
+    Example:
+
+    ```python
+    compute = PipelineCompute(model, plan_stages(model, 2), [["CPU:0", "CPU:1"]], 4, "1f1b")
+    grads, metrics = compute(x, y, sample_weight)   # inside strategy.run
+    ```
+    """
+
+    def __init__(self, model, stages, devices, microbatches, kind, remat=False):
+        self.model = model
+        self.graph = graph_of(model)
+        self.stages = stages
+        self.devices = devices
+        self.microbatches = microbatches
+        self.order = emission_order(schedule(kind, len(stages), microbatches))
+        self.remat = remat
+        self.peak_held = [0] * len(stages)
+        weights = {id(v): i for i, v in enumerate(model.trainable_weights)}
+        self._weights = [[(weights[id(v)], v) for layer in stage.layers
+                          for v in layer.trainable_weights] for stage in stages]
+
+    def __call__(self, x, y, sample_weight, slices):
+        """(summed gradients aligned with `model.trainable_weights`, metrics).
+
+        `slices` gives each microbatch's (x, y, sample_weight, share, size).
+        """
+        replica = tf.get_static_value(
+            tf.distribute.get_replica_context().replica_id_in_sync_group)
+        if replica is None:
+            raise RuntimeError("pipeline: the replica id is not known while tracing.")
+        devices = self.devices[replica]
+        last = len(self.stages) - 1
+        env = [self._inputs(x_i) for x_i, *_ in slices]   # values by id(symbolic)
+        out_grads = [{} for _ in slices]                   # gradients by id(symbolic)
+        held = [dict() for _ in self.stages]               # stage -> mb -> saved
+        previous = [[] for _ in self.stages]               # stage's last unit's tensors
+        totals = [None] * len(self.model.trainable_weights)
+        metrics = None
+        for s, kind, i in self.order:
+            stage = self.stages[s]
+            _, y_i, sw_i, share, size = slices[i]
+            scope = f"stage{s}/{'fwd' if kind == 'F' else 'bwd'}/mb{i}"
+            with tf.name_scope(scope), tf.device(devices[s]), \
+                    tf.control_dependencies(previous[s]):
+                if kind == "F":
+                    saved = self._forward(stage, env[i], s == last, slices[i], record=not self.remat)
+                    held[s][i] = saved
+                    self.peak_held[s] = max(self.peak_held[s], len(held[s]))
+                    outputs = saved["outputs"]
+                    if s == last:
+                        loss, y_pred = saved["loss"], saved["y_pred"]
+                        self.model._loss_tracker.update_state(
+                            loss_module.unscale_loss_for_distribution(loss),
+                            sample_weight=size)
+                        metrics = self.model.compute_metrics(
+                            slices[i][0], y_i, y_pred, sample_weight=sw_i)
+                        outputs = [loss]
+                    env[i].update((id(sym), value) for sym, value in
+                                  zip(stage.outputs, saved["outputs"]))
+                    previous[s] = tf.nest.flatten(outputs)
+                else:
+                    saved = held[s].pop(i)
+                    if self.remat:
+                        saved = self._forward(stage, saved["inputs"], s == last, slices[i],
+                                              record=True)
+                    grads = self._backward(stage, saved, out_grads[i], s == last)
+                    for (index, _), grad in zip(self._weights[s], grads):
+                        if grad is not None:
+                            totals[index] = grad if totals[index] is None else totals[index] + grad
+                    previous[s] = [g for g in tf.nest.flatten(grads, expand_composites=True)
+                                   if g is not None] or previous[s]
+        return totals, metrics
+
+    def _inputs(self, x):
+        return {id(sym): value for sym, value in
+                zip(self.graph.inputs, tree.flatten(self.graph._standardize_inputs(x)))}
+
+    def _forward(self, stage, env, is_last, microbatch, record):
+        """Runs the stage's nodes on `env`; returns what its backward needs."""
+        inputs = {id(sym): env[id(sym)] for sym in stage.inputs}
+        sources = [inputs[id(sym)] for sym in stage.inputs]
+        tape = tf.GradientTape()
+        saved = {"inputs": inputs}
+        with tape if record else contextlib.nullcontext():
+            if record:
+                tape.watch([t for t in sources if t.dtype.is_floating])
+            values = dict(inputs)
+            for node in stage.nodes:
+                args, kwargs = node.arguments.fill_in(values)
+                op = operation_fn(node.operation, training=True)
+                outputs = op(*args, **kwargs)
+                for sym, value in zip(node.outputs, tree.flatten(outputs)):
+                    values[id(sym)] = value
+            saved["outputs"] = [values[id(sym)] for sym in stage.outputs]
+            if is_last:
+                x_i, y_i, sw_i, share, _ = microbatch
+                y_pred = self._predictions(values, saved["inputs"])
+                loss = self.model._compute_loss(
+                    x=x_i, y=y_i, y_pred=y_pred, sample_weight=sw_i, training=True)
+                part = loss if share is None else loss * tf.cast(share, loss.dtype)
+                saved["scaled"] = self.model.optimizer.scale_loss(part)
+                saved["loss"], saved["y_pred"] = loss, y_pred
+        saved["tape"] = tape if record else None
+        saved["sources"] = sources
+        return saved
+
+    def _predictions(self, values, inputs):
+        outputs = [values.get(id(sym), inputs.get(id(sym))) for sym in self.graph.outputs]
+        return tree.pack_sequence_as(self.graph._outputs_struct, outputs)
+
+    def _backward(self, stage, saved, out_grads, is_last):
+        """Gradients of the stage's weights; adds its inputs' gradients to `out_grads`."""
+        weights = [v for _, v in self._weights[stage.index]]
+        sources = saved["sources"]
+        floating = [t for t in sources if t.dtype.is_floating]
+        if is_last:
+            targets, seeds = saved["scaled"], None
+        else:
+            pairs = [(out, out_grads.get(id(sym))) for sym, out in
+                     zip(stage.outputs, saved["outputs"]) if out_grads.get(id(sym)) is not None]
+            targets = [out for out, _ in pairs]
+            seeds = [g for _, g in pairs]
+        if is_last or targets:
+            grads = saved["tape"].gradient(targets, floating + weights, output_gradients=seeds)
+        else:
+            grads = [None] * (len(floating) + len(weights))
+        input_grads = iter(grads[:len(floating)])
+        for sym, value in zip(stage.inputs, sources):
+            if value.dtype.is_floating:
+                grad = next(input_grads)
+                if grad is not None:
+                    grad = tf.convert_to_tensor(grad)
+                    known = out_grads.get(id(sym))
+                    out_grads[id(sym)] = grad if known is None else known + grad
+        return grads[len(floating):]
+
+
+
+def pipeline_compute(model, strategy) -> PipelineCompute:
+    """Plans `model`'s stages, moves their variables onto the stages' devices,
+    and returns the compute that runs them (strategy's `pipeline`,
+    `stage_boundaries`, `microbatches`, `schedule`, `remat`).
+
+    Example:
+
+    ```python
+    compute = pipeline_compute(model, tfdist.Strategy(pipeline=2, microbatches=4))
+    ```
+    """
+    config = strategy.config
+    stages = plan_stages(model, config.pipeline, strategy.stage_boundaries)
+    devices = strategy.pipeline_devices
+    per_stage = [[replica[s] for replica in devices] for s in range(config.pipeline)]
+    place_stages(model, stages, per_stage, strategy)
+    return PipelineCompute(model, stages, devices, config.microbatches,
+                           config.schedule, remat=strategy.remat)

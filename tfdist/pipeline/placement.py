@@ -1,0 +1,91 @@
+"""Moving a built model's stage variables (and their optimizer slots) to the
+stage's devices.
+
+Each data replica r runs stage s on device `mesh[r][s]`. A stage's variables
+are mirrored across the data axis on exactly those devices: the strategy's own
+mirrored-variable creator makes them, told (through its `colocate_with`
+argument, which carries a device list) to use the stage's devices instead of
+the replicas'. Inside replica r a read gives the copy on `mesh[r][s]`.
+
+Keras variables keep their identity, path and value: only their storage moves,
+so saving, loading and the optimizer's bookkeeping are unchanged.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdist.optim.keys import optimizer_keys_follow
+
+
+class _OnDevices:
+    """What `MirroredExtended._create_variable` reads from `colocate_with`."""
+
+    def __init__(self, devices):
+        self._devices = tuple(devices)
+
+
+def move_variable(variable, devices, strategy):
+    """Re-creates a Keras variable's storage mirrored on `devices`, same value.
+
+    Example:
+
+    ```python
+    move_variable(model.layers[1].kernel, ["/device:CPU:1", "/device:CPU:3"], strategy)
+    ```
+    """
+    old = variable.value
+    def on_devices(next_creator, **kwargs):
+        kwargs["colocate_with"] = _OnDevices(devices)
+        return next_creator(**kwargs)
+
+    with strategy.scope(), tf.variable_creator_scope(on_devices):
+        new = tf.Variable(
+            tf.convert_to_tensor(old), name=variable.name, dtype=old.dtype,
+            trainable=old.trainable, synchronization=old.synchronization,
+            aggregation=old.aggregation)
+    variable._value = new
+
+
+def place_stages(model, stages, stage_devices, strategy):
+    """Moves every stage's variables, and the optimizer slots of its trainable
+    ones, onto that stage's devices (`stage_devices[s]`, one per replica).
+
+    Example:
+
+    ```python
+    place_stages(model, plan_stages(model, 2), [["CPU:0", "CPU:2"], ["CPU:1", "CPU:3"]],
+                 strategy)
+    ```
+    """
+    with tf.init_scope():
+        where = {}
+        with optimizer_keys_follow(model):
+            for stage, devices in zip(stages, stage_devices):
+                for variable in stage.variables:
+                    move_variable(variable, devices, strategy)
+                    where[id(variable)] = devices
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            # Keras optimizers keep per-variable state in lists aligned with
+            # the variables they were built on; the rest is scalars.
+            inner = getattr(optimizer, "inner_optimizer", optimizer)
+            trainable = inner._trainable_variables
+            for value in vars(inner).values():
+                if isinstance(value, (list, tuple)) and len(value) == len(trainable):
+                    for slot, variable in zip(value, trainable):
+                        if (isinstance(slot, keras.Variable) and slot is not variable
+                                and id(variable) in where):
+                            move_variable(slot, where[id(variable)], strategy)
+
+
+def component_devices(variable):
+    """The devices holding a (mirrored) Keras variable's copies.
+
+    Example:
+
+    ```python
+    component_devices(model.layers[1].kernel)   # ['/job:localhost/.../CPU:1', ...]
+    ```
+    """
+    value = variable.value
+    return [v.device for v in getattr(value, "values", (value,))]

@@ -1,0 +1,288 @@
+"""Splitting a Keras model's graph into contiguous pipeline stages.
+
+A Sequential or functional model is a graph of layer calls (Keras nodes). Its
+nodes, in the order Keras runs them, are cut into `pipeline` contiguous runs,
+balanced by an estimate of each node's compute (FLOPs from its weights and
+output shape), with the parameter count as tie-break. A tensor may skip across
+stages (a residual, a second input): it is an input of every later stage that
+uses it, and its gradient flows back from each of them.
+
+`stage_boundaries` (layer names, one per stage after the first) overrides the
+balance: each named layer starts a stage.
+"""
+
+import dataclasses
+import math
+import warnings
+
+import keras
+
+
+@dataclasses.dataclass
+class Stage:
+    """One pipeline stage: the nodes it runs and the tensors that cross its edges.
+
+    `inputs` are the symbolic tensors it reads from the model's inputs or from
+    earlier stages; `outputs` those it produces that later stages or the
+    model's outputs read.
+    """
+
+    index: int
+    nodes: list
+    inputs: list
+    outputs: list
+    params: int
+    cost: float
+
+    @property
+    def layers(self):
+        """The stage's layers, in the order it runs them (each once)."""
+        seen, layers = set(), []
+        for node in self.nodes:
+            if id(node.operation) not in seen:
+                seen.add(id(node.operation))
+                layers.append(node.operation)
+        return layers
+
+    @property
+    def variables(self):
+        """Every variable of the stage's layers (trainable or not)."""
+        return [v for layer in self.layers for v in layer.variables]
+
+
+def graph_of(model):
+    """The functional graph of a Sequential or functional model.
+
+    Example:
+
+    ```python
+    graph_of(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    ```
+    """
+    if isinstance(model, keras.Sequential):
+        if not model.built or model._functional is None:
+            raise ValueError(
+                "`pipeline` needs a Sequential model with a known input shape: "
+                "start it with `keras.Input(...)`.")
+        return model._functional
+    if isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth"):
+        return model
+    raise ValueError(
+        f"`pipeline` splits Sequential and functional Keras models; "
+        f"{type(model).__name__} is a subclassed model, whose graph is not known "
+        f"before it runs. Build it with the functional API.")
+
+
+def graph_nodes(graph):
+    """The graph's layer-call nodes in the order Keras runs them."""
+    nodes = []
+    for depth in sorted(graph._nodes_by_depth, reverse=True):
+        for node in graph._nodes_by_depth[depth]:
+            if node.operation is not None and not node.is_input:
+                nodes.append(node)
+    return nodes
+
+
+def node_cost(node):
+    """Estimated FLOPs per example of one layer call.
+
+    A weight is used once per output position (2 FLOPs per multiply-add);
+    every output element costs one more operation.
+
+    Example:
+
+    ```python
+    node_cost(dense._inbound_nodes[0])   # Dense(64 -> 32): 2*64*32 + 32 + 32
+    ```
+    """
+    weights = sum(math.prod(w.shape) for w in node.operation.weights)
+    cost = 0.0
+    for out in node.outputs:
+        shape = [d or 1 for d in out.shape[1:]]
+        elements = math.prod(shape)
+        positions = elements // shape[-1] if shape else 1
+        cost += 2 * weights * positions + elements
+    return cost
+
+
+def plan_stages(model, stages: int, boundaries=None) -> list[Stage]:
+    """Cuts `model` into `stages` contiguous stages.
+
+    Args:
+        model: a built Sequential or functional Keras model.
+        stages: the number of stages (`pipeline`).
+        boundaries: optional layer names, one per stage after the first,
+            each the first layer of its stage, in model order.
+
+    Example:
+
+    ```python
+    for stage in plan_stages(model, 2):
+        print(stage.index, [layer.name for layer in stage.layers], stage.cost)
+    ```
+    """
+    graph = graph_of(model)
+    nodes = graph_nodes(graph)
+    if len(nodes) < stages:
+        raise ValueError(
+            f"`pipeline={stages}` needs at least {stages} layers to split, but "
+            f"{model.name!r} has {len(nodes)}: use pipeline <= {len(nodes)}.")
+    costs = [node_cost(n) for n in nodes]
+    params = [sum(math.prod(w.shape) for w in n.operation.weights) for n in nodes]
+    if boundaries is None:
+        starts = _balanced_starts(costs, params, stages)
+    else:
+        starts = _named_starts(nodes, boundaries, stages)
+    ends = starts[1:] + [len(nodes)]
+    groups = [nodes[a:b] for a, b in zip(starts, ends)]
+    _check_layers_not_shared(groups)
+    result = []
+    for index, (group, a, b) in enumerate(zip(groups, starts, ends)):
+        result.append(Stage(index, group, [], [], sum(params[a:b]), sum(costs[a:b])))
+    _connect(graph, result)
+    return result
+
+
+def _balanced_starts(costs, params, stages):
+    """Start indices minimising the largest stage cost, then its parameters."""
+    n = len(costs)
+    prefix_cost = [0.0]
+    prefix_params = [0]
+    for c, p in zip(costs, params):
+        prefix_cost.append(prefix_cost[-1] + c)
+        prefix_params.append(prefix_params[-1] + p)
+
+    def weight(a, b):
+        return (prefix_cost[b] - prefix_cost[a], prefix_params[b] - prefix_params[a])
+
+    # best[k][j]: the best (max cost, max params) cutting nodes[:j] into k stages.
+    best = [[None] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0)
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] is None:
+                    continue
+                candidate = max(best[k - 1][i], weight(i, j))
+                if best[k][j] is None or candidate < best[k][j]:
+                    best[k][j], cut[k][j] = candidate, i
+    starts, j = [], n
+    for k in range(stages, 0, -1):
+        j = cut[k][j]
+        starts.append(j)
+    return starts[::-1]
+
+
+def _named_starts(nodes, boundaries, stages):
+    if isinstance(boundaries, str) or len(boundaries) != stages - 1:
+        raise ValueError(
+            f"`stage_boundaries` must name {stages - 1} layer(s) for "
+            f"pipeline={stages} (the first layer of each stage after the "
+            f"first), got {boundaries!r}.")
+    names = [n.operation.name for n in nodes]
+    starts = [0]
+    for name in boundaries:
+        if name not in names:
+            raise ValueError(
+                f"`stage_boundaries`: no layer named {name!r} in the model; its "
+                f"layers are {names}.")
+        index = names.index(name)
+        if index <= starts[-1]:
+            raise ValueError(
+                f"`stage_boundaries`: {name!r} must come after the previous "
+                f"boundary in model order {names}, and the first stage must "
+                f"not be empty.")
+        starts.append(index)
+    return starts
+
+
+def _check_layers_not_shared(groups):
+    owner = {}
+    for index, group in enumerate(groups):
+        for node in group:
+            first = owner.setdefault(id(node.operation), index)
+            if first != index:
+                raise ValueError(
+                    f"Layer {node.operation.name!r} is called in stages {first} "
+                    f"and {index}; a layer's weights live on one stage. Move "
+                    f"the boundary (`stage_boundaries`) so its calls share a stage.")
+
+
+def _connect(graph, stages):
+    """Fills in each stage's crossing inputs and outputs."""
+    produced_by = {id(x): -1 for x in graph.inputs}
+    for stage in stages:
+        for node in stage.nodes:
+            for x in node.outputs:
+                produced_by[id(x)] = stage.index
+    needed_later = {id(x): (x, len(stages)) for x in graph.outputs}
+    for stage in stages:
+        own = {id(x) for node in stage.nodes for x in node.outputs}
+        seen = set()
+        for node in stage.nodes:
+            for x in node.input_tensors:
+                if id(x) not in own and id(x) not in seen:
+                    seen.add(id(x))
+                    stage.inputs.append(x)
+    last = stages[-1]
+    for x in graph.outputs:  # the loss, on the last stage, reads every output
+        if produced_by[id(x)] < last.index and all(x is not y for y in last.inputs):
+            last.inputs.append(x)
+    for stage in stages:
+        for later in stages[stage.index + 1:]:
+            for x in later.inputs:
+                if produced_by.get(id(x)) == stage.index:
+                    needed_later.setdefault(id(x), (x, later.index))
+        for node in stage.nodes:
+            for x in node.outputs:
+                if id(x) in needed_later and all(x is not y for y in stage.outputs):
+                    stage.outputs.append(x)
+
+
+def describe(stages, devices) -> str:
+    """One line per stage: its layers, parameters, estimated cost, devices.
+
+    Example:
+
+    ```python
+    print(describe(plan_stages(model, 2), [["CPU:0"], ["CPU:1"]]))
+    ```
+    """
+    lines = []
+    for stage, stage_devices in zip(stages, devices):
+        names = ", ".join(layer.name for layer in stage.layers)
+        where = ", ".join(d.split("device:")[-1] for d in stage_devices)
+        lines.append(
+            f"stage {stage.index}  [{where}]  params {stage.params:,}  "
+            f"cost {stage.cost:,.0f} FLOPs/example  layers: {names}")
+    return "\n".join(lines)
+
+
+def check_pipeline_config(config, stage_boundaries=None, remat=False):
+    """Refuses what `pipeline` does not run with yet, and warns of a large bubble.
+
+    Example:
+
+    >>> check_pipeline_config(ParallelConfig(pipeline=2, microbatches=4).resolve(2))  # doctest: +SKIP
+    """
+    if not isinstance(remat, bool):
+        raise TypeError(f"`remat` must be a bool, got {remat!r}.")
+    if config.pipeline == 1:
+        if stage_boundaries is not None or remat:
+            raise ValueError(
+                "`stage_boundaries` and `remat` apply to pipeline stages, but "
+                "`pipeline=1`: use pipeline >= 2, or drop them.")
+        return
+    for name, off in (("tensor", 1), ("zero", 0), ("xla", False)):
+        if getattr(config, name) != off:
+            raise NotImplementedError(
+                f"`pipeline={config.pipeline}` with `{name}={getattr(config, name)!r}` "
+                f"is not available in this version of tfdist; use {name}={off!r} "
+                f"with pipeline parallelism.")
+    if config.microbatches < config.pipeline:
+        warnings.warn(
+            f"`microbatches={config.microbatches}` < `pipeline={config.pipeline}`: "
+            f"stages wait for each other most of the step (bubble "
+            f"{(config.pipeline - 1) / (config.microbatches + config.pipeline - 1):.0%}"
+            f" of it). Use microbatches >= {config.pipeline}, ideally several times more.")
