@@ -120,7 +120,7 @@ class PipelineCompute:
         self.peak_held = [0] * len(stages)
         weights = {id(v): i for i, v in enumerate(model.trainable_weights)}
         self._weights = [[(weights[id(v)], v) for layer in stage.layers
-                          for v in layer.trainable_weights] for stage in stages]
+                          for v in getattr(layer, "trainable_weights", ())] for stage in stages]
 
     def __call__(self, x, y, sample_weight, slices):
         """(summed gradients aligned with `model.trainable_weights`, metrics).
@@ -169,6 +169,7 @@ class PipelineCompute:
                     grads = self._backward(stage, saved, out_grads[i], s == last)
                     for (index, _), grad in zip(self._weights[s], grads):
                         if grad is not None:
+                            grad = tf.convert_to_tensor(grad)  # embeddings: IndexedSlices
                             totals[index] = grad if totals[index] is None else totals[index] + grad
                     previous[s] = [g for g in tf.nest.flatten(grads, expand_composites=True)
                                    if g is not None] or previous[s]

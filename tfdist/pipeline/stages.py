@@ -47,7 +47,7 @@ class Stage:
     @property
     def variables(self):
         """Every variable of the stage's layers (trainable or not)."""
-        return [v for layer in self.layers for v in layer.variables]
+        return [v for layer in self.layers for v in getattr(layer, "variables", ())]
 
 
 def graph_of(model):
@@ -95,7 +95,7 @@ def node_cost(node):
     node_cost(dense._inbound_nodes[0])   # Dense(64 -> 32): 2*64*32 + 32 + 32
     ```
     """
-    weights = sum(math.prod(w.shape) for w in node.operation.weights)
+    weights = sum(math.prod(w.shape) for w in _weights(node.operation))
     cost = 0.0
     for out in node.outputs:
         shape = [d or 1 for d in out.shape[1:]]
@@ -128,7 +128,7 @@ def plan_stages(model, stages: int, boundaries=None) -> list[Stage]:
             f"`pipeline={stages}` needs at least {stages} layers to split, but "
             f"{model.name!r} has {len(nodes)}: use pipeline <= {len(nodes)}.")
     costs = [node_cost(n) for n in nodes]
-    params = [sum(math.prod(w.shape) for w in n.operation.weights) for n in nodes]
+    params = [sum(math.prod(w.shape) for w in _weights(n.operation)) for n in nodes]
     if boundaries is None:
         starts = _balanced_starts(costs, params, stages)
     else:
@@ -286,3 +286,8 @@ def check_pipeline_config(config, stage_boundaries=None, remat=False):
             f"stages wait for each other most of the step (bubble "
             f"{(config.pipeline - 1) / (config.microbatches + config.pipeline - 1):.0%}"
             f" of it). Use microbatches >= {config.pipeline}, ideally several times more.")
+
+
+def _weights(operation):
+    """A layer's weights; none for a Keras op such as `x + y` in a functional model."""
+    return getattr(operation, "weights", ())
