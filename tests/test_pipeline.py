@@ -207,3 +207,23 @@ def test_remat_lowers_peak_memory():
     # 8 microbatches x 16 MiB activations per layer: GPipe without remat keeps
     # them all until the backward; measured about 1,560 vs 1,170 MiB.
     assert peaks["--remat"] + 100 < peaks["--noremat"], peaks
+
+
+def test_mixed_float16_matches_one_device_with_the_same_microbatches():
+    one_device = tfdist.Strategy(microbatches=4, precision="mixed_float16", devices=devices(1))
+    reference = train(one_device, make=residual_mlp)
+    strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule="1f1b",
+                               precision="mixed_float16", devices=devices(2))
+    result = train(strategy, make=residual_mlp)
+    assert isinstance(result[2].optimizer, keras.optimizers.LossScaleOptimizer)
+    assert_parity(result, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_xla_compiles_each_stage_and_keeps_parity():
+    reference = train(make=residual_mlp)
+    strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule="1f1b", xla=True,
+                               devices=devices(2))
+    result = train(strategy, make=residual_mlp)
+    assert_parity(result, reference)
+    compiled = strategy.train_step(result[2])._pipeline._run
+    assert all(run.experimental_get_tracing_count() >= 1 for run in compiled)

@@ -9,9 +9,10 @@ import sys
 
 from absl import app, flags
 
-flags.DEFINE_integer("devices", 4, "Logical CPU devices (= data).")
+flags.DEFINE_integer("devices", 4, "Logical CPU devices (data x pipeline).")
 flags.DEFINE_integer("microbatches", 1, "Microbatches.")
 flags.DEFINE_boolean("xla", False, "XLA-compile the per-replica compute.")
+flags.DEFINE_integer("pipeline", 1, "Pipeline stages (data = devices / pipeline).")
 FLAGS = flags.FLAGS
 
 
@@ -23,7 +24,7 @@ def main(argv):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from helpers import train
 
-    strategy = tfdist.Strategy(data=FLAGS.devices, microbatches=FLAGS.microbatches,
+    strategy = tfdist.Strategy(pipeline=FLAGS.pipeline, microbatches=FLAGS.microbatches,
                                xla=FLAGS.xla)
     losses, _, _ = train(strategy)
     print(json.dumps({"losses": losses}))

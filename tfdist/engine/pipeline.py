@@ -23,6 +23,7 @@ Ops are named `tfdist/stage{s}/{fwd|bwd}/mb{i}/...`.
 """
 
 import contextlib
+import functools
 
 import tensorflow as tf
 from keras.src import tree
@@ -97,6 +98,7 @@ class PipelineCompute:
         microbatches: microbatches per replica batch.
         kind: "gpipe" or "1f1b".
         remat: recompute each stage's forward in its backward.
+        xla: compile each stage's layers with XLA.
 
     After a step is traced, `peak_held[s]` is the largest number of
     microbatches whose activations stage s held at once.
@@ -109,7 +111,7 @@ class PipelineCompute:
     ```
     """
 
-    def __init__(self, model, stages, devices, microbatches, kind, remat=False):
+    def __init__(self, model, stages, devices, microbatches, kind, remat=False, xla=False):
         self.model = model
         self.graph = graph_of(model)
         self.stages = stages
@@ -118,6 +120,12 @@ class PipelineCompute:
         self.order = emission_order(schedule(kind, len(stages), microbatches))
         self.remat = remat
         self.peak_held = [0] * len(stages)
+        # With xla, each stage's layers are one XLA computation (per stage,
+        # replica and microbatch shape); the schedule stays the engine's.
+        self._run = [functools.partial(self._run_nodes, stage) for stage in stages]
+        if xla:
+            self._run = [tf.function(run, jit_compile=True, reduce_retracing=True)
+                         for run in self._run]
         weights = {id(v): i for i, v in enumerate(model.trainable_weights)}
         self._weights = [[(weights[id(v)], v) for layer in stage.layers
                           for v in getattr(layer, "trainable_weights", ())] for stage in stages]
@@ -188,17 +196,13 @@ class PipelineCompute:
         with tape if record else contextlib.nullcontext():
             if record:
                 tape.watch([t for t in sources if t.dtype.is_floating])
-            values = dict(inputs)
-            for node in stage.nodes:
-                args, kwargs = node.arguments.fill_in(values)
-                op = operation_fn(node.operation, training=True)
-                outputs = op(*args, **kwargs)
-                for sym, value in zip(node.outputs, tree.flatten(outputs)):
-                    values[id(sym)] = value
-            saved["outputs"] = [values[id(sym)] for sym in stage.outputs]
+            saved["outputs"] = self._run[stage.index](sources)
             if is_last:
                 x_i, y_i, sw_i, share, _ = microbatch
-                y_pred = self._predictions(values, saved["inputs"])
+                values = dict(inputs)
+                values.update((id(sym), value) for sym, value in
+                              zip(stage.outputs, saved["outputs"]))
+                y_pred = self._predictions(values)
                 loss = self.model._compute_loss(
                     x=x_i, y=y_i, y_pred=y_pred, sample_weight=sw_i, training=True)
                 part = loss if share is None else loss * tf.cast(share, loss.dtype)
@@ -208,8 +212,19 @@ class PipelineCompute:
         saved["sources"] = sources
         return saved
 
-    def _predictions(self, values, inputs):
-        outputs = [values.get(id(sym), inputs.get(id(sym))) for sym in self.graph.outputs]
+    def _run_nodes(self, stage, sources):
+        """The stage's layer calls on its input values; its output values."""
+        values = {id(sym): value for sym, value in zip(stage.inputs, sources)}
+        for node in stage.nodes:
+            args, kwargs = node.arguments.fill_in(values)
+            op = operation_fn(node.operation, training=True)
+            outputs = op(*args, **kwargs)
+            for sym, value in zip(node.outputs, tree.flatten(outputs)):
+                values[id(sym)] = value
+        return [values[id(sym)] for sym in stage.outputs]
+
+    def _predictions(self, values):
+        outputs = [values[id(sym)] for sym in self.graph.outputs]
         return tree.pack_sequence_as(self.graph._outputs_struct, outputs)
 
     def _backward(self, stage, saved, out_grads, is_last):
@@ -257,4 +272,4 @@ def pipeline_compute(model, strategy) -> PipelineCompute:
     per_stage = [[replica[s] for replica in devices] for s in range(config.pipeline)]
     place_stages(model, stages, per_stage, strategy)
     return PipelineCompute(model, stages, devices, config.microbatches,
-                           config.schedule, remat=strategy.remat)
+                           config.schedule, remat=strategy.remat, xla=config.xla)

@@ -274,7 +274,7 @@ def check_pipeline_config(config, stage_boundaries=None, remat=False):
                 "`stage_boundaries` and `remat` apply to pipeline stages, but "
                 "`pipeline=1`: use pipeline >= 2, or drop them.")
         return
-    for name, off in (("tensor", 1), ("zero", 0), ("xla", False)):
+    for name, off in (("tensor", 1), ("zero", 0)):
         if getattr(config, name) != off:
             raise NotImplementedError(
                 f"`pipeline={config.pipeline}` with `{name}={getattr(config, name)!r}` "
