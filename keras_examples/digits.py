@@ -3,6 +3,7 @@
 The digits ship inside scikit-learn (1,797 8x8 images), so nothing downloads.
 """
 
+import collections
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
@@ -51,3 +52,42 @@ def build_model(hidden=256, seed=0):
         metrics=["accuracy"],
     )
     return model
+
+
+def build_transformer(width=64, heads=4, blocks=1, seed=0):
+    """Rows of a digit as 8 tokens -> post-norm Transformer blocks -> 10 classes.
+
+    Plain Keras layers (`MultiHeadAttention`, a Dense MLP, residuals), compiled
+    with Adam. The inputs are the digits reshaped to (8, 8).
+    """
+    keras.utils.set_random_seed(seed)
+    rows = keras.Input((8, 8))
+    x = keras.layers.Dense(width)(rows)
+    for _ in range(blocks):
+        attended = keras.layers.MultiHeadAttention(heads, key_dim=width // heads)(x, x)
+        x = keras.layers.LayerNormalization()(x + attended)
+        hidden = keras.layers.Dense(4 * width, activation="gelu")(x)
+        x = keras.layers.LayerNormalization()(x + keras.layers.Dense(width)(hidden))
+    logits = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(rows, logits)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def weight_bytes(model):
+    """{device: bytes of the model's weights held there}."""
+    per_device = collections.Counter()
+    for weight in model.weights:
+        for component in getattr(weight.value, "values", [weight.value]):
+            per_device[component.device.split("device:")[-1]] += component.numpy().nbytes
+    return per_device
+
+
+class EpochReport(keras.callbacks.Callback):
+    """Prints each epoch's loss and accuracy."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        print(f"epoch {epoch + 1}: loss {logs['loss']:.4f}  accuracy "
+              f"{logs['accuracy']:.4f}", flush=True)

@@ -10,8 +10,6 @@ Dense. Prints the layout (`strategy.describe`), each epoch's loss and accuracy,
 and the bytes of model weights each device holds.
 """
 
-import collections
-
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
 import keras
 from absl import app, flags
@@ -27,38 +25,6 @@ flags.DEFINE_integer("batch_size", 64, "Global batch size.")
 FLAGS = flags.FLAGS
 
 
-def build_transformer(width, heads, seed=0):
-    """Rows of a digit as tokens -> one post-norm Transformer block -> 10 classes."""
-    keras.utils.set_random_seed(seed)
-    rows = keras.Input((8, 8))
-    x = keras.layers.Dense(width)(rows)
-    attended = keras.layers.MultiHeadAttention(heads, key_dim=width // heads)(x, x)
-    x = keras.layers.LayerNormalization()(x + attended)
-    hidden = keras.layers.Dense(4 * width, activation="gelu")(x)
-    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(width)(hidden))
-    logits = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(x))
-    model = keras.Model(rows, logits)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
-
-
-def weight_bytes(model):
-    """{device: bytes of the model's weights held there}."""
-    per_device = collections.Counter()
-    for weight in model.weights:
-        for component in getattr(weight.value, "values", [weight.value]):
-            per_device[component.device.split("device:")[-1]] += component.numpy().nbytes
-    return per_device
-
-
-class EpochReport(keras.callbacks.Callback):
-    def on_epoch_end(self, epoch, logs=None):
-        print(f"epoch {epoch + 1}: loss {logs['loss']:.4f}  accuracy "
-              f"{logs['accuracy']:.4f}", flush=True)
-
-
 def main(argv):
     del argv
     digits.quiet_logs()
@@ -66,13 +32,13 @@ def main(argv):
     strategy = tfdist.Strategy(tensor=FLAGS.tensor)
     print(f"tfdist.Strategy: {strategy.config.to_json()}")
     with strategy.scope():
-        model = build_transformer(FLAGS.width, FLAGS.heads)
+        model = digits.build_transformer(FLAGS.width, FLAGS.heads)
     print(strategy.describe(model))
     x, y = digits.load()
     x = x.reshape(-1, 8, 8)
     model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=0,
-              callbacks=[EpochReport()])
-    sizes = weight_bytes(model)
+              callbacks=[digits.EpochReport()])
+    sizes = digits.weight_bytes(model)
     print("weight bytes per device: " + "  ".join(
         f"{device}={size:,}" for device, size in sorted(sizes.items())))
     whole = sum(w.numpy().nbytes for w in model.weights)

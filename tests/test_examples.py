@@ -55,3 +55,15 @@ def test_tensor_parallel_example_splits_attention_and_mlp_and_learns():
     sizes = [int(v.replace(",", "")) for v in re.findall(r"CPU:\d=([\d,]+)", out)]
     whole = int(re.search(r"unsplit model: ([\d,]+) bytes", out)[1].replace(",", ""))
     assert len(sizes) == 4 and len(set(sizes)) == 1 and sizes[0] < whole
+
+
+def test_pipeline_example_places_stages_and_learns():
+    out = run_example("pipeline_transformer.py", "--devices=4", "--pipeline=2",
+                      "--epochs=2", "--blocks=2", "--width=32")
+    stages = re.findall(r"^stage (\d)  \[(CPU:\d), (CPU:\d)\]", out, re.M)
+    assert stages == [("0", "CPU:0", "CPU:2"), ("1", "CPU:1", "CPU:3")]
+    losses = [float(v) for v in re.findall(r"epoch \d: loss ([\d.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    sizes = dict(re.findall(r"(CPU:\d)=([\d,]+)", out))
+    # data replicas hold the same stage's weights: CPU:0 == CPU:2, CPU:1 == CPU:3
+    assert sizes["CPU:0"] == sizes["CPU:2"] and sizes["CPU:1"] == sizes["CPU:3"]

@@ -181,6 +181,10 @@ class PipelineCompute:
                             totals[index] = grad if totals[index] is None else totals[index] + grad
                     previous[s] = [g for g in tf.nest.flatten(grads, expand_composites=True)
                                    if g is not None] or previous[s]
+        # The gradients meet on the replica's own device: the data-parallel
+        # reduce is then one packed all-reduce, as without stages.
+        with tf.device(devices[0]):
+            totals = [None if g is None else tf.identity(g) for g in totals]
         return totals, metrics
 
     def _inputs(self, x):
