@@ -11,7 +11,6 @@ and the bytes of model weights each device holds.
 """
 
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
-import keras
 from absl import app, flags
 
 import tfdist
