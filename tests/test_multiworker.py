@@ -42,3 +42,22 @@ def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, micro
         assert worker_bytes - scalars == (local_bytes - scalars) // 2
     else:
         assert worker_bytes == local_bytes
+
+
+@pytest.mark.multiprocess
+def test_two_launched_workers_with_two_stages_each_match_one_process(tmp_path):
+    out = tmp_path / "worker0.json"
+    done = subprocess.run(
+        [*TFDIST, "launch", "--workers=2", "--timeout=240", "--pipeline=2",
+         "--microbatches=2", "--schedule=1f1b", "--",
+         sys.executable, str(SCRIPT), f"--out={out}"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    workers = json.loads(out.read_text())
+    assert workers["replicas"] == 2
+    local = train(tfdist.Strategy(data=2, pipeline=2, microbatches=2, schedule="1f1b",
+                                  devices=devices(4)))
+    assert_parity((workers["losses"], [np.array(w) for w in workers["weights"]], None),
+                  local, rtol=1e-5)
+    # Pipeline within the host: each worker's optimizer state on its two stage devices.
+    assert sorted(workers["optimizer_bytes"]) == ["CPU:0", "CPU:1"]

@@ -7,18 +7,17 @@ accelerators: a 4-way data-parallel run uses 4 logical CPU devices in one proces
 import tensorflow as tf
 
 
-def use_virtual_devices(n: int) -> list:
-    """Splits the host CPU into `n` logical devices and returns them.
+def use_virtual_devices(n: int) -> None:
+    """Splits the host CPU into `n` logical devices.
 
     Must run before TensorFlow initialises its devices (before the first op,
     strategy or model); in pytest, call it once in `conftest.py`. Calling it
-    again with the same `n` is harmless.
+    again with the same `n` is harmless. It leaves TensorFlow uninitialised,
+    so a `MultiWorkerStrategy` can still be created after it (each worker of
+    a pipelined multi-worker job splits its CPU into one device per stage).
 
     Args:
         n: number of logical CPU devices, an int >= 1.
-
-    Returns:
-        The list of logical CPU devices (`tf.config.LogicalDevice`).
 
     Raises:
         ValueError: `n` is not an int >= 1.
@@ -43,7 +42,7 @@ def use_virtual_devices(n: int) -> list:
     except RuntimeError as error:
         current = tf.config.list_logical_devices("CPU")
         if len(current) == n:
-            return current
+            return
         raise RuntimeError(
             f"use_virtual_devices({n}): TensorFlow already initialised its "
             f"devices with {len(current)} logical CPU device(s), and the count "
@@ -51,4 +50,3 @@ def use_virtual_devices(n: int) -> list:
             f"tfdist.use_virtual_devices({n}) before any other TensorFlow work "
             f"(first thing in the script, or once in conftest.py)."
         ) from error
-    return tf.config.list_logical_devices("CPU")

@@ -93,9 +93,11 @@ def default_devices() -> list[str]:
 class _StepOwner:
     """What both tfdist strategies add to their `tf.distribute` parent."""
 
-    def _init_step_owner(self, config: ParallelConfig):
+    def _init_step_owner(self, config: ParallelConfig, stage_boundaries=None, remat=False):
         start_profiler_server()  # when $TFDIST_PROFILER_PORT asks for one
         self._config = config
+        self.stage_boundaries = stage_boundaries
+        self.remat = remat
         self._train_steps = weakref.WeakKeyDictionary()
 
     @property
@@ -284,9 +286,7 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         config = requested_config(config, fields, available=("tensor", "pipeline"))
         config = check_tensor_config(config.resolve(len(devices)))
         check_pipeline_config(config, stage_boundaries, remat)
-        self._init_step_owner(config)
-        self.stage_boundaries = stage_boundaries
-        self.remat = remat
+        self._init_step_owner(config, stage_boundaries, remat)
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
@@ -328,12 +328,15 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
     """
 
     def __init__(self, config=None, *, cluster_resolver=None,
-                 timeout_seconds: float = 300.0, **fields):
+                 timeout_seconds: float = 300.0, stage_boundaries=None, remat=False,
+                 **fields):
         if not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0:
             raise ValueError(
                 f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}."
             )
-        config = requested_config(config, fields)  # fails before connecting
+        # fails before connecting:
+        config = requested_config(config, fields, available=("pipeline",))
+        check_pipeline_config(config, stage_boundaries, remat)
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
@@ -343,8 +346,10 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
                 timeout_seconds=float(timeout_seconds)
             ),
         )
-        config = config.resolve(self.num_replicas_in_sync)
-        self._init_step_owner(config)
+        self.pipeline_devices = _stages_on_each_worker(
+            self.extended.worker_devices, config.pipeline)
+        config = config.resolve(self.num_replicas_in_sync * config.pipeline)
+        self._init_step_owner(config, stage_boundaries, remat)
 
     def reduce(self, reduce_op, value, axis):
         """`tf.distribute.Strategy.reduce`, made to work for Keras 3's `fit`.
@@ -369,3 +374,23 @@ def _rank(value):
     if isinstance(value, tf.distribute.DistributedValues):
         value = value.values[0]
     return getattr(value, "shape", tf.TensorShape(None)).rank
+
+
+def _stages_on_each_worker(replica_devices, stages):
+    """Each worker's replica device and the next `stages - 1` devices of its
+    host: pipeline within a host, data across hosts."""
+    if stages == 1:
+        return [[device] for device in replica_devices]
+    if len(replica_devices) != 1:
+        raise NotImplementedError(
+            f"`pipeline={stages}` with several replicas on one worker "
+            f"({len(replica_devices)}: {list(replica_devices)}) is not available; "
+            f"MultiWorkerStrategy pipelines workers that train on one device each.")
+    spec = tf.DeviceSpec.from_string(replica_devices[0])
+    local = tf.config.list_logical_devices(spec.device_type)
+    if len(local) < stages:
+        raise ValueError(
+            f"`pipeline={stages}` needs {stages} {spec.device_type} devices on each "
+            f"worker, but this one has {len(local)}: call "
+            f"`tfdist.use_virtual_devices({stages})` (CPU) before creating the strategy.")
+    return [[spec.replace(device_index=s).to_string() for s in range(stages)]]

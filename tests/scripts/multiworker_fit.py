@@ -23,8 +23,10 @@ def main(argv):
     keras.config.disable_traceback_filtering()  # whole tracebacks in the test log
     import tfdist
 
-    strategy = tfdist.MultiWorkerStrategy(config=tfdist.ParallelConfig.from_env(),
-                                          timeout_seconds=120)
+    config = tfdist.ParallelConfig.from_env()
+    if config.pipeline > 1:  # a device per stage on this worker
+        tfdist.use_virtual_devices(config.pipeline)
+    strategy = tfdist.MultiWorkerStrategy(config=config, timeout_seconds=120)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from helpers import train
 

@@ -135,11 +135,12 @@ class PipelineCompute:
 
         `slices` gives each microbatch's (x, y, sample_weight, share, size).
         """
+        strategy = self.model.distribute_strategy
         replica = tf.get_static_value(
             tf.distribute.get_replica_context().replica_id_in_sync_group)
         if replica is None:
             raise RuntimeError("pipeline: the replica id is not known while tracing.")
-        devices = self.devices[replica]
+        devices = self.devices[strategy.extended._get_local_replica_id(replica)]
         last = len(self.stages) - 1
         env = [self._inputs(x_i) for x_i, *_ in slices]   # values by id(symbolic)
         out_grads = [{} for _ in slices]                   # gradients by id(symbolic)
