@@ -260,7 +260,8 @@ def describe(stages, devices) -> str:
 
 
 def check_pipeline_config(config, stage_boundaries=None, remat=False):
-    """Refuses what `pipeline` does not run with yet, and warns of a large bubble.
+    """Refuses what `pipeline` does not run with yet (`tensor`), checks `remat`
+    and `stage_boundaries` are only given with stages, and warns of a large bubble.
 
     Example:
 
@@ -274,12 +275,11 @@ def check_pipeline_config(config, stage_boundaries=None, remat=False):
                 "`stage_boundaries` and `remat` apply to pipeline stages, but "
                 "`pipeline=1`: use pipeline >= 2, or drop them.")
         return
-    for name, off in (("tensor", 1), ("zero", 0)):
-        if getattr(config, name) != off:
-            raise NotImplementedError(
-                f"`pipeline={config.pipeline}` with `{name}={getattr(config, name)!r}` "
-                f"is not available in this version of tfdist; use {name}={off!r} "
-                f"with pipeline parallelism.")
+    if config.tensor > 1:
+        raise NotImplementedError(
+            f"`pipeline={config.pipeline}` with `tensor={config.tensor}` is not "
+            f"available in this version of tfdist; use tensor=1 with pipeline "
+            f"parallelism.")
     if config.microbatches < config.pipeline:
         warnings.warn(
             f"`microbatches={config.microbatches}` < `pipeline={config.pipeline}`: "
