@@ -58,11 +58,12 @@ def test_residual_mlp_matches_one_device(schedule, remat):
     assert_parity(train(strategy, make=residual_mlp), reference)
 
 
-def test_two_inputs_data_parallel_matches_one_device():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_inputs_data_parallel_matches_one_device(schedule):
     x, y = data()
     x = [x[:, :FEATURES // 2], x[:, FEATURES // 2:]]
     reference = train(make=two_inputs, x=x, y=y)
-    strategy = tfdist.Strategy(data=2, pipeline=2, microbatches=2, schedule="1f1b",
+    strategy = tfdist.Strategy(data=2, pipeline=2, microbatches=2, schedule=schedule,
                                devices=devices(4))
     assert_parity(train(strategy, make=two_inputs, x=x, y=y), reference)
 
