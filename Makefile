@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(BIN)/python tools/bench_ps.py
 	$(BIN)/python tools/bench_zero.py
 	$(BIN)/python tools/bench_tensor.py
+	$(BIN)/python tools/bench_pipeline.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
