@@ -245,3 +245,28 @@ def test_zero_matches_unsharded_pipeline(zero):
     for slot in result[2].optimizer._momentums:
         shards = slot.value.values
         assert len(shards) == 2 and shards[0].shape[0] * 2 >= slot.numpy().size
+
+
+def dropout_and_batch_norm(seed=0):
+    """Dropout and BatchNormalization in both stages: remat must replay the same
+    masks and update the statistics once."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(32, activation="relu"), keras.layers.Dropout(0.3),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(32, activation="relu", name="second"), keras.layers.Dropout(0.3),
+        keras.layers.BatchNormalization(), keras.layers.Dense(CLASSES),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_remat_replays_dropout_and_updates_statistics_once():
+    results = []
+    for remat in (False, True):
+        strategy = tfdist.Strategy(pipeline=2, microbatches=4, stage_boundaries=["second"],
+                                   remat=remat, devices=devices(2))
+        results.append(train(strategy, make=dropout_and_batch_norm))
+    assert_parity(results[1], results[0], rtol=1e-6)

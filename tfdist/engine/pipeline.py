@@ -126,6 +126,9 @@ class PipelineCompute:
         if xla:
             self._run = [tf.function(run, jit_compile=True, reduce_retracing=True)
                          for run in self._run]
+        self._state = [[v for layer in stage.layers
+                        for v in getattr(layer, "non_trainable_variables", ())]
+                       for stage in stages]
         weights = {id(v): i for i, v in enumerate(model.trainable_weights)}
         self._weights = [[(weights[id(v)], v) for layer in stage.layers
                           for v in getattr(layer, "trainable_weights", ())] for stage in stages]
@@ -155,7 +158,12 @@ class PipelineCompute:
             with tf.name_scope(scope), tf.device(devices[s]), \
                     tf.control_dependencies(previous[s]):
                 if kind == "F":
+                    # remat replays this forward later: keep the stage's state
+                    # (random-seed counters) as it was before it.
+                    state = ([tf.identity(v.value) for v in self._state[s]]
+                             if self.remat else None)
                     saved = self._forward(stage, env[i], s == last, slices[i], record=not self.remat)
+                    saved["state"] = state
                     held[s][i] = saved
                     self.peak_held[s] = max(self.peak_held[s], len(held[s]))
                     outputs = saved["outputs"]
@@ -173,8 +181,7 @@ class PipelineCompute:
                 else:
                     saved = held[s].pop(i)
                     if self.remat:
-                        saved = self._forward(stage, saved["inputs"], s == last, slices[i],
-                                              record=True)
+                        saved = self._replay(stage, saved, s == last, slices[i])
                     grads = self._backward(stage, saved, out_grads[i], s == last)
                     for (index, _), grad in zip(self._weights[s], grads):
                         if grad is not None:
@@ -187,6 +194,22 @@ class PipelineCompute:
         with tf.device(devices[0]):
             totals = [None if g is None else tf.identity(g) for g in totals]
         return totals, metrics
+
+    def _replay(self, stage, saved, is_last, microbatch):
+        """The remat forward: the stage's forward again, under a tape, with its
+        state (seed counters, normalisation statistics) set to what the first
+        run saw and restored afterwards, so dropout draws the same masks and no
+        statistic is updated twice."""
+        state = self._state[stage.index]
+        now = [tf.identity(v.value) for v in state]
+        with tf.control_dependencies(now):
+            started = [v.assign(value) for v, value in zip(state, saved["state"])]
+        with tf.control_dependencies(tf.nest.flatten(started)):
+            replayed = self._forward(stage, saved["inputs"], is_last, microbatch, record=True)
+        with tf.control_dependencies(tf.nest.flatten(replayed["outputs"])):
+            for v, value in zip(state, now):
+                v.assign(value)
+        return replayed
 
     def _inputs(self, x):
         return {id(sym): value for sym, value in
