@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -270,3 +271,19 @@ def test_remat_replays_dropout_and_updates_statistics_once():
                                    remat=remat, devices=devices(2))
         results.append(train(strategy, make=dropout_and_batch_norm))
     assert_parity(results[1], results[0], rtol=1e-6)
+
+
+def test_evaluate_predict_and_weight_files_after_pipelined_fit(tmp_path):
+    strategy = tfdist.Strategy(data=2, pipeline=2, microbatches=2, devices=devices(4))
+    _, _, model = train(strategy, make=residual_mlp)
+    model.save_weights(tmp_path / "pipelined.weights.h5")
+    plain = residual_mlp(seed=1)
+    plain.optimizer.build(plain.trainable_weights)
+    plain.load_weights(tmp_path / "pipelined.weights.h5")
+    for mine, theirs in zip(model.optimizer.variables, plain.optimizer.variables):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+    x, y = data(128, seed=1)
+    np.testing.assert_allclose(model.predict(x, verbose=0), plain.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0),
+                               rtol=1e-5)
