@@ -107,7 +107,8 @@ class PipelineCompute:
 
     ```python
     compute = PipelineCompute(model, plan_stages(model, 2), [["CPU:0", "CPU:1"]], 4, "1f1b")
-    grads, metrics = compute(x, y, sample_weight)   # inside strategy.run
+    grads, metrics = compute(slices)   # inside strategy.run: one (x, y, sw, share, size)
+                                       # per microbatch
     ```
     """
 
@@ -116,7 +117,6 @@ class PipelineCompute:
         self.graph = graph_of(model)
         self.stages = stages
         self.devices = devices
-        self.microbatches = microbatches
         self.order = emission_order(schedule(kind, len(stages), microbatches))
         self.remat = remat
         self.peak_held = [0] * len(stages)
@@ -133,7 +133,7 @@ class PipelineCompute:
         self._weights = [[(weights[id(v)], v) for layer in stage.layers
                           for v in getattr(layer, "trainable_weights", ())] for stage in stages]
 
-    def __call__(self, x, y, sample_weight, slices):
+    def __call__(self, slices):
         """(summed gradients aligned with `model.trainable_weights`, metrics).
 
         `slices` gives each microbatch's (x, y, sample_weight, share, size).
@@ -280,7 +280,6 @@ class PipelineCompute:
                     known = out_grads.get(id(sym))
                     out_grads[id(sym)] = grad if known is None else known + grad
         return grads[len(floating):]
-
 
 
 def pipeline_compute(model, strategy) -> PipelineCompute:

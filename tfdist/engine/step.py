@@ -213,7 +213,7 @@ class TrainStep:
             with tf.name_scope("split"):
                 slices = [_microbatch_slice(x, y, sample_weight, i, k, batch_size)
                           for i in range(k)]
-            return self._pipeline(x, y, sample_weight, slices)
+            return self._pipeline(slices)
         total = None
         for i in range(k):
             with tf.name_scope(f"microbatch{i}"):
