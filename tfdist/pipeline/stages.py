@@ -25,6 +25,13 @@ class Stage:
     `inputs` are the symbolic tensors it reads from the model's inputs or from
     earlier stages; `outputs` those it produces that later stages or the
     model's outputs read.
+
+    Example:
+
+    ```python
+    first, second = plan_stages(model, 2)
+    [layer.name for layer in second.layers], second.params, second.cost
+    ```
     """
 
     index: int
