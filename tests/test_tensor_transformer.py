@@ -2,6 +2,9 @@
 embedding + attention + MLP language model, Megatron's collective count, and
 checkpoints that hold full tensors."""
 
+import contextlib
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ import pytest
 import tfdist
 from helpers import assert_parity, devices, train
 from test_engine import executed_op_counts
+from tfdist.tensor.plan import sharded_classifier
 
 SEQ, WIDTH, HEADS, FF, VOCAB = 8, 16, 4, 32, 24
 
@@ -124,3 +128,60 @@ def test_checkpoints_hold_full_tensors_both_ways(tmp_path):
     np.testing.assert_allclose(again.predict(x, batch_size=16, verbose=0), expected,
                                rtol=1e-5, atol=1e-6)
     assert again.layers[1].embeddings.value.values[3].shape == (VOCAB // 4, WIDTH)
+
+
+@pytest.mark.parametrize("data_size, tensor", [(1, 2), (1, 4), (2, 2)])
+def test_vocab_parallel_classifier_matches_one_device(reference, data_size, tensor):
+    x, y = lm_data()
+    strategy = tfdist.Strategy(data=data_size, tensor=tensor, vocab_parallel_classifier=True,
+                               devices=devices(data_size * tensor))
+    result = train(strategy, make=make_lm, x=x, y=y, batch_size=16)
+    assert_parity(result, reference)
+    model = result[2]
+    head = model.layers[-1]
+    assert sharded_classifier(model)
+    assert re.search(rf"{head.name}\s+Dense\s+classifier\s+{VOCAB} classes -> "
+                     rf"{VOCAB // tensor} per device", strategy.describe(model))
+    # Each device holds 1/t of the classifier; evaluate and predict see all classes.
+    for weight in (head.kernel, head.bias):
+        shards = weight.value.values
+        assert all(s.shape[-1] == VOCAB // tensor for s in shards)
+    plain = make_lm()
+    plain.set_weights(model.get_weights())
+    np.testing.assert_allclose(model.predict(x[:32], verbose=0), plain.predict(x[:32], verbose=0),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0),
+                               rtol=1e-5)
+
+
+def test_vocab_parallel_classifier_metrics_and_refusals():
+    def make(metrics=("accuracy",), loss=None, seed=0):
+        keras.utils.set_random_seed(seed)
+        tokens = keras.Input((SEQ,), dtype="int32")
+        x = block(keras.layers.Embedding(VOCAB, WIDTH)(tokens))
+        model = keras.Model(tokens, keras.layers.Dense(VOCAB)(x))
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), metrics=list(metrics),
+                      loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = lm_data()
+    histories = []
+    for strategy in (None, tfdist.Strategy(tensor=2, vocab_parallel_classifier=True,
+                                           devices=devices(2))):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = make()
+        histories.append(model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                                   verbose=0).history)
+    np.testing.assert_allclose(histories[1]["accuracy"], histories[0]["accuracy"], atol=1e-6)
+
+    strategy = tfdist.Strategy(tensor=2, vocab_parallel_classifier=True, devices=devices(2))
+    with strategy.scope():
+        model = make()
+    assert re.search(r"Dense\s+classifier\s+24 classes -> 12 per device",
+                     strategy.describe(model))  # before any step
+    with strategy.scope():
+        model = make(loss="mse")
+    assert re.search(r"Dense\s+replicated\s+a class-split classifier needs the model compiled",
+                     strategy.describe(model))
+    with pytest.raises(ValueError, match=r"`vocab_parallel_classifier=True` .* `tensor=1`"):
+        tfdist.Strategy(vocab_parallel_classifier=True, devices=devices(2))

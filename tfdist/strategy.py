@@ -93,6 +93,8 @@ def default_devices() -> list[str]:
 class _StepOwner:
     """What both tfdist strategies add to their `tf.distribute` parent."""
 
+    vocab_parallel_classifier = False  # Strategy's option (tensor parallelism)
+
     def _init_step_owner(self, config: ParallelConfig, stage_boundaries=None, remat=False):
         start_profiler_server()  # when $TFDIST_PROFILER_PORT asks for one
         self._config = config
@@ -136,7 +138,8 @@ class _StepOwner:
             per_stage = [[group[s] for group in self.pipeline_devices]
                          for s in range(self._config.pipeline)]
             return pipeline_stages.describe(stages, per_stage)
-        return tensor_plan.describe(tensor_plan.plan(model, self._config.tensor))
+        return tensor_plan.describe(tensor_plan.plan(
+            model, self._config.tensor, self.vocab_parallel_classifier))
 
     def scope(self):
         """The parent's scope, with the Keras dtype policy of `precision` set.
@@ -258,6 +261,15 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         devices: device names to use; default: every logical GPU of the host,
             or every logical CPU if there is none
             (see `tfdist.use_virtual_devices`).
+        stage_boundaries: with `pipeline` > 1, layer names, one per stage
+            after the first, each the first layer of its stage; default:
+            stages balanced by estimated compute.
+        remat: with `pipeline` > 1, recompute each stage's forward in its
+            backward (less memory, more compute).
+        vocab_parallel_classifier: with `tensor` > 1, split the model's final
+            Dense by classes and compute its sparse softmax cross-entropy
+            sharded (the model must be compiled with
+            `SparseCategoricalCrossentropy(from_logits=True)`).
         **fields: `data`, `pipeline`, `tensor`, `microbatches`, `zero`,
             `precision`, `xla`, `schedule` (see `ParallelConfig`).
 
@@ -274,7 +286,7 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
     """
 
     def __init__(self, config=None, *, devices=None, stage_boundaries=None,
-                 remat=False, **fields):
+                 remat=False, vocab_parallel_classifier=False, **fields):
         if devices is None:
             devices = default_devices()
         elif isinstance(devices, str) or not devices:
@@ -286,7 +298,14 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         config = requested_config(config, fields, available=("tensor", "pipeline"))
         config = check_tensor_config(config.resolve(len(devices)))
         check_pipeline_config(config, stage_boundaries, remat)
+        if not isinstance(vocab_parallel_classifier, bool):
+            raise TypeError(f"`vocab_parallel_classifier` must be a bool, got "
+                            f"{vocab_parallel_classifier!r}.")
+        if vocab_parallel_classifier and config.tensor == 1:
+            raise ValueError("`vocab_parallel_classifier=True` splits the final classifier "
+                             "over a tensor group, but `tensor=1`: use tensor >= 2.")
         self._init_step_owner(config, stage_boundaries, remat)
+        self.vocab_parallel_classifier = vocab_parallel_classifier
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )

@@ -40,7 +40,8 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tfdist.config import ParallelConfig
 from tfdist.engine.pipeline import pipeline_compute
 from tfdist.optim.zero import ZeroUpdate, check_shardable
-from tfdist.tensor.plan import partition_model
+from tfdist.tensor.partition import sharded_logits
+from tfdist.tensor.plan import partition_model, sharded_classifier
 
 # Loss reductions that are a mean over the batch: the full-batch loss is the
 # size-weighted sum of the microbatch losses.
@@ -246,7 +247,10 @@ class TrainStep:
         the batch loss (the whole loss when `share` is None).
         """
         model = self.model
-        with tf.GradientTape() as tape:
+        mesh = self._mesh()
+        sharded = mesh is not None and sharded_classifier(model)
+        with tf.GradientTape() as tape, (
+                sharded_logits() if sharded else contextlib.nullcontext()):
             if model._call_has_training_arg:
                 y_pred = model(x, training=True)
             else:
@@ -257,6 +261,8 @@ class TrainStep:
             part = loss if share is None else loss * tf.cast(share, loss.dtype)
             scaled = model.optimizer.scale_loss(part)
         grads = _gradients(tape, scaled, model.trainable_weights)
+        if sharded and model._compile_metrics is not None:
+            y_pred = mesh.gather_last(y_pred)  # metrics see every class
         return loss, y_pred, grads
 
     def reduce_gradients(self, grads):

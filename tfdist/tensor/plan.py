@@ -41,9 +41,11 @@ class Decision:
     reason: str
 
 
-def plan(model, tensor: int) -> list:
+def plan(model, tensor: int, classifier: bool = False) -> list:
     """The layout of every layer of `model` with weights, for tensor groups of
-    `tensor` devices.
+    `tensor` devices. With `classifier`, the model's final Dense (if not
+    already the row half of a pair) is split by classes, with a sharded
+    softmax loss.
 
     Example:
 
@@ -65,6 +67,8 @@ def plan(model, tensor: int) -> list:
             decisions.append(_embedding(layer, tensor))
         elif type(layer) is keras.layers.Dense:
             pair = _dense_pair(layer, tensor, taken)
+            if classifier and pair[0].layout == "replicated" and _is_final(model, layer):
+                pair = [_classifier(model, layer, tensor)]
             decisions.extend(pair)
             taken.update(id(d.layer) for d in pair)
         elif layer.weights:
@@ -87,6 +91,8 @@ def apply(decisions, mesh):
             partition.heads(layer, mesh)
         elif decision.layout == "vocabulary":
             partition.vocabulary(layer, mesh)
+        elif decision.layout == "classifier":
+            partition.classifier(layer, mesh)
         layer._tfdist_decision = decision  # what describe reports afterwards
 
 
@@ -152,6 +158,32 @@ def _embedding(layer, tensor):
                     f"{layer.input_dim} rows -> {layer.input_dim // tensor} per device")
 
 
+def _is_final(model, layer):
+    """Whether `layer`'s output is the model's only output."""
+    outputs = getattr(model, "outputs", None) or []
+    return (len(outputs) == 1 and len(layer._inbound_nodes) == 1
+            and layer._inbound_nodes[0].outputs[0] is outputs[0])
+
+
+def _classifier(model, layer, tensor):
+    entries = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None)
+    # Before the first step the compiled loss is not built: what compile got.
+    losses = [e.loss for e in entries] if entries else [getattr(model, "loss", None)]
+    if len(losses) != 1 or not partition.is_sparse_softmax_loss(
+            getattr(losses[0], "fallback", losses[0])):
+        return Decision(layer, "replicated",
+                        "a class-split classifier needs the model compiled (and built) "
+                        "with SparseCategoricalCrossentropy(from_logits=True) alone")
+    if layer.units % tensor:
+        return Decision(layer, "replicated",
+                        f"units (classes)={layer.units} is not divisible by tensor={tensor}")
+    if layer.activation not in (None, keras.activations.linear):
+        return Decision(layer, "replicated", "a class-split classifier must output logits "
+                        "(no activation)")
+    return Decision(layer, "classifier", f"{layer.units} classes -> {layer.units // tensor} "
+                    f"per device, sharded softmax loss")
+
+
 def _dense_pair(layer, tensor, taken):
     """[column, row] decisions for `layer` and its consumer, or [replicated]."""
     consumer = _only_consumer(layer)
@@ -200,8 +232,15 @@ def partition_model(model, mesh):
     model.layers[0].kernel.value.values   # one (in, out/t) shard per device
     ```
     """
+    decisions = plan(model, mesh.tensor, mesh.strategy.vocab_parallel_classifier)
     with optimizer_keys_follow(model):
-        apply(plan(model, mesh.tensor), mesh)
+        apply(decisions, mesh)
+    if any(d.layout == "classifier" for d in decisions):
+        entries = model._compile_loss._flat_losses
+        (entry,) = entries
+        if not isinstance(entry.loss, partition.ShardedSoftmaxCrossEntropy):
+            entries[0] = entry._replace(
+                loss=partition.ShardedSoftmaxCrossEntropy(mesh, entry.loss))
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or not optimizer.built:
         return
@@ -214,3 +253,17 @@ def partition_model(model, mesh):
                 shard_keras_variable(slot, layout, mesh.strategy)
 
 
+
+
+def sharded_classifier(model):
+    """Whether `model`'s final classifier is split by classes (its loss sharded).
+
+    Example:
+
+    ```python
+    sharded_classifier(model)   # True after the first step under
+                                # Strategy(tensor=2, vocab_parallel_classifier=True)
+    ```
+    """
+    entries = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None) or []
+    return any(isinstance(e.loss, partition.ShardedSoftmaxCrossEntropy) for e in entries)
