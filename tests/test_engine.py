@@ -159,3 +159,16 @@ def test_several_strategies_of_different_sizes_in_one_process():
     reference = train()
     for n in (4, 2, 8, 4, 2):
         assert_parity(train(tfdist.Strategy(data=n, devices=devices(n))), reference)
+
+
+@pytest.mark.parametrize("fields", [{"microbatches": 2}, {"pipeline": 2, "microbatches": 2}])
+def test_microbatches_refuse_losses_that_do_not_average(fields):
+    def make():
+        model = make_model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="sum"))
+        return model
+
+    with pytest.raises(ValueError, match=r"`microbatches=2` needs losses that average over "
+                                         r"the batch .* has reduction='sum'"):
+        train(tfdist.Strategy(devices=devices(2), **fields), make=make)

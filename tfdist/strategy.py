@@ -23,7 +23,6 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from tfdist.config import ParallelConfig
 from tfdist.engine.step import TrainStep, check_microbatches_divide, check_trainable
-from tfdist.pipeline.stages import check_pipeline_config
 from tfdist.pipeline import stages as pipeline_stages
 from tfdist.profiling import start_profiler_server
 from tfdist.tensor import plan as tensor_plan
@@ -297,7 +296,7 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         devices = list(devices)
         config = requested_config(config, fields, available=("tensor", "pipeline"))
         config = check_tensor_config(config.resolve(len(devices)))
-        check_pipeline_config(config, stage_boundaries, remat)
+        pipeline_stages.check_pipeline_config(config, stage_boundaries, remat)
         if not isinstance(vocab_parallel_classifier, bool):
             raise TypeError(f"`vocab_parallel_classifier` must be a bool, got "
                             f"{vocab_parallel_classifier!r}.")
@@ -355,7 +354,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
             )
         # fails before connecting:
         config = requested_config(config, fields, available=("pipeline",))
-        check_pipeline_config(config, stage_boundaries, remat)
+        pipeline_stages.check_pipeline_config(config, stage_boundaries, remat)
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
