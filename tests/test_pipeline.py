@@ -288,3 +288,17 @@ def test_evaluate_predict_and_weight_files_after_pipelined_fit(tmp_path):
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(model.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0),
                                rtol=1e-5)
+
+
+def test_model_summary_ends_with_the_stages():
+    strategy = tfdist.Strategy(pipeline=2, microbatches=2, devices=devices(2))
+    with strategy.scope():
+        model = residual_mlp()
+    lines = []
+    model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
+    at = lines.index("Pipeline stages:")
+    assert lines[at + 1:] == strategy.describe(model).splitlines()
+    plain = residual_mlp()
+    others = []
+    plain.summary(print_fn=lambda line, *args, **kwargs: others.append(line))
+    assert "Pipeline stages:" not in others and "Total params" in "".join(others)

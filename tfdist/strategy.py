@@ -24,6 +24,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from tfdist.config import ParallelConfig
 from tfdist.engine.step import TrainStep, check_microbatches_divide, check_trainable
 from tfdist.pipeline import stages as pipeline_stages
+from tfdist.pipeline import summary as pipeline_summary
 from tfdist.profiling import start_profiler_server
 from tfdist.tensor import plan as tensor_plan
 from tfdist.tensor.mesh import TensorMesh, check_tensor_config
@@ -96,6 +97,8 @@ class _StepOwner:
 
     def _init_step_owner(self, config: ParallelConfig, stage_boundaries=None, remat=False):
         start_profiler_server()  # when $TFDIST_PROFILER_PORT asks for one
+        if config.pipeline > 1:
+            pipeline_summary.install()
         self._config = config
         self.stage_boundaries = stage_boundaries
         self.remat = remat

@@ -1,0 +1,37 @@
+"""`model.summary()` of a pipelined model: Keras's table, then its stages."""
+
+import functools
+
+import keras
+
+_installed = False
+
+
+def install():
+    """Makes `model.summary()` end with the stages (`strategy.describe(model)`)
+    for models built under a tfdist strategy with `pipeline` > 1. Once per
+    process; other models' summaries are unchanged.
+
+    Example:
+
+    ```python
+    with tfdist.Strategy(pipeline=2, microbatches=4).scope():
+        model = build_model()
+    model.summary()   # ... Keras's table, then "Pipeline stages:" and one line per stage
+    ```
+    """
+    global _installed
+    if _installed:
+        return
+    original = keras.Model.summary
+
+    @functools.wraps(original)
+    def summary(model, *args, print_fn=None, **kwargs):
+        original(model, *args, print_fn=print_fn, **kwargs)
+        strategy = model.distribute_strategy
+        if getattr(getattr(strategy, "config", None), "pipeline", 1) > 1:
+            for line in ["Pipeline stages:", *strategy.describe(model).splitlines()]:
+                (print_fn or print)(line)
+
+    keras.Model.summary = summary
+    _installed = True
