@@ -34,6 +34,7 @@ def move_variable(variable, devices, strategy):
     ```
     """
     old = variable.value
+
     def on_devices(next_creator, **kwargs):
         kwargs["colocate_with"] = _OnDevices(devices)
         return next_creator(**kwargs)

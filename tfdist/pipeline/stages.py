@@ -223,7 +223,6 @@ def _connect(graph, stages):
         for node in stage.nodes:
             for x in node.outputs:
                 produced_by[id(x)] = stage.index
-    needed_later = {id(x): (x, len(stages)) for x in graph.outputs}
     for stage in stages:
         own = {id(x) for node in stage.nodes for x in node.outputs}
         seen = set()
@@ -236,15 +235,11 @@ def _connect(graph, stages):
     for x in graph.outputs:  # the loss, on the last stage, reads every output
         if produced_by[id(x)] < last.index and all(x is not y for y in last.inputs):
             last.inputs.append(x)
+    # A tensor leaves its stage when another stage reads it or it is a model output.
+    needed = {id(x) for x in graph.outputs} | {id(x) for s in stages for x in s.inputs}
     for stage in stages:
-        for later in stages[stage.index + 1:]:
-            for x in later.inputs:
-                if produced_by.get(id(x)) == stage.index:
-                    needed_later.setdefault(id(x), (x, later.index))
-        for node in stage.nodes:
-            for x in node.outputs:
-                if id(x) in needed_later and all(x is not y for y in stage.outputs):
-                    stage.outputs.append(x)
+        stage.outputs.extend(x for node in stage.nodes for x in node.outputs
+                             if id(x) in needed)
 
 
 def describe(stages, devices) -> str:
