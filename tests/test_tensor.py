@@ -121,6 +121,35 @@ def test_explicit_layer_with_indivisible_units_names_layer_and_dimension():
             embedding.build((None, 3))
 
 
+def test_constrained_weights_stay_whole():
+    # A constraint (MaxNorm over each column's inputs, here) acts on the whole
+    # weight: such layers stay replicated, and explicit layers refuse one.
+    def make(optimizer=None):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(32, activation="relu", name="up"),
+            keras.layers.Dense(32, kernel_constraint=keras.constraints.MaxNorm(0.5),
+                               name="down"),
+            keras.layers.Dense(CLASSES, name="out")])
+        model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    strategy = tfdist.Strategy(tensor=2, devices=devices(2))
+    result = train(strategy, make=make)
+    lines = strategy.describe(result[2]).splitlines()
+    assert [line.split()[2] for line in lines] == ["replicated"] * 3
+    assert "its pair down: weight 'sequential" in lines[0]
+    assert "has a constraint, which acts on the whole weight" in lines[1]
+    assert_parity(result, train(make=make))
+    with strategy.scope():
+        layer = tfdist.layers.RowParallelDense(8, kernel_constraint="non_neg", name="row")
+        with pytest.raises(ValueError, match=r"Layer 'row' \(RowParallelDense\): weight "
+                                             r"'.*kernel' has a constraint \(NonNeg\)"):
+            layer.build((None, 8))
+
+
 def test_unchanged_model_with_indivisible_units_stays_replicated_and_says_why():
     strategy = tfdist.Strategy(tensor=4, devices=devices(4))
     with strategy.scope():
@@ -135,14 +164,10 @@ def test_unchanged_model_with_indivisible_units_stays_replicated_and_says_why():
     assert "no Dense consumes its output alone" in lines[2]
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"zero": 1}, r"`tensor=2` with `zero=1` is not available"),
-    ({"xla": True}, r"`tensor=2` with `xla=True` is not available.*cannot compile "
-                    r"collectives with XLA on CPU"),
-])
-def test_modes_not_composed_say_so(fields, message):
-    with pytest.raises(NotImplementedError, match=message):
-        tfdist.Strategy(tensor=2, devices=devices(4), **fields)
+def test_xla_with_tensor_parallelism_says_why_it_is_not_available():
+    with pytest.raises(NotImplementedError, match=r"`tensor=2` with `xla=True` is not "
+                       r"available.*cannot compile collectives with XLA on CPU"):
+        tfdist.Strategy(tensor=2, xla=True, devices=devices(4))
 
 
 def test_multi_worker_tensor_parallelism_is_not_available():

@@ -50,11 +50,12 @@ def test_mixed_precision_matches_one_device_mixed_precision(policy, rtol, atol):
 def make_overflowing_head():
     """A split classifier whose kernel gradient overflows float16 on rank 1 only.
 
-    Inputs are all 8, the kernel starts at zero and every label is class 3:
-    the logits' gradient is 0.25 for classes 0-2 and -0.75 for class 3, so at
-    the initial loss scale 2**15 (halved by Keras for the 2 replicas) the
-    kernel gradient is 8 x 0.25 x 2**14 = 32,768 on rank 0 (classes 0, 1),
-    finite in float16, and 8 x 0.75 x 2**14 = 98,304 > 65,504 on rank 1.
+    Inputs are all 8 x data, the kernel starts at zero and every label is
+    class 3: the logits' gradient is 0.25 for classes 0-2 and -0.75 for class
+    3, so at the initial loss scale 2**15 (divided by Keras by the 2 x data
+    replicas) the kernel gradient is 8 x 0.25 x 2**14 = 32,768 on rank 0
+    (classes 0, 1), finite in float16, and 8 x 0.75 x 2**14 = 98,304 > 65,504
+    on rank 1.
     """
     model = keras.Sequential([
         keras.Input((FEATURES,)),
@@ -65,20 +66,25 @@ def make_overflowing_head():
     return model
 
 
-def test_loss_scaling_skips_a_step_on_every_rank_when_one_rank_overflows():
-    strategy = tfdist.Strategy(tensor=2, precision="mixed_float16", devices=devices(2))
+@pytest.mark.parametrize("data_size, zero", [(1, 0), (2, 0), (2, 1), (2, 2)])
+def test_loss_scaling_skips_a_step_on_every_rank_when_one_rank_overflows(data_size, zero):
+    n = 2 * data_size
+    strategy = tfdist.Strategy(data=data_size, tensor=2, zero=zero,
+                               precision="mixed_float16", devices=devices(n))
     with strategy.scope():
         model = make_overflowing_head()
-    x = np.full((32, FEATURES), 8.0, "float32")
+    x = np.full((32, FEATURES), 8.0 * data_size, "float32")
     y = np.full((32,), 3, "int32")
     model.fit(x, y, batch_size=32, verbose=0)  # one step
     optimizer = model.optimizer
-    # Skipped on both ranks: no shard moved, the scale halved on both devices.
+    # Skipped on both ranks: no shard moved, the scale halved on every device.
     for shard in model.layers[0].kernel.value.values:
         np.testing.assert_array_equal(shard.numpy(), np.zeros((FEATURES, 2)))
-    assert [v.numpy() for v in optimizer.dynamic_scale.value.values] == [2.0 ** 14] * 2
+    assert [v.numpy() for v in optimizer.dynamic_scale.value.values] == [2.0 ** 14] * n
+    assert optimizer.iterations.numpy() == 0
     # At 2**14, 49,152 is finite: the next step applies on both ranks.
     model.fit(x, y, batch_size=32, verbose=0)
     assert all(np.abs(shard.numpy()).max() > 0
                for shard in model.layers[0].kernel.value.values)
-    assert [v.numpy() for v in optimizer.dynamic_scale.value.values] == [2.0 ** 14] * 2
+    assert [v.numpy() for v in optimizer.dynamic_scale.value.values] == [2.0 ** 14] * n
+    assert optimizer.iterations.numpy() == 1

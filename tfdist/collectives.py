@@ -11,6 +11,9 @@ same on one host and across workers:
   a local sum of the N shards received: each replica ends up with only its own
   reduced shard; no replica ever holds another replica's reduced shard.
 - `all_gather`: one gather of equal-shaped shards along a new leading axis.
+
+Both take an optional `launcher`: a subgroup's launcher for this replica (a
+`TensorMesh` data group), in place of the strategy's all-replica one.
 """
 
 import tensorflow as tf
@@ -31,9 +34,10 @@ def _launcher():
     return collectives._launchers[values_util.get_current_replica_id_as_int()]
 
 
-def reduce_scatter(rows):
+def reduce_scatter(rows, launcher=None):
     """Sums `rows` (shape `(N, m)`, N replicas) across replicas; returns this
-    replica's row of the sum, shape `(m,)`.
+    replica's row of the sum, shape `(m,)` (with a subgroup's `launcher`: N
+    is the group's size, the row the replica's place in it).
 
     Example (in replica context, 4 replicas):
 
@@ -42,7 +46,7 @@ def reduce_scatter(rows):
     my_shard = reduce_scatter(rows)   # sum over replicas of rows[my_replica_id]
     ```
     """
-    launcher = _launcher()
+    launcher = launcher or _launcher()
     options = launcher._options
     token = launcher._get_ordering_token()
     with tf.device(launcher._device):
@@ -58,9 +62,10 @@ def reduce_scatter(rows):
         return tf.reduce_sum(received, axis=0)
 
 
-def all_gather(row):
+def all_gather(row, launcher=None):
     """Gathers `row` (shape `(m,)`, the same shape on every replica) from every
-    replica; returns shape `(N, m)`, row r from replica r.
+    replica (of `launcher`'s group if given); returns shape `(N, m)`, row r
+    from replica r.
 
     Example (in replica context):
 
@@ -68,5 +73,5 @@ def all_gather(row):
     shards = all_gather(my_updated_shard)   # (num_replicas, shard_size)
     ```
     """
-    launcher = _launcher()
+    launcher = launcher or _launcher()
     return launcher._all_gather(row[tf.newaxis], launcher._options)

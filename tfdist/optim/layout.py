@@ -7,6 +7,9 @@ shards of one variable (or of many, concatenated) cross devices in one
 collective, and a large variable is split across every replica whatever its
 shape. The padding (fewer than N elements per variable) is zeros and never
 leaves the shards: `unshard` cuts it off.
+
+`MeshShardLayout` is the same on a data x tensor mesh: each tensor rank's part
+of a weight split across the replicas of its data group.
 """
 
 import math
@@ -51,3 +54,45 @@ class ShardLayout:
         if self.padding:
             flat = flat[: self.size]
         return tf.reshape(flat, self.shape)
+
+
+class MeshShardLayout:
+    """ZeRO's element shards of a weight on a data x tensor mesh.
+
+    Each tensor rank's part of the weight (its slice when the weight is split,
+    `split` its `tfdist.tensor.AxisLayout`; the whole weight when it is
+    replicated) is
+    split element by element (`ShardLayout`) across the `data` replicas of
+    that rank's data group: replica r holds element shard `r // tensor` of
+    rank `r % tensor`'s part. With tensor=1 this is `ShardLayout` over the
+    replicas. `ShardedStorage` uses it for optimizer state under `zero`.
+
+    Example:
+
+    >>> from tfdist.tensor.layout import AxisLayout
+    >>> split = AxisLayout((4, 6), axis=1, parts=2)
+    >>> layout = MeshShardLayout((4, 6), tensor=2, data=2, split=split)
+    >>> layout.shard_shape       # rank 1's (4, 3) slice, half of its 12 elements
+    [6]
+    >>> full = tf.reshape(tf.range(24), (4, 6))
+    >>> layout.shard(full, 3).numpy()  # replica 3: rank 1, second data shard
+    array([15, 16, 17, 21, 22, 23], dtype=int32)
+    """
+
+    def __init__(self, shape, tensor: int, data: int, split=None):
+        self.shape = tf.TensorShape(shape)
+        self.tensor = tensor
+        self.split = split
+        part = self.shape if split is None else split.shard_shape
+        self.part = ShardLayout(part, data)
+        self.shard_shape = self.part.shard_shape
+
+    def shard(self, value, index):
+        """The element shard that replica `index` (an int) holds."""
+        part = value if self.split is None else self.split.shard(value, index)
+        return self.part.shard(part, index // self.tensor)
+
+    def unshard(self, shards):
+        """The full value from every replica's shard, stacked in replica order."""
+        parts = [self.part.unshard(shards[rank::self.tensor]) for rank in range(self.tensor)]
+        return parts[0] if self.split is None else self.split.unshard(parts)

@@ -139,3 +139,16 @@ def shard_keras_variable(variable, layout, strategy):
         trainable=variable.trainable)
     variable._value = storage
     return storage
+
+
+def storage_layout(variable):
+    """The layout of a Keras variable held in `ShardedStorage`, else None.
+
+    Example:
+
+    ```python
+    storage_layout(model.layers[0].kernel)   # AxisLayout under tensor parallelism
+    ```
+    """
+    storage = getattr(variable, "_value", None)
+    return storage.layout if isinstance(storage, ShardedStorage) else None

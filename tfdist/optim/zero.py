@@ -22,6 +22,12 @@ else. One step, in replica context:
    collective) and every replica writes the full parameters back; variable
    constraints then apply to the full value, as in Keras.
 
+With `tensor` > 1 (`tfdist.tensor.TensorMesh`), each replica's part of a
+weight is its tensor rank's (a slice of a split weight, all of a replicated
+one), and every phase above runs over the replica's data group instead of all
+replicas (`MeshShardLayout`): the state of a split weight is 1/(tensor x data)
+per device, that of a replicated one 1/data.
+
 This is exact for optimizers whose update is elementwise (each element of the
 new variable and slots depends only on the same element of the gradient,
 variable and slots, plus scalars): see `ELEMENTWISE` and `elementwise`.
@@ -43,8 +49,8 @@ import tensorflow as tf
 
 from tfdist.collectives import all_gather, reduce_scatter
 from tfdist.optim import adafactor
-from tfdist.optim.layout import ShardLayout
-from tfdist.optim.sharded import ShardedStorage, shard_keras_variable
+from tfdist.optim.layout import MeshShardLayout
+from tfdist.optim.sharded import ShardedStorage, shard_keras_variable, storage_layout
 
 # Keras optimizers whose `update_step` is elementwise (the class itself, not
 # subclasses, which may override it).
@@ -146,17 +152,25 @@ class ZeroUpdate:
             model.optimizer, keras.optimizers.LossScaleOptimizer) else None
         self.inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
         strategy = model.distribute_strategy
-        self.num_shards = strategy.num_replicas_in_sync
+        # With tensor parallelism each replica updates its tensor rank's part
+        # of every weight (a slice if the weight is split, else all of it),
+        # sharded across the replicas of its data group.
+        self.mesh = getattr(strategy, "tensor_mesh", None)
+        tensor = self.mesh.tensor if self.mesh else 1
+        self.num_shards = strategy.num_replicas_in_sync // tensor
         self.variables = list(self.inner._trainable_variables)
-        self.layouts = [ShardLayout(v.shape, self.num_shards) for v in self.variables]
+        # Where each replica's state lives, and its slicing of the local part.
+        storage = [MeshShardLayout(v.shape, tensor, self.num_shards, storage_layout(v))
+                   for v in self.variables]
+        self.layouts = [layout.part for layout in storage]
         with strategy.scope():
-            for slot, _ in _slots(self.inner, self.variables, self._replicated()):
-                shard_keras_variable(slot, self.num_shards, strategy)
+            for slot, index in _slots(self.inner, self.variables, self._replicated()):
+                shard_keras_variable(slot, storage[index], strategy)
             # The parameter shards each replica updates (working buffers).
             self.buffers = [
                 ShardedStorage.create(strategy, layout, None,
                                       f"{v.path.replace('/', '_')}_shard", v.dtype)
-                for v, layout in zip(self.variables, self.layouts)
+                for v, layout in zip(self.variables, storage)
             ]
 
     def _replicated(self):
@@ -175,15 +189,23 @@ class ZeroUpdate:
         grads = [tf.convert_to_tensor(g) for _, g in present]
         layouts = [self.layouts[i] for i in indices]
         context = tf.distribute.get_replica_context()
-        replica = context.replica_id_in_sync_group
+        mesh = self.mesh
+        launcher = mesh.data_launcher() if mesh else None
+        # This replica's shard index: its place in its data group.
+        replica = context.replica_id_in_sync_group // (mesh.tensor if mesh else 1)
         with tf.name_scope("reduce"):
             if self.zero == 1:
-                reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+                reduced = (mesh.reduce_gradients(grads) if mesh else
+                           context.all_reduce(tf.distribute.ReduceOp.SUM, grads))
                 shards = [layout.shard(g, replica) for layout, g in zip(layouts, reduced)]
-                finite = self.scaler and self.scaler.check_finite(reduced)
             else:
-                shards = _packed_reduce_scatter(grads, layouts)
-                finite = self.scaler and _all_finite(context, shards)
+                shards = _packed_reduce_scatter(grads, layouts, launcher)
+                if mesh:  # see TensorMesh.reduce_gradients
+                    shards = [g * tf.cast(mesh.tensor, g.dtype) for g in shards]
+            # Every replica, of every tensor rank, takes the same decision.
+            finite = self.scaler and (self.scaler.check_finite(reduced)
+                                      if self.zero == 1 and not mesh
+                                      else _all_finite(context, shards))
         with tf.name_scope("apply"):
             for i in indices:
                 self.buffers[i].assign(self.layouts[i].shard(self.variables[i].value, replica))
@@ -201,9 +223,12 @@ class ZeroUpdate:
             self.inner._iterations.assign_add(applied)
         with tf.name_scope("gather"):
             updated = [self.buffers[i].value() for i in indices]
-            full = _packed_all_gather(updated, layouts)
+            full = _packed_all_gather(updated, layouts, launcher)
             for i, value in zip(indices, full):
                 variable = self.variables[i]
+                if storage_layout(variable) is not None:
+                    variable._value.assign(value)  # this replica's slice
+                    continue  # (tensor parallelism keeps constrained weights whole)
                 variable.assign(value)
                 if variable.constraint is not None:
                     variable.assign(variable.constraint(variable))
@@ -288,16 +313,19 @@ def _slots(optimizer, variables, replicated=()):
     return list(found.values())
 
 
-def _packed_reduce_scatter(grads, layouts):
-    """Reduce-scatter of every gradient, one collective per dtype."""
-    return _per_dtype(grads, layouts, lambda rows: reduce_scatter(tf.concat(rows, 1)),
+def _packed_reduce_scatter(grads, layouts, launcher=None):
+    """Reduce-scatter of every gradient, one collective per dtype (over
+    `launcher`'s group if given, else every replica)."""
+    return _per_dtype(grads, layouts,
+                      lambda rows: reduce_scatter(tf.concat(rows, 1), launcher),
                       lambda layout, g: layout.rows(g))
 
 
-def _packed_all_gather(shards, layouts):
-    """Every replica's shards, gathered into full values; one collective per dtype."""
+def _packed_all_gather(shards, layouts, launcher=None):
+    """Every replica's shards (of `launcher`'s group if given), gathered into
+    full values; one collective per dtype."""
     def gather(parts):
-        return all_gather(tf.concat(parts, 0))
+        return all_gather(tf.concat(parts, 0), launcher)
 
     gathered = _per_dtype(shards, layouts, gather, lambda layout, s: s, axis=1)
     return [layout.unshard(rows) for layout, rows in zip(layouts, gathered)]

@@ -25,7 +25,15 @@ def current_mesh():
     return getattr(tf.distribute.get_strategy(), "tensor_mesh", None)
 
 
-def _check_divisible(layer, what, value, mesh):
+def _check_splittable(layer, what, value, mesh):
+    for weight in layer.trainable_weights:
+        if weight.constraint is not None:
+            raise ValueError(
+                f"Layer {layer.name!r} ({type(layer).__name__}): weight "
+                f"{weight.path!r} has a constraint ({type(weight.constraint).__name__}), "
+                f"which acts on the whole weight, not on one shard. Drop the "
+                f"constraint, or use a plain keras.layers."
+                f"{type(layer).__mro__[1].__name__} (replicated).")
     if value % mesh.tensor:
         raise ValueError(
             f"Layer {layer.name!r} ({type(layer).__name__}): {what}={value} is not "
@@ -66,7 +74,7 @@ class ColumnParallelDense(keras.layers.Dense):
         super().build(input_shape)
         mesh = current_mesh()
         if mesh is not None:
-            _check_divisible(self, "units", self.units, mesh)
+            _check_splittable(self, "units", self.units, mesh)
             partition.column(self, mesh, gather_output=self.gather_output)
 
     def get_config(self):
@@ -94,7 +102,7 @@ class RowParallelDense(keras.layers.Dense):
         super().build(input_shape)
         mesh = current_mesh()
         if mesh is not None:
-            _check_divisible(self, "input size", input_shape[-1], mesh)
+            _check_splittable(self, "input size", input_shape[-1], mesh)
             partition.row(self, mesh)
 
 
@@ -118,5 +126,5 @@ class ParallelEmbedding(keras.layers.Embedding):
         super().build(input_shape)
         mesh = current_mesh()
         if mesh is not None:
-            _check_divisible(self, "input_dim", self.input_dim, mesh)
+            _check_splittable(self, "input_dim", self.input_dim, mesh)
             partition.vocabulary(self, mesh)

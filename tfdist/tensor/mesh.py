@@ -77,6 +77,11 @@ class TensorMesh:
     def _tensor_launcher(self):
         return self._tensor_launchers[self.replica()]
 
+    def data_launcher(self):
+        """The current replica's launcher of collectives over its data group
+        (for `tfdist.collectives` and ZeRO's sharded update)."""
+        return self._data_launchers[self.replica()]
+
     def reduce(self, x):
         """Megatron's "g": sum over the tensor group forward, identity backward."""
         launcher = self._tensor_launcher()
@@ -172,8 +177,7 @@ class TensorMesh:
         """
         present = [tf.convert_to_tensor(g) for g in grads if g is not None]
         if self.data > 1 and present:
-            launcher = self._data_launchers[self.replica()]
-            present = launcher.batch_all_reduce([present])
+            present = self.data_launcher().batch_all_reduce([present])
         reduced = iter([g * tf.cast(self.tensor, g.dtype) for g in present])
         return [None if g is None else next(reduced) for g in grads]
 
@@ -214,10 +218,6 @@ def check_tensor_config(config):
     >>> check_tensor_config(ParallelConfig(tensor=2, data=2)).tensor  # doctest: +SKIP
     2
     """
-    if config.tensor > 1 and config.zero:
-        raise NotImplementedError(
-            f"`tensor={config.tensor}` with `zero={config.zero}` is not available in "
-            f"this version of tfdist; use zero=0 with tensor parallelism.")
     if config.tensor > 1 and config.xla:
         # TensorFlow: "Collectives are not yet implemented for CPU devices
         # when compiling with XLA".

@@ -33,7 +33,7 @@ import tensorflow as tf
 from keras.src import backend
 from keras.src.losses.losses import sparse_categorical_crossentropy
 
-from tfdist.optim.sharded import shard_keras_variable
+from tfdist.optim.sharded import shard_keras_variable, storage_layout
 from tfdist.tensor.layout import AxisLayout
 
 
@@ -260,5 +260,5 @@ def _split(variable, axis, mesh):
 
 def layout_of(variable):
     """The `AxisLayout` of a partitioned Keras variable, else None."""
-    layout = getattr(getattr(variable, "_value", None), "layout", None)
+    layout = storage_layout(variable)
     return layout if isinstance(layout, AxisLayout) else None

@@ -10,6 +10,8 @@ renders the decisions. The rules:
 - **MultiHeadAttention**: split by heads when `num_heads` is divisible by
   `tensor` (query/key/value column-parallel, output row-parallel).
 - **Embedding**: split by vocabulary when `input_dim` is divisible by `tensor`.
+- A layer with a weight constraint stays replicated (a constraint such as
+  `MaxNorm` acts on the whole weight).
 - Everything else, and any of these that breaks a rule, stays replicated;
   the plan says why.
 """
@@ -61,6 +63,8 @@ def plan(model, tensor: int, classifier: bool = False) -> list:
         if partition.layout_of(_main_weight(layer)) is not None:
             decisions.append(getattr(layer, "_tfdist_decision", None) or Decision(
                 layer, _explicit_layout(layer), f"tfdist.layers.{type(layer).__name__}"))
+        elif constrained_weight(layer) is not None:
+            decisions.append(Decision(layer, "replicated", _constrained_reason(layer)))
         elif isinstance(layer, keras.layers.MultiHeadAttention):
             decisions.append(_attention(layer, tensor))
         elif isinstance(layer, keras.layers.Embedding):
@@ -193,6 +197,9 @@ def _dense_pair(layer, tensor, taken):
         return [Decision(layer, "replicated", why)]
     if _only_consumer_input(consumer) is not layer:
         return [Decision(layer, "replicated", f"{consumer.name} has other inputs")]
+    if constrained_weight(consumer) is not None:
+        return [Decision(layer, "replicated", f"its pair {consumer.name}: "
+                         f"{_constrained_reason(consumer)}")]
     if layer.units % tensor:
         return [Decision(layer, "replicated",
                          f"units={layer.units} is not divisible by tensor={tensor}")]
@@ -205,6 +212,16 @@ def _dense_pair(layer, tensor, taken):
     return [Decision(layer, "column", f"paired with {consumer.name} "
                      f"({layer.units} -> {layer.units // tensor} units per device)"),
             Decision(consumer, "row", f"paired with {layer.name}")]
+
+
+def constrained_weight(layer):
+    """The path of `layer`'s first weight with a constraint, else None."""
+    return next((w.path for w in layer.trainable_weights if w.constraint is not None), None)
+
+
+def _constrained_reason(layer):
+    return (f"weight {constrained_weight(layer)!r} has a constraint, which acts "
+            f"on the whole weight")
 
 
 def _only_consumer(layer):
