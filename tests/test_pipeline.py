@@ -145,8 +145,6 @@ def test_bad_stages(kwargs, error, message):
 def test_bad_config():
     with pytest.warns(UserWarning, match=r"`microbatches=2` < `pipeline=4`: .*bubble"):
         tfdist.Strategy(pipeline=4, microbatches=2, devices=devices(4))
-    with pytest.raises(NotImplementedError, match=r"`pipeline=2` with `tensor=2`"):
-        tfdist.Strategy(pipeline=2, tensor=2, microbatches=2, devices=devices(4))
     with pytest.raises(ValueError, match=r"`stage_boundaries` and `remat` apply to pipeline"):
         tfdist.Strategy(remat=True, devices=devices(2))
     strategy = tfdist.Strategy(pipeline=2, microbatches=4, devices=devices(2))
@@ -243,10 +241,12 @@ def test_zero_matches_unsharded_pipeline(zero):
                                devices=devices(4))
     result = train(strategy, make=make)
     assert_parity(result, reference, rtol=1e-5)
-    # Each data replica holds half of every slot (on its first device: README, limits).
-    for slot in result[2].optimizer._momentums:
+    # Each data replica holds half of every slot, where its copy of the weight is.
+    optimizer = result[2].optimizer
+    for variable, slot in zip(optimizer._trainable_variables, optimizer._momentums):
         shards = slot.value.values
         assert len(shards) == 2 and shards[0].shape[0] * 2 >= slot.numpy().size
+        assert [s.device for s in shards] == component_devices(variable)
 
 
 def dropout_and_batch_norm(seed=0):

@@ -117,9 +117,10 @@ class _StepOwner:
     def describe(self, model: keras.Model) -> str:
         """How `model`'s layers are laid out under this strategy, one per line.
 
-        With `tensor` > 1: which layers are split (column / row-parallel
-        Dense pairs, attention by heads, embeddings by vocabulary) and which
-        stay replicated, and why.
+        With `pipeline` > 1: each stage's devices, parameters, estimated
+        cost and layers. With `tensor` > 1: which layers are split (column /
+        row-parallel Dense pairs, attention by heads, embeddings by
+        vocabulary) and which stay replicated, and why. Both when both.
 
         Example:
 
@@ -134,14 +135,17 @@ class _StepOwner:
         # dense_2  Dense  replicated  no Dense consumes its output alone
         ```
         """
+        parts = []
         if self._config.pipeline > 1:
             stages = pipeline_stages.plan_stages(
                 model, self._config.pipeline, self.stage_boundaries)
             per_stage = [[group[s] for group in self.pipeline_devices]
                          for s in range(self._config.pipeline)]
-            return pipeline_stages.describe(stages, per_stage)
-        return tensor_plan.describe(tensor_plan.plan(
-            model, self._config.tensor, self.vocab_parallel_classifier))
+            parts.append(pipeline_stages.describe(stages, per_stage))
+        if self._config.tensor > 1 or not parts:
+            parts.append(tensor_plan.describe(tensor_plan.plan(
+                model, self._config.tensor, self.vocab_parallel_classifier)))
+        return "\n".join(parts)
 
     def scope(self):
         """The parent's scope, with the Keras dtype policy of `precision` set.
@@ -317,7 +321,7 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         self.pipeline_devices = [devices[r * p:(r + 1) * p] for r in range(len(devices) // p)]
         super().__init__(devices=[group[0] for group in self.pipeline_devices])
         if config.tensor > 1:
-            self._tensor_mesh = TensorMesh(self, config.tensor)
+            self._tensor_mesh = TensorMesh(self, config.tensor, self.pipeline_devices)
 
 
 class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy):

@@ -32,6 +32,8 @@ from keras.src.models.functional import operation_fn
 
 from tfdist.pipeline.placement import place_stages
 from tfdist.pipeline.stages import graph_of, plan_stages
+from tfdist.tensor.partition import sharded_logits
+from tfdist.tensor.plan import sharded_classifier
 
 
 def schedule(kind: str, stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
@@ -120,6 +122,7 @@ class PipelineCompute:
         self.order = emission_order(schedule(kind, len(stages), microbatches))
         self.remat = remat
         self.peak_held = [0] * len(stages)
+        self._per_replica = {}  # with tensor groups: local replica -> its tf.function
         # With xla, each stage's layers are one XLA computation (per stage,
         # replica and microbatch shape); the schedule stays the engine's.
         self._run = [functools.partial(self._run_nodes, stage) for stage in stages]
@@ -143,7 +146,31 @@ class PipelineCompute:
             tf.distribute.get_replica_context().replica_id_in_sync_group)
         if replica is None:
             raise RuntimeError("pipeline: the replica id is not known while tracing.")
-        devices = self.devices[strategy.extended._get_local_replica_id(replica)]
+        local = int(strategy.extended._get_local_replica_id(replica))
+        mesh = getattr(strategy, "tensor_mesh", None)
+        if mesh is None:
+            return self._replica_units(slices, local, mesh)
+        # With tensor groups, units all-reduce with the other replicas. The
+        # replicas are traced into one graph, in which TensorFlow chains
+        # every stateful op without a resource (such as a loss's shape
+        # assert) in trace order: replica 0's second loss before replica 1's
+        # first, which (1F1B) waits for a backward whose all-reduce needs
+        # replica 0's second forward: a cycle. One function call per replica
+        # keeps each replica's chain inside its own call.
+        if local not in self._per_replica:
+            self._per_replica[local] = tf.function(
+                functools.partial(self._replica_units, local=local, mesh=mesh))
+        return self._per_replica[local](slices)
+
+    def _replica_units(self, slices, local, mesh):
+        devices = self.devices[local]
+        # A class-split classifier gives its logit slice to the sharded loss.
+        sharded = mesh is not None and sharded_classifier(self.model)
+        with sharded_logits() if sharded else contextlib.nullcontext():
+            return self._units(slices, devices, mesh, sharded)
+
+    def _units(self, slices, devices, mesh, sharded):
+        """Every unit of the schedule, in emission order (see `__call__`)."""
         last = len(self.stages) - 1
         env = [self._inputs(x_i) for x_i, *_ in slices]   # values by id(symbolic)
         out_grads = [{} for _ in slices]                   # gradients by id(symbolic)
@@ -156,7 +183,8 @@ class PipelineCompute:
             _, y_i, sw_i, share, size = slices[i]
             scope = f"stage{s}/{'fwd' if kind == 'F' else 'bwd'}/mb{i}"
             with tf.name_scope(scope), tf.device(devices[s]), \
-                    tf.control_dependencies(previous[s]):
+                    tf.control_dependencies(previous[s]), \
+                    mesh.stage(s) if mesh else contextlib.nullcontext():
                 if kind == "F":
                     # remat replays this forward later: keep the stage's state
                     # (random-seed counters) as it was before it.
@@ -172,6 +200,8 @@ class PipelineCompute:
                         self.model._loss_tracker.update_state(
                             loss_module.unscale_loss_for_distribution(loss),
                             sample_weight=size)
+                        if sharded and self.model._compile_metrics is not None:
+                            y_pred = mesh.gather_last(y_pred)  # metrics see every class
                         metrics = self.model.compute_metrics(
                             slices[i][0], y_i, y_pred, sample_weight=sw_i)
                         outputs = [loss]

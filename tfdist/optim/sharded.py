@@ -41,17 +41,18 @@ class ShardedStorage(values.SyncOnReadVariable):
 
     @classmethod
     def create(cls, strategy, layout: ShardLayout, initial, name: str, dtype,
-               trainable=False):
+               trainable=False, devices=None):
         """Creates the shards of `initial` (a full-shape value, or None for
-        zeros) on the strategy's local devices; the shard index of a device is
-        its replica id in the sync group. `trainable` shards are watched by
-        gradient tapes (a partitioned model weight)."""
+        zeros) on `devices` (one per local replica; default the replicas'
+        own); the shard index of a device is its replica's id in the sync
+        group. `trainable` shards are watched by gradient tapes (a partitioned
+        model weight)."""
         extended = strategy.extended
         components = []
         with tf.init_scope():
             if initial is not None:
                 initial = tf.convert_to_tensor(initial, dtype=dtype)
-            for local, device in enumerate(extended.worker_devices):
+            for local, device in enumerate(devices or extended.worker_devices):
                 index = extended._get_replica_id_in_sync_group(local)
                 with tf.device(device):
                     shard = (tf.zeros(layout.shard_shape, dtype) if initial is None
@@ -119,8 +120,9 @@ class ShardedStorage(values.SyncOnReadVariable):
 def shard_keras_variable(variable, layout, strategy):
     """Moves a Keras variable's storage into `ShardedStorage`, keeping its value.
 
-    The Keras variable keeps its shape, path and identity; only where its
-    elements live changes. `layout` is a layout object (`ShardLayout`,
+    The Keras variable keeps its shape, path and identity; only how its
+    elements are split changes: each replica's shard goes to the device that
+    held that replica's copy (a pipeline stage's device, say). `layout` is a layout object (`ShardLayout`,
     `AxisLayout`) or an int: that many element shards. Returns the new storage.
 
     Example:
@@ -136,7 +138,7 @@ def shard_keras_variable(variable, layout, strategy):
         layout = ShardLayout(variable.shape, layout)
     storage = ShardedStorage.create(
         strategy, layout, variable.value, name=variable.name, dtype=variable.dtype,
-        trainable=variable.trainable)
+        trainable=variable.trainable, devices=replica_devices(variable, strategy))
     variable._value = storage
     return storage
 
@@ -152,3 +154,19 @@ def storage_layout(variable):
     """
     storage = getattr(variable, "_value", None)
     return storage.layout if isinstance(storage, ShardedStorage) else None
+
+
+def replica_devices(variable, strategy):
+    """The device of each local replica's copy of a Keras variable (None if
+    it is not one copy per replica: then the replicas' own devices).
+
+    Example:
+
+    ```python
+    replica_devices(model.layers[-1].kernel, strategy)   # stage devices when pipelined
+    ```
+    """
+    copies = getattr(variable._value, "values", ())
+    if len(copies) != len(strategy.extended.worker_devices):
+        return None
+    return [copy.device for copy in copies]

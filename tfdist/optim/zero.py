@@ -50,7 +50,8 @@ import tensorflow as tf
 from tfdist.collectives import all_gather, reduce_scatter
 from tfdist.optim import adafactor
 from tfdist.optim.layout import MeshShardLayout
-from tfdist.optim.sharded import ShardedStorage, shard_keras_variable, storage_layout
+from tfdist.optim.sharded import (
+    ShardedStorage, replica_devices, shard_keras_variable, storage_layout)
 
 # Keras optimizers whose `update_step` is elementwise (the class itself, not
 # subclasses, which may override it).
@@ -169,7 +170,8 @@ class ZeroUpdate:
             # The parameter shards each replica updates (working buffers).
             self.buffers = [
                 ShardedStorage.create(strategy, layout, None,
-                                      f"{v.path.replace('/', '_')}_shard", v.dtype)
+                                      f"{v.path.replace('/', '_')}_shard", v.dtype,
+                                      devices=replica_devices(v, strategy))
                 for v, layout in zip(self.variables, storage)
             ]
 

@@ -262,8 +262,8 @@ def describe(stages, devices) -> str:
 
 
 def check_pipeline_config(config, stage_boundaries=None, remat=False):
-    """Refuses what `pipeline` does not run with yet (`tensor`), checks `remat`
-    and `stage_boundaries` are only given with stages, and warns of a large bubble.
+    """Checks `remat` and `stage_boundaries` are only given with stages, and
+    warns of a large bubble.
 
     Example:
 
@@ -277,11 +277,6 @@ def check_pipeline_config(config, stage_boundaries=None, remat=False):
                 "`stage_boundaries` and `remat` apply to pipeline stages, but "
                 "`pipeline=1`: use pipeline >= 2, or drop them.")
         return
-    if config.tensor > 1:
-        raise NotImplementedError(
-            f"`pipeline={config.pipeline}` with `tensor={config.tensor}` is not "
-            f"available in this version of tfdist; use tensor=1 with pipeline "
-            f"parallelism.")
     if config.microbatches < config.pipeline:
         warnings.warn(
             f"`microbatches={config.microbatches}` < `pipeline={config.pipeline}`: "

@@ -14,10 +14,17 @@ group, or the strategy's all-replica ones) is ordered by program order, which
 is the same on every replica, so collectives of different groups never
 deadlock.
 
+With pipeline stages (data x pipeline x tensor), stage s of replica r runs on
+a device of its own; the stage-s devices of a tensor group's replicas form
+that stage's group, with launchers there (`stage`).
+
 The two Megatron operators (Shoeybi et al., 2019) are `copy` ("f": identity
 forward, all-reduce of the gradient backward) and `reduce` ("g": all-reduce
 forward, identity backward).
 """
+
+import contextlib
+import threading
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_utils, values_util
@@ -29,6 +36,9 @@ class TensorMesh:
     Args:
         strategy: a `tfdist.Strategy` (its replicas, in order, form the mesh).
         tensor: the tensor-group size t, which divides N.
+        stage_devices: with pipeline stages, `stage_devices[r][s]` is the
+            device of replica r's stage s (`stage_devices[r][0]` its own):
+            each stage's tensor group collectives run on its devices.
 
     Example:
 
@@ -42,7 +52,7 @@ class TensorMesh:
     ```
     """
 
-    def __init__(self, strategy, tensor: int):
+    def __init__(self, strategy, tensor: int, stage_devices=None):
         self.strategy = strategy
         self.tensor = tensor
         extended = strategy.extended
@@ -51,15 +61,47 @@ class TensorMesh:
         self.data = self.num_replicas // tensor
         collectives = extended._cross_device_ops
         keys = extended._collective_keys
-        self._tensor_launchers = []
+        # _tensor_launchers[s][r]: replica r's launcher for stage s's group.
+        self._tensor_launchers = [[]]
         self._data_launchers = []
         for replica, device in enumerate(devices):
             rank, index = replica % tensor, replica // tensor
             tensor_group = devices[index * tensor:(index + 1) * tensor]
             data_group = devices[rank::tensor]
             own = collectives._launchers[replica]
-            self._tensor_launchers.append(_launcher(keys, tensor_group, device, own))
+            self._tensor_launchers[0].append(_launcher(keys, tensor_group, device, own))
             self._data_launchers.append(_launcher(keys, data_group, device, own))
+        options = collectives._launchers[0]._options
+        # Pipeline stages after the first run on devices of their own: each
+        # stage's tensor group gets launchers there (their own ordering
+        # token per device: only that stage's collectives run on it).
+        for stage in range(1, len(stage_devices[0]) if stage_devices else 1):
+            on_stage = [group[stage] for group in stage_devices]
+            self._tensor_launchers.append([
+                _launcher(keys, on_stage[(r // tensor) * tensor:(r // tensor + 1) * tensor],
+                          device, options=options)
+                for r, device in enumerate(on_stage)])
+        self._stage = threading.local()
+
+    @contextlib.contextmanager
+    def stage(self, index: int):
+        """Tensor collectives of the current thread (replica) use pipeline
+        stage `index`'s devices while in effect (the pipeline engine sets it
+        around each unit of stage `index`).
+
+        Example:
+
+        ```python
+        with mesh.stage(1):
+            y = mesh.reduce(partial_sum)   # over the stage-1 devices of the group
+        ```
+        """
+        previous = getattr(self._stage, "index", 0)
+        self._stage.index = index
+        try:
+            yield
+        finally:
+            self._stage.index = previous
 
     def replica(self):
         """The current replica's id, or None outside this mesh's replicas."""
@@ -75,7 +117,7 @@ class TensorMesh:
         return None if replica is None else replica % self.tensor
 
     def _tensor_launcher(self):
-        return self._tensor_launchers[self.replica()]
+        return self._tensor_launchers[getattr(self._stage, "index", 0)][self.replica()]
 
     def data_launcher(self):
         """The current replica's launcher of collectives over its data group
@@ -229,9 +271,12 @@ def check_tensor_config(config):
     return config
 
 
-def _launcher(keys, group, device, own):
-    """A launcher for `group` on `device`, ordered with the strategy's `own`."""
+def _launcher(keys, group, device, own=None, options=None):
+    """A launcher for `group` on `device`, ordered with the strategy's `own`
+    launcher there if given (else with an ordering token of its own)."""
     launcher = cross_device_utils.CollectiveReplicaLauncher(
-        keys.get_group_key(group), len(group), keys, device, own._options)
-    launcher._ordering_token = own._ordering_token
+        keys.get_group_key(group), len(group), keys, device,
+        own._options if own else options)
+    if own is not None:
+        launcher._ordering_token = own._ordering_token
     return launcher

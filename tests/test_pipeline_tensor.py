@@ -1,0 +1,103 @@
+"""Pipeline stages whose layers are split over tensor groups: data x pipeline x
+tensor on 8 devices, parity with one device, where every shard lives, and
+composition with the class-split classifier and sharded optimizer state."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from helpers import assert_parity, devices, train
+from test_pipeline import two_block_lm
+from test_tensor_transformer import lm_data
+
+
+@pytest.fixture(scope="module")
+def reference():
+    x, y = lm_data()
+    return train(make=two_block_lm, x=x, y=y, batch_size=16)
+
+
+def _short(device):
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{spec.device_type}:{spec.device_index}"
+
+
+def _strategy(data_size=2, **fields):
+    return tfdist.Strategy(data=data_size, pipeline=2, tensor=2, microbatches=2,
+                           devices=devices(4 * data_size), **fields)
+
+
+@pytest.mark.parametrize("schedule, remat", [("gpipe", False), ("1f1b", False),
+                                             ("1f1b", True)])
+def test_two_block_lm_on_8_devices_matches_one_device(reference, schedule, remat):
+    x, y = lm_data()
+    strategy = _strategy(schedule=schedule, remat=remat)
+    result = train(strategy, make=two_block_lm, x=x, y=y, batch_size=16)
+    # Sums over tensor groups and data groups in another order: 1e-4 holds.
+    assert_parity(result, reference)
+    lines = strategy.describe(result[2]).splitlines()
+    assert lines[0].startswith("stage 0  [CPU:0, CPU:2, CPU:4, CPU:6]")
+    assert lines[1].startswith("stage 1  [CPU:1, CPU:3, CPU:5, CPU:7]")
+    assert [line.split()[2] for line in lines[2:] if line.split()[1] ==
+            "MultiHeadAttention"] == ["heads", "heads"]
+
+
+def test_each_shard_lives_on_its_stage_and_rank():
+    x, y = lm_data(64)
+    strategy = _strategy()
+    _, _, model = train(strategy, make=two_block_lm, x=x, y=y, batch_size=16)
+    step = strategy.train_step(model)
+    groups = strategy.pipeline_devices  # groups[replica][stage]
+    per_device, expected = {}, {}
+    for stage in step._pipeline.stages:
+        on_stage = [group[stage.index] for group in groups]
+        for variable in stage.variables:
+            components = variable.value.values
+            assert [_short(c.device) for c in components] == [
+                _short(d) for d in on_stage], variable.path
+            split = tfdist.tensor.partition.layout_of(variable)
+            full = variable.numpy()
+            for replica, component in enumerate(components):
+                part = full if split is None else np.split(
+                    full, 2, axis=split.axis)[replica % 2]
+                np.testing.assert_array_equal(component.numpy(), part)
+                where = _short(component.device)
+                per_device[where] = per_device.get(where, 0) + component.numpy().nbytes
+            # Bytes on each of the stage's devices: 1/t of a split weight.
+            for device in map(_short, on_stage):
+                expected[device] = expected.get(device, 0) + full.nbytes // (
+                    1 if split is None else 2)
+    assert per_device == expected and len(per_device) == 8
+
+
+def test_class_split_classifier_in_the_last_stage_matches_one_device(reference):
+    x, y = lm_data()
+    strategy = _strategy(data_size=1, schedule="1f1b", vocab_parallel_classifier=True)
+    result = train(strategy, make=two_block_lm, x=x, y=y, batch_size=16)
+    assert_parity(result, reference)
+    head = result[2].layers[-1]
+    assert [c.shape for c in head.kernel.value.values] == [(head.kernel.shape[0],
+                                                            head.units // 2)] * 2
+
+
+def test_sharded_optimizer_state_follows_each_stage():
+    x, y = lm_data(128)
+
+    def make():
+        model = two_block_lm()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    unsharded = train(_strategy(), make=make, x=x, y=y, batch_size=16)
+    strategy = _strategy(zero=1)
+    result = train(strategy, make=make, x=x, y=y, batch_size=16)
+    assert_parity(result, unsharded, rtol=1e-5, steps=8)
+    model = result[2]
+    optimizer = model.optimizer
+    for variable, slot in zip(optimizer._trainable_variables, optimizer._momentums):
+        # Each replica's shard sits where that replica's copy of the weight is.
+        assert [c.device for c in slot.value.values] == [
+            c.device for c in variable.value.values], slot.path
