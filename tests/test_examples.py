@@ -52,9 +52,30 @@ def test_tensor_parallel_example_splits_attention_and_mlp_and_learns():
     assert len(re.findall(r"Dense\s+(column|row)\s", out)) == 2
     losses = [float(v) for v in re.findall(r"epoch \d: loss ([\d.]+)", out)]
     assert len(losses) == 2 and losses[1] < losses[0]
-    sizes = [int(v.replace(",", "")) for v in re.findall(r"CPU:\d=([\d,]+)", out)]
+    weights = re.search(r"weight bytes per device: (.*)", out)[1]
+    sizes = [int(v.replace(",", "")) for v in re.findall(r"CPU:\d=([\d,]+)", weights)]
     whole = int(re.search(r"unsplit model: ([\d,]+) bytes", out)[1].replace(",", ""))
     assert len(sizes) == 4 and len(set(sizes)) == 1 and sizes[0] < whole
+
+
+def test_tensor_example_on_8_devices_with_stages_and_sharded_state():
+    out = run_example("tensor_parallel_transformer.py", "--devices=8", "--tensor=2",
+                      "--pipeline=2", "--microbatches=2", "--zero=1", "--blocks=2",
+                      "--epochs=2", "--width=32")
+    stages = re.findall(r"^stage (\d)  \[(CPU:\d), (CPU:\d), (CPU:\d), (CPU:\d)\]", out, re.M)
+    assert stages == [("0", "CPU:0", "CPU:2", "CPU:4", "CPU:6"),
+                      ("1", "CPU:1", "CPU:3", "CPU:5", "CPU:7")]
+    assert len(re.findall(r"MultiHeadAttention\s+heads", out)) == 2
+    losses = [float(v) for v in re.findall(r"epoch \d: loss ([\d.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    whole = int(re.search(r"unsplit model: ([\d,]+) bytes", out)[1].replace(",", ""))
+    weights = re.search(r"weight bytes per device: (.*)", out)[1]
+    state = re.search(r"optimizer state bytes per device: (.*)", out)[1]
+    for line in (weights, state):
+        sizes = [int(v.replace(",", "")) for v in re.findall(r"CPU:\d=([\d,]+)", line)]
+        # Half the model per stage, its big weights halved again by tensor;
+        # Adam's two slots of each device's part, halved by zero.
+        assert len(sizes) == 8 and all(size < whole / 3 for size in sizes)
 
 
 def test_pipeline_example_places_stages_and_learns():
