@@ -75,11 +75,13 @@ def test_config_and_keywords_are_exclusive():
     assert strategy.config.microbatches == 2
 
 
-@pytest.mark.parametrize("fields, name", [({"pipeline": 2, "tensor": 2}, "pipeline"),
-                                          ({"zero": 3}, "zero")])
-def test_modes_of_later_versions_say_so(fields, name):
-    with pytest.raises(NotImplementedError, match=rf"`{name}="):
-        tfdist.Strategy(devices=devices(4), **fields)
+def test_modes_of_later_versions_say_so():
+    with pytest.raises(NotImplementedError, match=r"`zero=3`"):
+        tfdist.Strategy(devices=devices(4), zero=3)
+    # Refused before connecting to any other task.
+    with pytest.raises(NotImplementedError, match=r"`pipeline=2` with `tensor=2` runs "
+                                                  r"on one host"):
+        tfdist.MultiWorkerStrategy(pipeline=2, tensor=2)
 
 
 def test_bad_devices_argument():

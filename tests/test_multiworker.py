@@ -61,3 +61,35 @@ def test_two_launched_workers_with_two_stages_each_match_one_process(tmp_path):
                   local, rtol=1e-5)
     # Pipeline within the host: each worker's optimizer state on its two stage devices.
     assert sorted(workers["optimizer_bytes"]) == ["CPU:0", "CPU:1"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers, zero", [(2, 0), (4, 1)])
+def test_tensor_groups_across_workers_match_one_process(tmp_path, workers, zero):
+    # One CPU replica per worker: 2 workers form one tensor group; 4 form two
+    # tensor groups (workers 0-1, 2-3) and two data groups (0-2, 1-3), with
+    # zero=1 each data group shards its state across its two workers.
+    out = tmp_path / "worker0.json"
+    done = subprocess.run(
+        [*TFDIST, "launch", f"--workers={workers}", "--timeout=240", "--tensor=2",
+         f"--zero={zero}", "--", sys.executable, str(SCRIPT), f"--out={out}"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["replicas"] == workers
+    local = train(tfdist.Strategy(data=workers // 2, tensor=2, devices=devices(workers)))
+    assert_parity((result["losses"], [np.array(w) for w in result["weights"]], None),
+                  local, rtol=1e-5)
+    for value, ref in zip(result["optimizer"], local[2].optimizer.variables):
+        np.testing.assert_allclose(value, ref.numpy(), rtol=1e-5, atol=1e-6)
+    # Worker 0 holds tensor rank 0's shards of the state, as device 0 of the
+    # one-process run; with zero, half of them (the rest is on worker 2).
+    local_bytes = optimizer_state_bytes(local[2].optimizer)["CPU:0"]
+    (size,) = result["optimizer_bytes"].values()
+    scalars = 8 + 4  # iterations, learning rate
+    if zero:
+        padding = 4 * 6  # at most one float32 per slot (6 momentum slots)
+        assert (local_bytes - scalars) // 2 <= size - scalars <= (
+            local_bytes - scalars) // 2 + padding
+    else:
+        assert size == local_bytes

@@ -170,11 +170,6 @@ def test_xla_with_tensor_parallelism_says_why_it_is_not_available():
         tfdist.Strategy(tensor=2, xla=True, devices=devices(4))
 
 
-def test_multi_worker_tensor_parallelism_is_not_available():
-    with pytest.raises(NotImplementedError, match=r"`tensor=2`: tensor parallelism"):
-        tfdist.MultiWorkerStrategy(tensor=2)
-
-
 def test_optimizer_that_is_not_elementwise_is_refused_before_a_step():
     strategy = tfdist.Strategy(tensor=2, devices=devices(2))
     with strategy.scope():

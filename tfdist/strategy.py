@@ -35,19 +35,10 @@ from tfdist.tensor.mesh import TensorMesh, check_tensor_config
 _COLLECTIVE_KEY_SPACING = 100_000
 _collective_key_bases = itertools.count(1)
 
-# Modes this version validates but does not run yet.
-# field -> (what it turns on, its "off" value)
-_NOT_YET = {
-    "pipeline": ("pipeline parallelism", 1),
-    "tensor": ("tensor parallelism", 1),
-}
 
-
-def requested_config(config, fields, check_available=True, available=()) -> ParallelConfig:
+def requested_config(config, fields) -> ParallelConfig:
     """The validated `ParallelConfig` a strategy was asked for, from `config=`
     (a ParallelConfig or dict) or from keywords; not yet resolved for devices.
-    With `check_available`, modes this version cannot run are refused, except
-    those the caller names in `available`.
 
     Example:
 
@@ -68,12 +59,6 @@ def requested_config(config, fields, check_available=True, available=()) -> Para
             f"`config` must be a tfdist.ParallelConfig or a dict, got "
             f"{type(config).__name__}."
         )
-    for name, (mode, off) in _NOT_YET.items():
-        if check_available and name not in available and getattr(config, name) != off:
-            raise NotImplementedError(
-                f"`{name}={getattr(config, name)}`: {mode} is not available in "
-                f"this version of tfdist; use {name}={off}."
-            )
     return config
 
 
@@ -301,7 +286,7 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
                 f"{devices!r}."
             )
         devices = list(devices)
-        config = requested_config(config, fields, available=("tensor", "pipeline"))
+        config = requested_config(config, fields)
         config = check_tensor_config(config.resolve(len(devices)))
         pipeline_stages.check_pipeline_config(config, stage_boundaries, remat)
         if not isinstance(vocab_parallel_classifier, bool):
@@ -330,7 +315,10 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
     A `tf.distribute.MultiWorkerMirroredStrategy` with tfdist's knobs. Every
     task of the job runs the same script; create the strategy first thing in
     it. `data` defaults to the number of replicas in the cluster (workers x
-    local devices) and, if given, must equal it.
+    local devices) divided by `tensor` and, if given, must equal it. With
+    `tensor` > 1, a tensor group is t consecutive replicas of the cluster (a
+    task's replicas follow its id in the cluster), so on hosts with one
+    replica each (CPU) a group spans t workers.
 
     Args:
         config: a `ParallelConfig` (or its dict); or give its fields as keywords.
@@ -360,8 +348,13 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
                 f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}."
             )
         # fails before connecting:
-        config = requested_config(config, fields, available=("pipeline",))
+        config = check_tensor_config(
+            requested_config(config, fields))
         pipeline_stages.check_pipeline_config(config, stage_boundaries, remat)
+        if config.pipeline > 1 and config.tensor > 1:
+            raise NotImplementedError(
+                f"`pipeline={config.pipeline}` with `tensor={config.tensor}` runs on "
+                f"one host (tfdist.Strategy); MultiWorkerStrategy takes one of them.")
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
@@ -375,6 +368,8 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
             self.extended.worker_devices, config.pipeline)
         config = config.resolve(self.num_replicas_in_sync * config.pipeline)
         self._init_step_owner(config, stage_boundaries, remat)
+        if config.tensor > 1:
+            self._tensor_mesh = TensorMesh(self, config.tensor)
 
     def reduce(self, reduce_op, value, axis):
         """`tf.distribute.Strategy.reduce`, made to work for Keras 3's `fit`.

@@ -14,6 +14,8 @@ import sys
 from absl import app, flags
 
 flags.DEFINE_string("out", None, "Where worker 0 writes its losses and weights.")
+flags.DEFINE_integer("devices", 0, "Logical CPU devices of this worker (default: "
+                     "one per pipeline stage).")
 FLAGS = flags.FLAGS
 
 
@@ -24,8 +26,9 @@ def main(argv):
     import tfdist
 
     config = tfdist.ParallelConfig.from_env()
-    if config.pipeline > 1:  # a device per stage on this worker
-        tfdist.use_virtual_devices(config.pipeline)
+    devices = FLAGS.devices or config.pipeline  # default: a device per stage
+    if devices > 1:
+        tfdist.use_virtual_devices(devices)
     strategy = tfdist.MultiWorkerStrategy(config=config, timeout_seconds=120)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from helpers import train

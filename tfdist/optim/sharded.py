@@ -85,7 +85,8 @@ class ShardedStorage(values.SyncOnReadVariable):
                 return self._layout.unshard(tf.stack(shards))
         # Other workers hold the other shards: a cross-worker gather, which
         # every worker must take part in (as in any multi-worker save).
-        gathered = strategy.gather(values.PerReplica(tuple(shards)), axis=0)
+        gathered = strategy.gather(
+            values.PerReplica(tuple(shard[tf.newaxis] for shard in shards)), axis=0)
         return self._layout.unshard(gathered)
 
     def assign(self, value, use_locking=False, name=None, read_value=True):

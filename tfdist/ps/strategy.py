@@ -123,7 +123,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
 
     def __init__(self, config=None, *, cluster_resolver=None,
                  variable_partitioner="auto", **fields):
-        config = requested_config(config, fields, check_available=False)
+        config = requested_config(config, fields)
         _check_not_under_ps(config)
         resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
         cluster = _check_cluster(resolver)

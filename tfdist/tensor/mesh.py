@@ -27,7 +27,7 @@ import contextlib
 import threading
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_utils, values_util
+from tensorflow.python.distribute import cross_device_utils, multi_worker_util, values_util
 
 
 class TensorMesh:
@@ -56,31 +56,44 @@ class TensorMesh:
         self.strategy = strategy
         self.tensor = tensor
         extended = strategy.extended
-        devices = list(extended.worker_devices)
+        devices = replica_devices(extended)  # every replica's, in the cluster
         self.num_replicas = len(devices)
         self.data = self.num_replicas // tensor
         collectives = extended._cross_device_ops
         keys = extended._collective_keys
-        # _tensor_launchers[s][r]: replica r's launcher for stage s's group.
-        self._tensor_launchers = [[]]
-        self._data_launchers = []
-        for replica, device in enumerate(devices):
-            rank, index = replica % tensor, replica // tensor
-            tensor_group = devices[index * tensor:(index + 1) * tensor]
-            data_group = devices[rank::tensor]
-            own = collectives._launchers[replica]
-            self._tensor_launchers[0].append(_launcher(keys, tensor_group, device, own))
-            self._data_launchers.append(_launcher(keys, data_group, device, own))
+
+        def tensor_group(replica, on=devices):
+            start = replica // tensor * tensor
+            return on[start:start + tensor]
+
+        def data_group(replica):
+            return devices[replica % tensor::tensor]
+
+        # Group keys are numbered in order of first use: every task names
+        # every group in the same order, so all tasks agree on them.
+        for replica in range(self.num_replicas):
+            keys.get_group_key(tensor_group(replica))
+            keys.get_group_key(data_group(replica))
+        # Launchers of this task's replicas, by replica id;
+        # _tensor_launchers[s][r]: replica r's for pipeline stage s's group.
+        self._tensor_launchers = [{}]
+        self._data_launchers = {}
+        for local, device in enumerate(extended.worker_devices):
+            replica = extended._get_replica_id_in_sync_group(local)
+            own = collectives._launchers[local]
+            self._tensor_launchers[0][replica] = _launcher(
+                keys, tensor_group(replica), device, own)
+            self._data_launchers[replica] = _launcher(keys, data_group(replica), device, own)
         options = collectives._launchers[0]._options
-        # Pipeline stages after the first run on devices of their own: each
-        # stage's tensor group gets launchers there (their own ordering
-        # token per device: only that stage's collectives run on it).
+        # Pipeline stages after the first run on devices of their own (one
+        # host): each stage's tensor group gets launchers there, with their
+        # own ordering token per device (only that stage's collectives run on it).
         for stage in range(1, len(stage_devices[0]) if stage_devices else 1):
             on_stage = [group[stage] for group in stage_devices]
-            self._tensor_launchers.append([
-                _launcher(keys, on_stage[(r // tensor) * tensor:(r // tensor + 1) * tensor],
-                          device, options=options)
-                for r, device in enumerate(on_stage)])
+            self._tensor_launchers.append({
+                replica: _launcher(keys, tensor_group(replica, on_stage), device,
+                                   options=options)
+                for replica, device in enumerate(on_stage)})
         self._stage = threading.local()
 
     @contextlib.contextmanager
@@ -104,11 +117,13 @@ class TensorMesh:
             self._stage.index = previous
 
     def replica(self):
-        """The current replica's id, or None outside this mesh's replicas."""
+        """The current replica's id in the sync group (across workers), or
+        None outside this mesh's replicas."""
         context = tf.distribute.get_replica_context()
         if context is None or context.strategy is not self.strategy:
             return None
-        return values_util.get_current_replica_id_as_int()
+        local = values_util.get_current_replica_id_as_int()  # on this task
+        return self.strategy.extended._get_replica_id_in_sync_group(local)
 
     def rank(self):
         """The current replica's tensor rank (its shard index), or None outside
@@ -269,6 +284,30 @@ def check_tensor_config(config):
             f"and TensorFlow cannot compile collectives with XLA on CPU devices. "
             f"Use xla=False with tensor parallelism.")
     return config
+
+
+def replica_devices(extended):
+    """Every replica's device in replica order: across the cluster under a
+    multi-worker strategy (a task's replicas follow its id in the cluster:
+    the chief's first), else the strategy's own devices.
+
+    Example:
+
+    ```python
+    replica_devices(strategy.extended)   # 2 workers x 2 CPUs:
+    # ['/job:worker/replica:0/task:0/device:CPU:0', '.../task:0/device:CPU:1',
+    #  '/job:worker/replica:0/task:1/device:CPU:0', '.../task:1/device:CPU:1']
+    ```
+    """
+    local = list(extended.worker_devices)
+    spec = getattr(extended, "_cluster_spec", None)
+    if not spec or not spec.jobs:
+        return local
+    tasks = sorted(((job, index) for job in ("chief", "worker") if job in spec.jobs
+                    for index in range(spec.num_tasks(job))),
+                   key=lambda task: multi_worker_util.id_in_cluster(spec, *task))
+    return [tf.DeviceSpec.from_string(device).replace(job=job, task=index).to_string()
+            for job, index in tasks for device in local]
 
 
 def _launcher(keys, group, device, own=None, options=None):
