@@ -19,6 +19,9 @@ inputs and weights. With `remat=True` a forward keeps only its inputs and the
 backward recomputes it. The last stage's forward ends in the microbatch's loss,
 weighted by its share of the batch, so the summed gradients are the batch's.
 
+With `tensor` > 1 each unit of stage s runs under `TensorMesh.stage(s)`: the
+split layers' all-reduces are among the tensor group's stage-s devices.
+
 Ops are named `tfdist/stage{s}/{fwd|bwd}/mb{i}/...`.
 """
 
