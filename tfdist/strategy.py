@@ -348,8 +348,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
                 f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}."
             )
         # fails before connecting:
-        config = check_tensor_config(
-            requested_config(config, fields))
+        config = check_tensor_config(requested_config(config, fields))
         pipeline_stages.check_pipeline_config(config, stage_boundaries, remat)
         if config.pipeline > 1 and config.tensor > 1:
             raise NotImplementedError(

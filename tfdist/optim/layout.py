@@ -61,10 +61,9 @@ class MeshShardLayout:
 
     Each tensor rank's part of the weight (its slice when the weight is split,
     `split` its `tfdist.tensor.AxisLayout`; the whole weight when it is
-    replicated) is
-    split element by element (`ShardLayout`) across the `data` replicas of
-    that rank's data group: replica r holds element shard `r // tensor` of
-    rank `r % tensor`'s part. With tensor=1 this is `ShardLayout` over the
+    replicated) is split element by element (`ShardLayout`) across the `data`
+    replicas of that rank's data group: replica r holds element shard
+    `r // tensor` of rank `r % tensor`'s part. With tensor=1 this is `ShardLayout` over the
     replicas. `ShardedStorage` uses it for optimizer state under `zero`.
 
     Example:

@@ -123,8 +123,9 @@ def shard_keras_variable(variable, layout, strategy):
 
     The Keras variable keeps its shape, path and identity; only how its
     elements are split changes: each replica's shard goes to the device that
-    held that replica's copy (a pipeline stage's device, say). `layout` is a layout object (`ShardLayout`,
-    `AxisLayout`) or an int: that many element shards. Returns the new storage.
+    held that replica's copy (a pipeline stage's device, say). `layout` is a
+    layout object (`ShardLayout`, `AxisLayout`, `MeshShardLayout`) or an int:
+    that many element shards. Returns the new storage.
 
     Example:
 

@@ -204,10 +204,9 @@ class ZeroUpdate:
                 shards = _packed_reduce_scatter(grads, layouts, launcher)
                 if mesh:  # see TensorMesh.reduce_gradients
                     shards = [g * tf.cast(mesh.tensor, g.dtype) for g in shards]
-            # Every replica, of every tensor rank, takes the same decision.
-            finite = self.scaler and (self.scaler.check_finite(reduced)
-                                      if self.zero == 1 and not mesh
-                                      else _all_finite(context, shards))
+            # One decision on every replica (of every tensor rank): the
+            # shards of all replicas cover every reduced gradient.
+            finite = self.scaler and _all_finite(context, shards)
         with tf.name_scope("apply"):
             for i in indices:
                 self.buffers[i].assign(self.layouts[i].shard(self.variables[i].value, replica))

@@ -39,4 +39,3 @@ class AxisLayout:
     def unshard(self, shards):
         """The full value from every replica's shard, stacked in replica order."""
         return tf.concat([shards[rank] for rank in range(self.parts)], axis=self.axis)
-
