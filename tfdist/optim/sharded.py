@@ -140,7 +140,7 @@ def shard_keras_variable(variable, layout, strategy):
         layout = ShardLayout(variable.shape, layout)
     storage = ShardedStorage.create(
         strategy, layout, variable.value, name=variable.name, dtype=variable.dtype,
-        trainable=variable.trainable, devices=replica_devices(variable, strategy))
+        trainable=variable.trainable, devices=copy_devices(variable, strategy))
     variable._value = storage
     return storage
 
@@ -158,14 +158,14 @@ def storage_layout(variable):
     return storage.layout if isinstance(storage, ShardedStorage) else None
 
 
-def replica_devices(variable, strategy):
+def copy_devices(variable, strategy):
     """The device of each local replica's copy of a Keras variable (None if
     it is not one copy per replica: then the replicas' own devices).
 
     Example:
 
     ```python
-    replica_devices(model.layers[-1].kernel, strategy)   # stage devices when pipelined
+    copy_devices(model.layers[-1].kernel, strategy)   # stage devices when pipelined
     ```
     """
     copies = getattr(variable._value, "values", ())

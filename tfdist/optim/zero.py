@@ -51,7 +51,7 @@ from tfdist.collectives import all_gather, reduce_scatter
 from tfdist.optim import adafactor
 from tfdist.optim.layout import MeshShardLayout
 from tfdist.optim.sharded import (
-    ShardedStorage, replica_devices, shard_keras_variable, storage_layout)
+    ShardedStorage, copy_devices, shard_keras_variable, storage_layout)
 
 # Keras optimizers whose `update_step` is elementwise (the class itself, not
 # subclasses, which may override it).
@@ -171,7 +171,7 @@ class ZeroUpdate:
             self.buffers = [
                 ShardedStorage.create(strategy, layout, None,
                                       f"{v.path.replace('/', '_')}_shard", v.dtype,
-                                      devices=replica_devices(v, strategy))
+                                      devices=copy_devices(v, strategy))
                 for v, layout in zip(self.variables, storage)
             ]
 

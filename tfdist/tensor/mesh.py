@@ -56,7 +56,7 @@ class TensorMesh:
         self.strategy = strategy
         self.tensor = tensor
         extended = strategy.extended
-        devices = replica_devices(extended)  # every replica's, in the cluster
+        devices = cluster_devices(extended)  # every replica's, in the cluster
         self.num_replicas = len(devices)
         self.data = self.num_replicas // tensor
         collectives = extended._cross_device_ops
@@ -286,7 +286,7 @@ def check_tensor_config(config):
     return config
 
 
-def replica_devices(extended):
+def cluster_devices(extended):
     """Every replica's device in replica order: across the cluster under a
     multi-worker strategy (a task's replicas follow its id in the cluster:
     the chief's first), else the strategy's own devices.
@@ -294,7 +294,7 @@ def replica_devices(extended):
     Example:
 
     ```python
-    replica_devices(strategy.extended)   # 2 workers x 2 CPUs:
+    cluster_devices(strategy.extended)   # 2 workers x 2 CPUs:
     # ['/job:worker/replica:0/task:0/device:CPU:0', '.../task:0/device:CPU:1',
     #  '/job:worker/replica:0/task:1/device:CPU:0', '.../task:1/device:CPU:1']
     ```
