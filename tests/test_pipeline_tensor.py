@@ -2,6 +2,8 @@
 tensor on 8 devices, parity with one device, where every shard lives, and
 composition with the class-split classifier and sharded optimizer state."""
 
+import collections
+
 import keras
 import numpy as np
 import pytest
@@ -70,6 +72,33 @@ def test_each_shard_lives_on_its_stage_and_rank():
                 expected[device] = expected.get(device, 0) + full.nbytes // (
                     1 if split is None else 2)
     assert per_device == expected and len(per_device) == 8
+
+
+def test_each_stage_all_reduces_megatrons_count_on_its_own_devices():
+    x, y = lm_data(64)
+    strategy = _strategy(schedule="1f1b")
+    _, _, model = train(strategy, make=two_block_lm, x=x, y=y, batch_size=16)
+    cells = [c.cell_contents for c in model.train_function.__closure__]
+    (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
+    counts = collections.Counter()  # (op, device index) over the step and its callees
+    for concrete in traced._list_all_concrete_functions():
+        graph = concrete.graph.as_graph_def()
+        for node in [*graph.node, *(n for f in graph.library.function for n in f.node_def)]:
+            if node.op.startswith("Collective"):
+                counts[node.op, _short(node.device)] += 1
+    microbatches = 2
+    for replica in strategy.pipeline_devices:
+        first, second = map(_short, replica)
+        # Stage 0 (embedding, block 1) per microbatch: the embedding's "g" and
+        # the block's 2 forward + 2 backward all-reduces; once per step, the
+        # data group's packed gradient all-reduce (every stage's gradients
+        # meet on the replica's device). Stage 1 (block 2, head): the block's 4.
+        assert counts["CollectiveReduceV2", first] == microbatches * (1 + 4) + 1
+        assert counts["CollectiveReduceV2", second] == microbatches * 4
+        # The tensor group's batch exchange (sizes, x, y) happens once, on stage 0.
+        assert counts["CollectiveGatherV2", first] == 1 + 2 * 2
+        assert counts["CollectiveGatherV2", second] == 0
+    assert sum(counts.values()) == 4 * (11 + 8 + 5)  # nothing anywhere else
 
 
 def test_class_split_classifier_in_the_last_stage_matches_one_device(reference):
