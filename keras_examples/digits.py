@@ -91,3 +91,19 @@ class EpochReport(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         print(f"epoch {epoch + 1}: loss {logs['loss']:.4f}  accuracy "
               f"{logs['accuracy']:.4f}", flush=True)
+
+
+def train_transformer(strategy, width=64, heads=4, blocks=1, epochs=3, batch_size=64):
+    """Builds `build_transformer` under `strategy`, prints the strategy's
+    config and layout, fits it on the digits (one line per epoch) and prints
+    the bytes of model weights each device holds; returns the model."""
+    print(f"tfdist.Strategy: {strategy.config.to_json()}")
+    with strategy.scope():
+        model = build_transformer(width, heads, blocks)
+    print(strategy.describe(model))
+    x, y = load()
+    model.fit(x.reshape(-1, 8, 8), y, batch_size=batch_size, epochs=epochs, verbose=0,
+              callbacks=[EpochReport()])
+    print("weight bytes per device: " + "  ".join(
+        f"{device}={size:,}" for device, size in sorted(weight_bytes(model).items())))
+    return model

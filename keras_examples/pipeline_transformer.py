@@ -33,17 +33,8 @@ def main(argv):
     tfdist.use_virtual_devices(FLAGS.devices)
     strategy = tfdist.Strategy(pipeline=FLAGS.pipeline, microbatches=FLAGS.microbatches,
                                schedule=FLAGS.schedule)
-    print(f"tfdist.Strategy: {strategy.config.to_json()}")
-    with strategy.scope():
-        model = digits.build_transformer(FLAGS.width, blocks=FLAGS.blocks)
-    print(strategy.describe(model))
-    x, y = digits.load()
-    x = x.reshape(-1, 8, 8)
-    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=0,
-              callbacks=[digits.EpochReport()])
-    print("weight bytes per device: " + "  ".join(
-        f"{device}={size:,}" for device, size in sorted(digits.weight_bytes(model).items())))
-
+    digits.train_transformer(strategy, FLAGS.width, blocks=FLAGS.blocks,
+                             epochs=FLAGS.epochs, batch_size=FLAGS.batch_size)
 
 if __name__ == "__main__":
     app.run(main)

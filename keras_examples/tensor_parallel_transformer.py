@@ -39,17 +39,8 @@ def main(argv):
     tfdist.use_virtual_devices(FLAGS.devices)
     strategy = tfdist.Strategy(tensor=FLAGS.tensor, pipeline=FLAGS.pipeline,
                                microbatches=FLAGS.microbatches, zero=FLAGS.zero)
-    print(f"tfdist.Strategy: {strategy.config.to_json()}")
-    with strategy.scope():
-        model = digits.build_transformer(FLAGS.width, FLAGS.heads, FLAGS.blocks)
-    print(strategy.describe(model))
-    x, y = digits.load()
-    x = x.reshape(-1, 8, 8)
-    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=0,
-              callbacks=[digits.EpochReport()])
-    sizes = digits.weight_bytes(model)
-    print("weight bytes per device: " + "  ".join(
-        f"{device}={size:,}" for device, size in sorted(sizes.items())))
+    model = digits.train_transformer(strategy, FLAGS.width, FLAGS.heads, FLAGS.blocks,
+                                     FLAGS.epochs, FLAGS.batch_size)
     whole = sum(w.numpy().nbytes for w in model.weights)
     print(f"unsplit model: {whole:,} bytes")
     state = optimizer_state_bytes(model.optimizer)
