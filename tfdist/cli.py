@@ -80,9 +80,11 @@ def config_from_flags() -> ParallelConfig | None:
 
     Example:
 
-    >>> FLAGS(["tfdist", "--data=2"])  # doctest: +SKIP
-    >>> config_from_flags().data  # doctest: +SKIP
+    >>> FLAGS(["tfdist", "--data=2"])
+    ['tfdist']
+    >>> config_from_flags().data
     2
+    >>> FLAGS.unparse_flags()
     """
     if not any(FLAGS[name].present for name in _CONFIG_FLAGS):
         return None

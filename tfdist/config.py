@@ -195,8 +195,8 @@ class ParallelConfig:
 
         Example:
 
-        >>> ParallelConfig().to_json()[:10]
-        '{"data": 1'
+        >>> ParallelConfig(data=2).to_json()[:10]
+        '{"data": 2'
         """
         return json.dumps(self.to_dict(), sort_keys=False)
 

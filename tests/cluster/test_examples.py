@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-EXAMPLES = pathlib.Path(__file__).parents[1] / "keras_examples"
+EXAMPLES = pathlib.Path(__file__).parents[2] / "keras_examples"
 
 
 def run_example(name, *flags):

@@ -19,7 +19,7 @@ import pytest
 
 from helpers import TFDIST, alive
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "keras_examples")
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "keras_examples")
 TRAIN = os.path.join(EXAMPLES, "tfjob", "train.py")
 EPOCHS, BATCH = 5, 64
 sys.path.insert(0, EXAMPLES)

@@ -12,7 +12,7 @@ import tfdist
 from helpers import TFDIST, assert_parity, devices, train
 from tfdist.callbacks.metrics import optimizer_state_bytes
 
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "multiworker_fit.py"
+SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "multiworker_fit.py"
 
 
 @pytest.mark.multiprocess

@@ -17,7 +17,7 @@ import tfdist
 from tfdist.ps.keras_fit import check_fit_input
 from helpers import TFDIST
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "ps_fit.py"
 
 

@@ -16,7 +16,7 @@ from tfdist.cluster.tf_config import free_ports
 
 # Each launched worker trains on its own (tfdist.Strategy, 2 devices): remote
 # capture of MultiWorkerStrategy workers can crash one on this stack (README).
-TRAIN = pathlib.Path(__file__).parents[1] / "keras_examples" / "data_parallel.py"
+TRAIN = pathlib.Path(__file__).parents[2] / "keras_examples" / "data_parallel.py"
 
 
 @pytest.mark.multiprocess

@@ -9,7 +9,7 @@ import tensorflow as tf
 import tfdist
 from helpers import devices
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "keras_examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "keras_examples"))
 import digits  # noqa: E402
 import orbit_loop  # noqa: E402
 

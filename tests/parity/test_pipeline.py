@@ -197,7 +197,7 @@ def test_trace_shows_each_stage_unit(tmp_path):
 
 
 def test_remat_lowers_peak_memory():
-    script = pathlib.Path(__file__).parent / "scripts" / "pipeline_memory.py"
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "pipeline_memory.py"
     peaks = {}
     for flag in ("--noremat", "--remat"):
         done = subprocess.run([sys.executable, str(script), flag], capture_output=True,

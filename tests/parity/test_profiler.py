@@ -17,7 +17,7 @@ import tfdist
 from helpers import TFDIST, data, devices, make_model
 from tfdist.cluster.tf_config import free_ports
 
-TRAIN = pathlib.Path(__file__).parents[1] / "keras_examples" / "tfjob" / "train.py"
+TRAIN = pathlib.Path(__file__).parents[2] / "keras_examples" / "tfjob" / "train.py"
 
 
 def fit_with(profiler, steps=20, microbatches=2):

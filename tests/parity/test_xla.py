@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_test_mlp.py"
+SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "fit_test_mlp.py"
 
 
 def fit_with_xla_dump(dump_dir, *flags):

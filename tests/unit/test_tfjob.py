@@ -18,7 +18,7 @@ from helpers import TFDIST
 from tfdist.cluster.tfjob import TFJobManifest, submit, tfjob
 from tfdist.config import ParallelConfig
 
-CRD = pathlib.Path(__file__).parent / "data" / "kubeflow.org_tfjobs.yaml"
+CRD = pathlib.Path(__file__).parents[1] / "data" / "kubeflow.org_tfjobs.yaml"
 IMAGE = "tensorflow/tensorflow:2.20.0"
 COMMAND = ["python", "train.py"]
 DIGEST = "sha256:" + "0123456789abcdef" * 4
@@ -388,7 +388,7 @@ def test_submit_refuses_other_objects():
 
 # The `tfdist tfjob` command and the example manifests.
 
-EXAMPLES = pathlib.Path(__file__).parents[1] / "keras_examples" / "tfjob"
+EXAMPLES = pathlib.Path(__file__).parents[2] / "keras_examples" / "tfjob"
 
 
 def tfdist_cli(*args, env=None):

@@ -267,7 +267,7 @@ def check_pipeline_config(config, stage_boundaries=None, remat=False):
 
     Example:
 
-    >>> check_pipeline_config(ParallelConfig(pipeline=2, microbatches=4).resolve(2))  # doctest: +SKIP
+    >>> check_pipeline_config(tfdist.ParallelConfig(pipeline=2, microbatches=4).resolve(2))
     """
     if not isinstance(remat, bool):
         raise TypeError(f"`remat` must be a bool, got {remat!r}.")

@@ -272,7 +272,7 @@ def check_tensor_config(config):
 
     Example:
 
-    >>> check_tensor_config(ParallelConfig(tensor=2, data=2)).tensor  # doctest: +SKIP
+    >>> check_tensor_config(tfdist.ParallelConfig(tensor=2, data=2)).tensor
     2
     """
     if config.tensor > 1 and config.xla:

@@ -51,10 +51,10 @@ def plan(model, tensor: int, classifier: bool = False) -> list:
 
     Example:
 
-    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, "relu"),
-    ...                           keras.layers.Dense(4)])
-    >>> [(d.layer.name, d.layout) for d in plan(model, 2)]  # doctest: +SKIP
-    [('dense', 'column'), ('dense_1', 'row')]
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, "relu", name="up"),
+    ...                           keras.layers.Dense(4, name="down")])
+    >>> [(d.layer.name, d.layout) for d in plan(model, 2)]
+    [('up', 'column'), ('down', 'row')]
     """
     decisions, taken = [], set()
     for layer in _layers(model):
