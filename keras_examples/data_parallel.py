@@ -10,6 +10,8 @@ examples/s. This is `make demo`.
 import time
 
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+
+# isort: split
 import keras
 from absl import app, flags
 

@@ -8,6 +8,8 @@ scaling), run on every replica with `strategy.run`.
 """
 
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+
+# isort: split
 import orbit
 import tensorflow as tf
 from absl import app, flags

@@ -18,6 +18,8 @@ import os
 import sys
 
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+
+# isort: split
 import keras
 import tensorflow as tf
 from absl import app, flags

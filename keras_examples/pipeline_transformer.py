@@ -12,6 +12,8 @@ weights each device holds.
 """
 
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+
+# isort: split
 from absl import app, flags
 
 import tfdist

@@ -10,6 +10,8 @@ step time, microbatches and optimizer-state bytes per device (`logs/tfdist`).
 """
 
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+
+# isort: split
 from absl import app, flags
 
 import tfdist

@@ -15,6 +15,8 @@ the bytes of model weights and of optimizer state each device holds.
 """
 
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+
+# isort: split
 from absl import app, flags
 
 import tfdist

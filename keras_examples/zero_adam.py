@@ -8,6 +8,8 @@ device holds: with zero=1 or 2, about 1/devices of Adam's two slots.
 """
 
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+
+# isort: split
 import keras
 from absl import app, flags
 

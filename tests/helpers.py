@@ -5,6 +5,7 @@ optimizer, trained once on a single device and once under the mode under test.
 """
 
 import contextlib
+import json
 import os
 import sys
 
@@ -84,6 +85,15 @@ def assert_parity(result, reference, rtol=1e-4, atol=1e-6, steps=20):
     assert len(weights) == len(ref_weights)
     for w, r in zip(weights, ref_weights):
         np.testing.assert_allclose(w, r, rtol=rtol, atol=atol)
+
+
+def trace_events(xplane_path):
+    """One host's trace-viewer events, as TensorBoard's profile plugin converts them."""
+    from xprof.convert import raw_to_tool_data  # only the profiler tests pay for xprof
+
+    text, _ = raw_to_tool_data.xspace_to_tool_data([str(xplane_path)], "trace_viewer", {})
+    assert text is not None, f"xprof could not convert {xplane_path}"
+    return json.loads(text)["traceEvents"]
 
 
 def alive(pid):

@@ -22,6 +22,7 @@ import sys
 import time
 
 from absl import app, flags
+
 from results import emit
 
 flags.DEFINE_integer("rounds", 40, "Alternating timed epochs per strategy.")
@@ -98,6 +99,7 @@ def main(argv):
     del argv
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "keras_examples"))
     import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+    # isort: split
     import tfdist
 
     digits.quiet_logs()

@@ -56,6 +56,7 @@ import sys
 import time
 
 from absl import app, flags
+
 from results import emit
 
 flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules to measure.")
@@ -240,6 +241,7 @@ def main(argv):
     del argv
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "keras_examples"))
     import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+    # isort: split
     import tensorflow as tf
 
     import tfdist

@@ -16,6 +16,7 @@ import tempfile
 import time
 
 from absl import app, flags
+
 from results import emit
 
 flags.DEFINE_integer("rounds", 30, "Alternating pairs of epochs per setting.")
@@ -30,6 +31,7 @@ def main(argv):
     del argv
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "keras_examples"))
     import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+    # isort: split
     import tfdist
 
     digits.quiet_logs()

@@ -21,6 +21,7 @@ import sys
 import time
 
 from absl import app, flags
+
 from results import emit
 
 flags.DEFINE_list("workers", ["1", "2", "4", "8"], "Worker counts to measure.")
@@ -39,6 +40,7 @@ def task():
     """One task of a launched job: trains two epochs, the chief (or worker 0) reports."""
     sys.path.insert(0, str(ROOT / "keras_examples"))
     import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+    # isort: split
     import keras
     import tensorflow as tf
     from tensorflow.python.data.experimental.ops import testing

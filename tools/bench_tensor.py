@@ -33,6 +33,7 @@ import tempfile
 import time
 
 from absl import app, flags
+
 from results import emit
 
 flags.DEFINE_integer("rounds", 10, "Alternating timed epochs per model.")
@@ -183,6 +184,7 @@ def main(argv):
     del argv
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "keras_examples"))
     import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+    # isort: split
     import tfdist
 
     digits.quiet_logs()

@@ -27,6 +27,7 @@ import sys
 import time
 
 from absl import app, flags
+
 from results import emit
 
 flags.DEFINE_integer("rounds", 30, "Alternating timed epochs per model.")
@@ -95,6 +96,7 @@ def main(argv):
     del argv
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "keras_examples"))
     import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
+    # isort: split
     import tfdist
 
     digits.quiet_logs()
@@ -109,8 +111,10 @@ def main(argv):
     for r in records:
         wall, cpu = r["wall_ratio"], r["cpu_ratio"]
         print(f"| {r['devices']} | {r['zero']} | {r['optimizer_bytes_max']:,} | "
-              f"{r['epoch_median_s']:.3f} | {wall['median']:.3f} ({wall['q1']:.2f}-{wall['q3']:.2f}) | "
-              f"{r['epoch_cpu_median_s']:.3f} | {cpu['median']:.3f} ({cpu['q1']:.2f}-{cpu['q3']:.2f}) | "
+              f"{r['epoch_median_s']:.3f} | "
+              f"{wall['median']:.3f} ({wall['q1']:.2f}-{wall['q3']:.2f}) | "
+              f"{r['epoch_cpu_median_s']:.3f} | "
+              f"{cpu['median']:.3f} ({cpu['q1']:.2f}-{cpu['q3']:.2f}) | "
               f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
 
 

@@ -16,6 +16,8 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import digits  # noqa: E402  (first: it quiets TensorFlow's C++ logs)
+
+# isort: split
 import keras  # noqa: E402
 from absl import app, flags  # noqa: E402
 

@@ -7,11 +7,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from helpers import TFDIST, alive
-
-from tfdist.cluster.tf_config import TFConfig, local_tf_configs, read_tf_config
+from tfdist.cluster.tf_config import local_tf_configs, read_tf_config
 
 PRINT_TF_CONFIG = [sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'])"]
 # A task that serves until it is stopped, as ps servers do.
@@ -153,59 +150,3 @@ def test_ps_job_ends_when_the_chief_finishes_and_stops_the_servers():
     assert "[launch] job succeeded; stopping worker:0, worker:1, ps:0" in done.stdout
     assert not any(alive(p) for p in started_pids(done.stdout))
     assert time.monotonic() - start < 60
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--workers=0"], "`workers` must be an int >= 1, got 0"),
-    (["--ps=-1"], "`ps` must be an int >= 0, got -1"),
-    (["--restart-on-failure=-2"], "`restart_on_failure` must be an int >= 0, got -2"),
-    (["--timeout=0"], "`timeout` must be a number of seconds > 0, got 0.0"),
-    (["--microbatches=0"], "`microbatches` must be an int >= 1, got 0"),
-])
-def test_bad_launch_input(args, message):
-    done = tfdist("launch", *args, "--", *PRINT_TF_CONFIG)
-    assert done.returncode == 2
-    assert message in done.stderr
-    assert "[launch] started" not in done.stdout
-
-
-def test_unknown_and_stray_flags_and_missing_command():
-    unknown = tfdist("launch", "--workerz=2", "--", "true")
-    assert unknown.returncode != 0 and "Unknown command line flag 'workerz'" in unknown.stderr
-    stray = tfdist("launch", "--image=tf:2", "--", "true")
-    assert stray.returncode != 0 and "`tfdist launch` does not take --image" in stray.stderr
-    missing = tfdist("launch", "--workers=2")
-    assert missing.returncode != 0 and "needs a command" in missing.stderr
-
-
-@pytest.mark.parametrize("value, message", [
-    ({"cluster": {"Worker": ["h:1"]}, "task": {"type": "worker", "index": 0}},
-     r"task type 'Worker'; valid types are"),
-    ({"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 1}},
-     r"task\"\] is worker:1, but the cluster has 1 worker task"),
-    ({"cluster": {"worker": ["h"]}, "task": {"type": "worker", "index": 0}},
-     r"has address 'h'; addresses are \"host:port\""),
-    ({"cluster": {"worker": []}, "task": {"type": "worker", "index": 0}},
-     r"must be a non-empty list"),
-    ({"cluster": {"worker": ["h:1"]}, "task": {"type": "worker"}},
-     r'TF_CONFIG\["task"\] must be'),
-    ({"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 0}, "x": 1},
-     r"unknown key\(s\) \['x'\]"),
-    ({"cluster": {"worker": ["h:1"]}, "task": {"type": "trainer", "index": 0}},
-     r"\"type\"\] is 'trainer'"),
-    ({"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": -1}},
-     r"index\"\] must be an int >= 0, got -1"),
-])
-def test_bad_tf_config_names_the_field(value, message):
-    with pytest.raises(ValueError, match=message):
-        TFConfig.from_dict(value)
-    with pytest.raises(ValueError, match=message):
-        read_tf_config({"TF_CONFIG": json.dumps(value)})
-
-
-def test_tf_config_round_trip_and_absence():
-    config = TFConfig({"chief": ["10.0.0.1:2222"], "worker": ["w-0.ns.svc:2222"]}, "chief", 0)
-    assert TFConfig.from_json(config.to_json()) == config
-    assert read_tf_config({}) is None
-    with pytest.raises(ValueError, match="TF_CONFIG is not valid JSON"):
-        read_tf_config({"TF_CONFIG": "{cluster"})

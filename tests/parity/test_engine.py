@@ -89,7 +89,8 @@ def test_microbatches_must_divide_a_static_per_replica_batch():
         model = make_model()
     x, y = data(64)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True)
-    with pytest.raises(ValueError, match=r"`microbatches=3` must divide the per-replica batch size, which is 8"):
+    message = r"`microbatches=3` must divide the per-replica batch size, which is 8"
+    with pytest.raises(ValueError, match=message):
         model.fit(dataset, verbose=0, shuffle=False)
     assert model.optimizer.iterations.numpy() == 0
 
@@ -112,7 +113,8 @@ def test_model_whose_policy_contradicts_precision_is_refused():
         keras.config.set_dtype_policy("float32")  # the user's code forces float32
         model = make_model()
     assert keras.config.dtype_policy().name == "float32"  # scope restored it
-    with pytest.raises(ValueError, match=r"'float32' but the strategy has `precision='mixed_bfloat16'`"):
+    message = r"'float32' but the strategy has `precision='mixed_bfloat16'`"
+    with pytest.raises(ValueError, match=message):
         model.fit(*data(64), batch_size=32, verbose=0)
     assert model.optimizer.iterations.numpy() == 0
 

@@ -11,8 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import CLASSES, FEATURES, assert_parity, data, devices, train
-from test_profiler import trace_events
+from helpers import CLASSES, FEATURES, assert_parity, data, devices, trace_events, train
 from test_tensor_transformer import SEQ, VOCAB, WIDTH, block, compile_lm, lm_data
 from tfdist.pipeline.placement import component_devices
 

@@ -2,22 +2,17 @@
 
 import gzip
 import json
-import os
 import pathlib
-import re
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
-from xprof.convert import raw_to_tool_data
 
 import tfdist
-from helpers import TFDIST, data, devices, make_model
+from helpers import data, devices, make_model, trace_events
 from tfdist.cluster.tf_config import free_ports
-
-TRAIN = pathlib.Path(__file__).parents[2] / "keras_examples" / "tfjob" / "train.py"
 
 
 def fit_with(profiler, steps=20, microbatches=2):
@@ -34,13 +29,6 @@ def get_json(url):
         if response.headers.get("Content-Encoding") == "gzip":
             body = gzip.decompress(body)
     return json.loads(body)
-
-
-def trace_events(xplane_path):
-    """One host's trace-viewer events, as TensorBoard's profile plugin converts them."""
-    text, _ = raw_to_tool_data.xspace_to_tool_data([str(xplane_path)], "trace_viewer", {})
-    assert text is not None, f"xprof could not convert {xplane_path}"
-    return json.loads(text)["traceEvents"]
 
 
 @pytest.fixture(scope="module")
@@ -107,59 +95,3 @@ def test_range_cut_short_keeps_what_it_recorded(tmp_path):
     steps = [e for e in trace_events(profiler.trace_path)
              if e.get("name", "").startswith("tfdist/step ")]
     assert len(steps) == 2
-
-
-@pytest.mark.parametrize("kwargs, error, message", [
-    ({"steps": (5, 5)}, ValueError, r"0 <= start < stop, got start=5, stop=5"),
-    ({"steps": (5, 2)}, ValueError, r"got start=5, stop=2"),
-    ({"steps": (-1, 3)}, ValueError, r"got start=-1"),
-    ({"steps": ("1", 3)}, TypeError, r"`steps` must be a pair of ints"),
-    ({"steps": (1, 2, 3)}, TypeError, r"`steps` must be a pair of ints"),
-    ({"steps": (1, 3), "tasks": "workers"}, ValueError, r"`tasks` must be one of \('chief', 'all'\)"),
-])
-def test_bad_arguments(tmp_path, kwargs, error, message):
-    with pytest.raises(error, match=message):
-        tfdist.callbacks.Profiler(tmp_path, **kwargs)
-
-
-def test_unwritable_logdir(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    with pytest.raises(ValueError, match=r"`logdir` .*file/logs' is not a writable directory"):
-        tfdist.callbacks.Profiler(blocker / "logs", steps=(1, 2))
-
-
-def known_tracer_crash(output):
-    """Whether a task aborted inside `tf.profiler.experimental.stop`.
-
-    TensorFlow 2.20's host tracer can free memory it then writes when a non-leader
-    task of a multi-worker job stops its trace (README, limits).
-    """
-    died = re.search(r"\[launch\] (worker:\d+) failed with exit code (134|139)", output)
-    return bool(died) and re.search(
-        rf"\[{died.group(1)}\] .*profiler_v2.py\", line \d+ in stop", output) is not None
-
-
-@pytest.mark.multiprocess
-def test_two_launched_workers_write_their_hosts_into_one_run(tmp_path):
-    for attempt in range(3):  # a rerun only after the known TensorFlow crash
-        logdir = tmp_path / f"attempt{attempt}"
-        env = dict(os.environ, TFDIST_LOGDIR=str(logdir))
-        done = subprocess.run(
-            [*TFDIST, "launch", "--workers=2", "--timeout=240", "--",
-             sys.executable, str(TRAIN), "--epochs=1", "--profile_steps=2,4"],
-            capture_output=True, text=True, timeout=300, env=env)
-        if done.returncode == 0 or not known_tracer_crash(done.stdout):
-            break
-    # On failure, show each task's last lines (the first to fail is often not
-    # the one whose error ends the output).
-    tails = [[l for l in done.stdout.splitlines() if l.startswith(f"[{task}]")][-25:]
-             for task in ("launch", "worker:0", "worker:1")]
-    assert done.returncode == 0, "\n".join(l for lines in tails for l in lines)
-    (run,) = (logdir / "plugins" / "profile").iterdir()
-    assert sorted(p.name for p in run.iterdir()) == ["worker-0.xplane.pb",
-                                                     "worker-1.xplane.pb"]
-    for host in run.iterdir():  # the trace viewer converts one host at a time
-        steps = sorted(int(e["args"]["step_num"]) for e in trace_events(host)
-                       if e.get("name", "").startswith("tfdist/step "))
-        assert steps == [2, 3], host.name

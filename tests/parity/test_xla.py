@@ -6,7 +6,6 @@ import pathlib
 import subprocess
 import sys
 
-
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "fit_test_mlp.py"
 
 

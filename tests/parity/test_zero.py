@@ -93,7 +93,8 @@ def test_worst_device_holds_a_1_over_n_share_of_the_optimizer_state(n):
     with strategy.scope():
         model = make_big_first_layer(keras.optimizers.Adam(1e-3))
     big = model.trainable_variables[0]
-    assert big.shape.num_elements() * 2 > sum(v.shape.num_elements() for v in model.trainable_variables)
+    assert big.shape.num_elements() * 2 > sum(
+        v.shape.num_elements() for v in model.trainable_variables)
     model.fit(*data(64), batch_size=64, verbose=0)
     per_device = optimizer_state_bytes(model.optimizer)
     assert sorted(per_device) == [f"CPU:{i}" for i in range(n)]
@@ -190,7 +191,8 @@ def test_zero2_never_materialises_a_reduced_full_gradient():
 
 
 def test_zero3_and_zero_without_replicas_are_refused():
-    with pytest.raises(NotImplementedError, match=r"`zero=3` \(sharded parameters\) is not supported yet"):
+    with pytest.raises(NotImplementedError,
+                       match=r"`zero=3` \(sharded parameters\) is not supported yet"):
         tfdist.Strategy(zero=3, devices=devices(2))
     with pytest.raises(ValueError, match=r"`zero=1` shards optimizer state .* but `data=1`"):
         tfdist.Strategy(zero=1, devices=devices(1))

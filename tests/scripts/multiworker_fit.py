@@ -32,7 +32,6 @@ def main(argv):
     strategy = tfdist.MultiWorkerStrategy(config=config, timeout_seconds=120)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from helpers import train
-
     from tfdist.callbacks.metrics import optimizer_state_bytes
 
     losses, weights, model = train(strategy)

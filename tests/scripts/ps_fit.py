@@ -166,7 +166,8 @@ def run_budget(mode):
         model = mlp()
     model.fit(data, epochs=FLAGS.epochs, steps_per_epoch=steps // FLAGS.epochs, verbose=0)
     accuracy = float(np.mean(model.predict(x_test, verbose=0).argmax(-1) == y_test))
-    emit({"accuracy": accuracy, "iterations": int(model.optimizer.iterations.numpy()), "steps": steps})
+    emit({"accuracy": accuracy, "iterations": int(model.optimizer.iterations.numpy()),
+          "steps": steps})
 
 
 def run_drill():

@@ -28,7 +28,8 @@ def test_json_and_dict_round_trip():
         ({"zero": 4}, ValueError, r"`zero` must be one of \(0, 1, 2\).*got 4"),
         ({"zero": -1}, ValueError, r"`zero` must be one of"),
         ({"precision": "float16"}, ValueError,
-         r"`precision` must be one of \('float32', 'mixed_float16', 'mixed_bfloat16'\), got 'float16'"),
+         r"`precision` must be one of \('float32', 'mixed_float16', 'mixed_bfloat16'\), "
+         r"got 'float16'"),
         ({"schedule": "interleaved"}, ValueError,
          r"`schedule` must be one of \('gpipe', '1f1b'\), got 'interleaved'"),
         ({"data": 2.0}, TypeError, r"`data` must be an int, got 2.0 of type float"),
@@ -54,7 +55,8 @@ def test_unknown_fields_are_an_error():
 
 
 def test_mesh_product_must_equal_device_count():
-    with pytest.raises(ValueError, match=r"data=4 x pipeline=1 x tensor=1 needs 4 devices, but there are 2"):
+    with pytest.raises(ValueError,
+                       match=r"data=4 x pipeline=1 x tensor=1 needs 4 devices, but there are 2"):
         tfdist.Strategy(data=4, devices=devices(2))
     with pytest.raises(ValueError, match=r"needs 4 devices, but there are 8: .*omit `data`"):
         tfdist.Strategy(data=4)  # the 8 logical devices of the test process
@@ -91,7 +93,8 @@ def test_bad_devices_argument():
 
 def test_use_virtual_devices_after_initialisation_names_both_counts():
     tfdist.use_virtual_devices(8)  # same count as conftest: fine
-    with pytest.raises(RuntimeError, match=r"use_virtual_devices\(3\).*already initialised its devices with 8"):
+    message = r"use_virtual_devices\(3\).*already initialised its devices with 8"
+    with pytest.raises(RuntimeError, match=message):
         tfdist.use_virtual_devices(3)
     with pytest.raises(ValueError, match="`n` must be an int >= 1"):
         tfdist.use_virtual_devices(0)
@@ -100,11 +103,15 @@ def test_use_virtual_devices_after_initialisation_names_both_counts():
 def test_cli_validates_and_prints_a_config(tmp_path):
     run = [*TFDIST, "config", "--data=4", "--microbatches=2"]
     out = subprocess.run(run, capture_output=True, text=True, timeout=120, check=True)
-    assert tfdist.ParallelConfig.from_json(out.stdout) == tfdist.ParallelConfig(data=4, microbatches=2)
-    bad = subprocess.run(run[:4] + ["--precision=fp8"], capture_output=True, text=True, timeout=120)
+    expected = tfdist.ParallelConfig(data=4, microbatches=2)
+    assert tfdist.ParallelConfig.from_json(out.stdout) == expected
+    bad = subprocess.run(run[:4] + ["--precision=fp8"], capture_output=True, text=True,
+                         timeout=120)
     assert bad.returncode != 0
-    assert "--precision=fp8: value should be one of <float32|mixed_float16|mixed_bfloat16>" in bad.stderr
-    bad = subprocess.run(run[:4] + ["--microbatches=0"], capture_output=True, text=True, timeout=120)
+    assert ("--precision=fp8: value should be one of <float32|mixed_float16|mixed_bfloat16>"
+            in bad.stderr)
+    bad = subprocess.run(run[:4] + ["--microbatches=0"], capture_output=True, text=True,
+                         timeout=120)
     assert bad.returncode == 2
     assert "`microbatches` must be an int >= 1, got 0" in bad.stderr
 

@@ -435,16 +435,3 @@ def test_example_manifests_are_up_to_date(validator):
     assert done.returncode == 0, done.stdout + done.stderr
     for path in EXAMPLES.glob("*.yaml"):
         validator.validate(yaml.safe_load(path.read_text()))
-
-
-@pytest.mark.multiprocess
-def test_example_training_script_runs_under_tfdist_launch(tmp_path):
-    env = dict(os.environ, TFDIST_LOGDIR=str(tmp_path))
-    done = subprocess.run(
-        [*TFDIST, "launch", "--workers=2", "--microbatches=2", "--timeout=240", "--",
-         sys.executable, str(EXAMPLES / "train.py"), "--epochs=2"],
-        capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stdout[-4000:]
-    for task in ("worker:0", "worker:1"):
-        assert re.search(rf"\[{task}\] {task}: 2 replicas, .*\"microbatches\": 2", done.stdout)
-    assert (tmp_path / "digits.keras").exists()
