@@ -85,7 +85,8 @@ def test_sequential_with_an_input_is_split_like_its_functional_graph():
 
 
 @pytest.mark.parametrize("stages, boundaries, message", [
-    (8, None, r"`pipeline=8` needs at least 8 layers to split, but 'residual' has 5: use pipeline <= 5"),
+    (8, None, r"`pipeline=8` needs at least 8 layers to split, but 'residual' has 5: "
+              r"use pipeline <= 5"),
     (2, ["nope"], r"`stage_boundaries`: no layer named 'nope' in the model; its layers are"),
     (2, ["a", "b"], r"`stage_boundaries` must name 1 layer\(s\) for pipeline=2"),
     (2, "a", r"`stage_boundaries` must name 1 layer\(s\) for pipeline=2 .*got 'a'"),
