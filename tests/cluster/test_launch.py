@@ -8,7 +8,7 @@ import sys
 import time
 
 from helpers import TFDIST, alive
-from tfdist.cluster.tf_config import local_tf_configs, read_tf_config
+from tfdist.cluster.tf_config import read_tf_config
 
 PRINT_TF_CONFIG = [sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'])"]
 # A task that serves until it is stopped, as ps servers do.
@@ -53,13 +53,6 @@ def test_every_task_gets_the_operators_tf_config_on_localhost():
         assert config["environment"] == "cloud"
         assert set(config) == {"cluster", "task", "environment"}
         assert read_tf_config({"TF_CONFIG": json.dumps(config)}).task == task
-
-
-def test_evaluator_is_not_in_the_cluster_but_knows_it():
-    configs = local_tf_configs(workers=2, evaluator=True)
-    assert configs[-1].task == "evaluator:0"
-    assert "evaluator" not in configs[-1].cluster
-    assert all(c.cluster == configs[0].cluster for c in configs)
 
 
 def test_parallel_config_reaches_every_task():
