@@ -127,3 +127,27 @@ def test_config_from_environment(monkeypatch):
     monkeypatch.setenv("TFDIST_CONFIG", '{"zero": 5}')
     with pytest.raises(ValueError, match="`zero` must be one of"):
         tfdist.ParallelConfig.from_env()
+
+
+def test_zero_needs_data_replicas_to_shard_over():
+    with pytest.raises(ValueError, match=r"`zero=1` shards optimizer state .* but `data=1`"):
+        tfdist.ParallelConfig(data=1, zero=1)
+    assert tfdist.ParallelConfig(zero=2).data is None  # decided when resolved
+
+
+def test_resolve_fills_only_data_and_is_stable():
+    config = tfdist.ParallelConfig(pipeline=2, microbatches=4, zero=1, schedule="1f1b")
+    resolved = config.resolve(8)
+    assert resolved == config.replace(data=4)
+    assert resolved.resolve(8) == resolved
+    with pytest.raises(ValueError, match=r"needs 8 devices, but there are 4"):
+        resolved.resolve(4)
+
+
+def test_replace_validates_and_configs_are_frozen():
+    config = tfdist.ParallelConfig(data=2)
+    with pytest.raises(ValueError, match=r"`microbatches` must be an int >= 1, got 0"):
+        config.replace(microbatches=0)
+    with pytest.raises(AttributeError):
+        config.data = 4
+    assert {config: "hashable"}[tfdist.ParallelConfig(data=2)] == "hashable"
