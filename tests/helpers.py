@@ -77,6 +77,32 @@ def train(strategy=None, *, epochs=1, batch_size=32, make=make_model, fit_kwargs
     return recorder.losses, [w.numpy() for w in model.weights], model
 
 
+_REFERENCES = {}
+
+
+def trained_reference(*, make=make_model, x=None, y=None, **train_kwargs):
+    """`train()` without a strategy: a recipe's single-device reference, trained
+    once per test process and shared by every test that compares against it.
+
+    The recipe is `make` (a function: a lambda is a new recipe each time), the
+    data (an array or a list of arrays), the other arguments of `train` and the
+    global dtype policy. Read the result; do not train its model further.
+
+    Example:
+
+    ```python
+    assert_parity(train(tfdist.Strategy(data=4)), trained_reference())
+    ```
+    """
+    if x is None:
+        x, y = data()
+    arrays = tuple(np.asarray(a).tobytes() for a in tf.nest.flatten((x, y)))
+    key = (make, arrays, repr(sorted(train_kwargs.items())), keras.config.dtype_policy().name)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train(make=make, x=x, y=y, **train_kwargs)
+    return _REFERENCES[key]
+
+
 def assert_parity(result, reference, rtol=1e-4, atol=1e-6, steps=20):
     losses, weights, _ = result
     ref_losses, ref_weights, _ = reference

@@ -6,12 +6,12 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import assert_parity, data, devices, make_model, train
+from helpers import assert_parity, data, devices, make_model, train, trained_reference
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return train()
+    return trained_reference()
 
 
 def test_data4_matches_one_device(reference):

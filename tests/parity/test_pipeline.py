@@ -11,7 +11,16 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import CLASSES, FEATURES, assert_parity, data, devices, trace_events, train
+from helpers import (
+    CLASSES,
+    FEATURES,
+    assert_parity,
+    data,
+    devices,
+    trace_events,
+    train,
+    trained_reference,
+)
 from test_tensor_transformer import SEQ, VOCAB, WIDTH, block, compile_lm, lm_data
 from tfdist.pipeline.placement import component_devices
 
@@ -52,7 +61,7 @@ def two_inputs(seed=0):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("remat", [False, True])
 def test_residual_mlp_matches_one_device(schedule, remat):
-    reference = train(make=residual_mlp)
+    reference = trained_reference(make=residual_mlp)
     strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule=schedule, remat=remat,
                                devices=devices(2))
     assert_parity(train(strategy, make=residual_mlp), reference)
@@ -62,7 +71,7 @@ def test_residual_mlp_matches_one_device(schedule, remat):
 def test_two_inputs_data_parallel_matches_one_device(schedule):
     x, y = data()
     x = [x[:, :FEATURES // 2], x[:, FEATURES // 2:]]
-    reference = train(make=two_inputs, x=x, y=y)
+    reference = trained_reference(make=two_inputs, x=x, y=y)
     strategy = tfdist.Strategy(data=2, pipeline=2, microbatches=2, schedule=schedule,
                                devices=devices(4))
     assert_parity(train(strategy, make=two_inputs, x=x, y=y), reference)
@@ -166,7 +175,7 @@ def two_block_lm(seed=0):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_transformer_lm_matches_one_device(schedule):
     x, y = lm_data()
-    reference = train(make=two_block_lm, x=x, y=y, batch_size=16)
+    reference = trained_reference(make=two_block_lm, x=x, y=y, batch_size=16)
     strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule=schedule,
                                devices=devices(2))
     result = train(strategy, make=two_block_lm, x=x, y=y, batch_size=16)
@@ -220,7 +229,7 @@ def test_mixed_float16_matches_one_device_with_the_same_microbatches():
 
 
 def test_xla_compiles_each_stage_and_keeps_parity():
-    reference = train(make=residual_mlp)
+    reference = trained_reference(make=residual_mlp)
     strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule="1f1b", xla=True,
                                devices=devices(2))
     result = train(strategy, make=residual_mlp)

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import assert_parity, devices, train
+from helpers import assert_parity, devices, train, trained_reference
 from test_pipeline import two_block_lm
 from test_tensor_transformer import lm_data
 
@@ -18,7 +18,7 @@ from test_tensor_transformer import lm_data
 @pytest.fixture(scope="module")
 def reference():
     x, y = lm_data()
-    return train(make=two_block_lm, x=x, y=y, batch_size=16)
+    return trained_reference(make=two_block_lm, x=x, y=y, batch_size=16)
 
 
 def _short(device):

@@ -7,14 +7,23 @@ import numpy as np
 import pytest
 
 import tfdist
-from helpers import CLASSES, FEATURES, assert_parity, data, devices, make_model, train
+from helpers import (
+    CLASSES,
+    FEATURES,
+    assert_parity,
+    data,
+    devices,
+    make_model,
+    train,
+    trained_reference,
+)
 
 MESHES = [(1, 2), (1, 4), (2, 2)]  # (data, tensor)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return train()
+    return trained_reference()
 
 
 @pytest.mark.parametrize("data_size, tensor", MESHES)

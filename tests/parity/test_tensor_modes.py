@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from helpers import FEATURES, assert_parity, devices, train
+from helpers import FEATURES, assert_parity, devices, train, trained_reference
 from test_tensor_transformer import lm_data, make_lm
 
 
@@ -16,6 +16,8 @@ def train_lm(strategy=None, policy="float32"):
     x, y = lm_data()
     keras.config.set_dtype_policy(policy)
     try:
+        if strategy is None:
+            return trained_reference(make=make_lm, x=x, y=y, batch_size=16)
         return train(strategy, make=make_lm, x=x, y=y, batch_size=16)
     finally:
         keras.config.set_dtype_policy("float32")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from helpers import assert_parity, devices, train
+from helpers import assert_parity, devices, train, trained_reference
 from test_engine import executed_op_counts
 from tfdist.tensor.plan import sharded_classifier
 
@@ -52,7 +52,7 @@ def lm_data(n=320, seed=0):
 @pytest.fixture(scope="module")
 def reference():
     x, y = lm_data()
-    return train(make=make_lm, x=x, y=y, batch_size=16)
+    return trained_reference(make=make_lm, x=x, y=y, batch_size=16)
 
 
 @pytest.mark.parametrize("data_size, tensor", [(1, 2), (1, 4), (2, 2)])

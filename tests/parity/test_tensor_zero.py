@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import assert_parity, data, devices, make_model, train
+from helpers import assert_parity, data, devices, make_model, train, trained_reference
 from test_tensor_transformer import lm_data, make_lm
 from tfdist.callbacks.metrics import optimizer_state_bytes
 
@@ -21,6 +21,11 @@ def _adam():
     return optimizer
 
 
+def adam_mlp():
+    """The helpers' MLP with a decaying, weight-decayed Adam."""
+    return make_model(optimizer=_adam())
+
+
 def _state(model):
     return [v.numpy() for v in model.weights + model.optimizer.variables]
 
@@ -29,18 +34,18 @@ def _state(model):
 def unsharded():
     """data=2 x tensor=2 without zero: the reference for the same mesh."""
     strategy = tfdist.Strategy(data=2, tensor=2, devices=devices(4))
-    return train(strategy, make=lambda: make_model(optimizer=_adam()))
+    return train(strategy, make=adam_mlp)
 
 
 @pytest.mark.parametrize("zero, microbatches", [(1, 1), (2, 1), (2, 2)])
 def test_tensor_and_zero_match_tensor_alone_and_one_device(unsharded, zero, microbatches):
     strategy = tfdist.Strategy(data=2, tensor=2, zero=zero, microbatches=microbatches,
                                devices=devices(4))
-    result = train(strategy, make=lambda: make_model(optimizer=_adam()))
+    result = train(strategy, make=adam_mlp)
     # The same arithmetic as without zero but for where the update runs and
     # (zero=2) the order of the gradient sum.
     assert_parity(result, unsharded, rtol=1e-5)
-    assert_parity(result, train(make=lambda: make_model(optimizer=_adam())))
+    assert_parity(result, trained_reference(make=adam_mlp))
     _, _, model = result
     reference = unsharded[2]
     for a, b in zip(model.optimizer.variables, reference.optimizer.variables):
@@ -78,7 +83,7 @@ def test_each_device_holds_its_rank_part_of_the_state_over_data():
 
 def test_transformer_lm_with_zero2_matches_one_device():
     x, y = lm_data()
-    reference = train(make=make_lm, x=x, y=y, batch_size=16)
+    reference = trained_reference(make=make_lm, x=x, y=y, batch_size=16)
     strategy = tfdist.Strategy(data=2, tensor=2, zero=2, devices=devices(4))
     assert_parity(train(strategy, make=make_lm, x=x, y=y, batch_size=16), reference)
 
