@@ -23,13 +23,15 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 
-# Every tier (tests/unit, tests/parity, tests/cluster) and the tfdist/ docstring examples.
+# Every tier (tests/unit, tests/parity, tests/cluster), then the tfdist/ docstring examples.
 test: $(STAMP)
 	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest tfdist
 
 # The unit tier and the docstring examples: no training, about a minute.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/unit tfdist
+	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest tfdist
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench_data_parallel.py
