@@ -7,6 +7,7 @@ optimizer, trained once on a single device and once under the mode under test.
 import contextlib
 import json
 import os
+import subprocess
 import sys
 
 import keras
@@ -15,6 +16,13 @@ import tensorflow as tf
 
 FEATURES, CLASSES = 16, 4
 TFDIST = [sys.executable, "-m", "tfdist.cli"]  # the `tfdist` command of this checkout
+# A task that prints the TF_CONFIG `tfdist launch` gave it.
+PRINT_TF_CONFIG = [sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'])"]
+
+
+def run_tfdist(*args, timeout=120):
+    """Runs the `tfdist` command with `args`; its output is captured as text."""
+    return subprocess.run([*TFDIST, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def devices(n):

@@ -7,17 +7,11 @@ import subprocess
 import sys
 import time
 
-from helpers import TFDIST, alive
+from helpers import PRINT_TF_CONFIG, TFDIST, alive, run_tfdist
 from tfdist.cluster.tf_config import read_tf_config
 
-PRINT_TF_CONFIG = [sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'])"]
 # A task that serves until it is stopped, as ps servers do.
 SERVE = "import signal; signal.pause()"
-
-
-def tfdist(*args, timeout=120):
-    return subprocess.run([*TFDIST, *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def task_lines(output):
@@ -33,7 +27,7 @@ def started_pids(output):
 
 
 def test_every_task_gets_the_operators_tf_config_on_localhost():
-    done = tfdist("launch", "--chief", "--workers=2", "--ps=1", "--", *PRINT_TF_CONFIG)
+    done = run_tfdist("launch", "--chief", "--workers=2", "--ps=1", "--", *PRINT_TF_CONFIG)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = task_lines(done.stdout)
     tasks = {"chief:0", "worker:0", "worker:1", "ps:0"}
@@ -57,7 +51,7 @@ def test_every_task_gets_the_operators_tf_config_on_localhost():
 
 def test_parallel_config_reaches_every_task():
     show = [sys.executable, "-c", "import os; print(os.environ['TFDIST_CONFIG'])"]
-    done = tfdist("launch", "--workers=2", "--microbatches=4", "--", *show)
+    done = run_tfdist("launch", "--workers=2", "--microbatches=4", "--", *show)
     assert done.returncode == 0, done.stdout + done.stderr
     for task in ("worker:0", "worker:1"):
         assert json.loads(task_lines(done.stdout)[task][0])["microbatches"] == 4
@@ -67,7 +61,7 @@ def test_a_failing_task_stops_the_others_and_its_code_is_returned():
     fail_worker_1 = ("import json, os, sys, signal\n"
                      "task = json.loads(os.environ['TF_CONFIG'])['task']\n"
                      "sys.exit(3) if task['index'] == 1 else signal.pause()")
-    done = tfdist("launch", "--workers=3", "--", sys.executable, "-c", fail_worker_1)
+    done = run_tfdist("launch", "--workers=3", "--", sys.executable, "-c", fail_worker_1)
     assert done.returncode == 3
     assert re.search(r"\[launch\] worker:1 failed with exit code 3: stopping the other "
                      r"tasks \(still running: worker:0, worker:2\)", done.stdout)
@@ -98,7 +92,7 @@ def test_sigint_to_the_launcher_leaves_no_child_alive():
 
 
 def test_timeout_names_the_tasks_still_running():
-    done = tfdist("launch", "--workers=2", "--ps=1", "--timeout=2", "--",
+    done = run_tfdist("launch", "--workers=2", "--ps=1", "--timeout=2", "--",
                   sys.executable, "-c", SERVE)
     assert done.returncode == 124
     assert "[launch] timed out after 2 s; tasks still running: worker:0, worker:1, ps:0" \
@@ -118,7 +112,7 @@ def fail_once_script(marker_dir):
 
 def test_restart_on_failure_restarts_a_failed_task(tmp_path):
     (tmp_path / "a").mkdir()
-    done = tfdist("launch", "--workers=2", "--restart-on-failure=1", "--",
+    done = run_tfdist("launch", "--workers=2", "--restart-on-failure=1", "--",
                   sys.executable, "-c", fail_once_script(tmp_path / "a"))
     assert done.returncode == 0, done.stdout
     assert "[launch] worker:1 exited with code 7: restart 1 of 1" in done.stdout
@@ -126,7 +120,7 @@ def test_restart_on_failure_restarts_a_failed_task(tmp_path):
     assert json.loads(line[5:])["task"] == {"type": "worker", "index": 1}
     # The same job without restarts fails with the task's code.
     (tmp_path / "b").mkdir()
-    without = tfdist("launch", "--workers=2", "--", sys.executable, "-c",
+    without = run_tfdist("launch", "--workers=2", "--", sys.executable, "-c",
                      fail_once_script(tmp_path / "b"))
     assert without.returncode == 7
     assert "[launch] worker:1 failed with exit code 7" in without.stdout
@@ -137,7 +131,7 @@ def test_ps_job_ends_when_the_chief_finishes_and_stops_the_servers():
                       "task = json.loads(os.environ['TF_CONFIG'])['task']\n"
                       "print('bye') if task['type'] == 'chief' else signal.pause()")
     start = time.monotonic()
-    done = tfdist("launch", "--chief", "--workers=2", "--ps=1", "--",
+    done = run_tfdist("launch", "--chief", "--workers=2", "--ps=1", "--",
                   sys.executable, "-c", chief_finishes)
     assert done.returncode == 0, done.stdout
     assert "[launch] job succeeded; stopping worker:0, worker:1, ps:0" in done.stdout

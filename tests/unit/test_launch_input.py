@@ -1,18 +1,8 @@
 """The `tfdist launch` command refuses bad flags before starting anything."""
 
-import subprocess
-import sys
-
 import pytest
 
-from helpers import TFDIST
-
-PRINT_TF_CONFIG = [sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'])"]
-
-
-def tfdist(*args, timeout=120):
-    return subprocess.run([*TFDIST, *args], capture_output=True, text=True,
-                          timeout=timeout)
+from helpers import PRINT_TF_CONFIG, run_tfdist
 
 
 @pytest.mark.parametrize("args, message", [
@@ -23,16 +13,16 @@ def tfdist(*args, timeout=120):
     (["--microbatches=0"], "`microbatches` must be an int >= 1, got 0"),
 ])
 def test_bad_launch_input(args, message):
-    done = tfdist("launch", *args, "--", *PRINT_TF_CONFIG)
+    done = run_tfdist("launch", *args, "--", *PRINT_TF_CONFIG)
     assert done.returncode == 2
     assert message in done.stderr
     assert "[launch] started" not in done.stdout
 
 
 def test_unknown_and_stray_flags_and_missing_command():
-    unknown = tfdist("launch", "--workerz=2", "--", "true")
+    unknown = run_tfdist("launch", "--workerz=2", "--", "true")
     assert unknown.returncode != 0 and "Unknown command line flag 'workerz'" in unknown.stderr
-    stray = tfdist("launch", "--image=tf:2", "--", "true")
+    stray = run_tfdist("launch", "--image=tf:2", "--", "true")
     assert stray.returncode != 0 and "`tfdist launch` does not take --image" in stray.stderr
-    missing = tfdist("launch", "--workers=2")
+    missing = run_tfdist("launch", "--workers=2")
     assert missing.returncode != 0 and "needs a command" in missing.stderr
