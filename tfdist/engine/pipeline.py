@@ -327,9 +327,9 @@ def pipeline_compute(model, strategy) -> PipelineCompute:
     ```
     """
     config = strategy.config
-    stages = plan_stages(model, config.pipeline, strategy.stage_boundaries)
+    stages = plan_stages(model, config.pipeline, config.stage_boundaries)
     devices = strategy.pipeline_devices
     per_stage = [[replica[s] for replica in devices] for s in range(config.pipeline)]
     place_stages(model, stages, per_stage, strategy)
     return PipelineCompute(model, stages, devices, config.microbatches,
-                           config.schedule, remat=strategy.remat, xla=config.xla)
+                           config.schedule, remat=config.remat, xla=config.xla)

@@ -27,7 +27,7 @@ returned as assignments, so a caller may commit them conditionally (under
 loss scaling, only if the gradients are finite) while the collectives stay
 outside the condition.
 
-Example (what `ZeroUpdate` does per step, in replica context):
+Example (what `ShardedUpdate` does per step, in replica context):
 
 ```python
 state, new_values = adafactor.updates(optimizer, gradient_shards, parameter_shards,

@@ -261,22 +261,15 @@ def describe(stages, devices) -> str:
     return "\n".join(lines)
 
 
-def check_pipeline_config(config, stage_boundaries=None, remat=False):
-    """Checks `remat` and `stage_boundaries` are only given with stages, and
-    warns of a large bubble.
+def warn_of_bubble(config):
+    """Warns when `microbatches` < `pipeline`: the stages would mostly wait.
 
     Example:
 
-    >>> check_pipeline_config(ParallelConfig(pipeline=2, microbatches=4).resolve(2))  # doctest: +SKIP
+    ```python
+    warn_of_bubble(ParallelConfig(pipeline=4, microbatches=2))   # UserWarning: bubble 60%
+    ```
     """
-    if not isinstance(remat, bool):
-        raise TypeError(f"`remat` must be a bool, got {remat!r}.")
-    if config.pipeline == 1:
-        if stage_boundaries is not None or remat:
-            raise ValueError(
-                "`stage_boundaries` and `remat` apply to pipeline stages, but "
-                "`pipeline=1`: use pipeline >= 2, or drop them.")
-        return
     if config.microbatches < config.pipeline:
         warnings.warn(
             f"`microbatches={config.microbatches}` < `pipeline={config.pipeline}`: "

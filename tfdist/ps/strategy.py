@@ -71,13 +71,6 @@ class PartitionedVariable(sharded_variable.ShardedVariable):
         return np.asarray(self.numpy(), dtype=dtype)
 
 
-_NOT_UNDER_PS = {
-    "pipeline": (1, "pipeline stages need synchronous steps"),
-    "tensor": (1, "tensor shards need synchronous collectives"),
-    "zero": (0, "optimizer state already lives, unreplicated, on the ps tasks"),
-}
-
-
 class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterServerStrategy):
     """Asynchronous data-parallel training with parameter servers, for `model.fit`.
 
@@ -123,8 +116,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
 
     def __init__(self, config=None, *, cluster_resolver=None,
                  variable_partitioner="auto", **fields):
-        config = requested_config(config, fields)
-        _check_not_under_ps(config)
+        config = requested_config(config, fields, "ParameterServerStrategy")
         resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
         cluster = _check_cluster(resolver)
         if resolver.task_type in ("worker", "ps"):
@@ -222,16 +214,6 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
             self._per_worker_iterators[dataset] = iterator
         return iterator
 
-
-
-def _check_not_under_ps(config):
-    for name, (off, why) in _NOT_UNDER_PS.items():
-        if getattr(config, name) != off:
-            raise ValueError(
-                f"`{name}={getattr(config, name)}` is not available under "
-                f"ParameterServerStrategy ({why}); use {name}={off}, or "
-                f"tfdist.Strategy / tfdist.MultiWorkerStrategy."
-            )
 
 
 def _check_cluster(resolver):

@@ -249,7 +249,7 @@ def partition_model(model, mesh):
     model.layers[0].kernel.value.values   # one (in, out/t) shard per device
     ```
     """
-    decisions = plan(model, mesh.tensor, mesh.strategy.vocab_parallel_classifier)
+    decisions = plan(model, mesh.tensor, mesh.strategy.config.vocab_parallel_classifier)
     with optimizer_keys_follow(model):
         apply(decisions, mesh)
     if any(d.layout == "classifier" for d in decisions):
