@@ -40,7 +40,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tfdist.config import ParallelConfig
 from tfdist.engine.pipeline import pipeline_compute
 from tfdist.optim.zero import ZeroUpdate, check_shardable
-from tfdist.tensor.partition import sharded_logits
+from tfdist.tensor.softmax import sharded_logits
 from tfdist.tensor.plan import partition_model, sharded_classifier
 
 # Loss reductions that are a mean over the batch: the full-batch loss is the
