@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
+from tfdist.sharding.storage import axis_layout
 from helpers import assert_parity, devices, train
 from test_pipeline import two_block_lm
 from test_tensor_transformer import lm_data
@@ -59,7 +60,7 @@ def test_each_shard_lives_on_its_stage_and_rank():
             components = variable.value.values
             assert [_short(c.device) for c in components] == [
                 _short(d) for d in on_stage], variable.path
-            split = tfdist.tensor.partition.layout_of(variable)
+            split = axis_layout(variable)
             full = variable.numpy()
             for replica, component in enumerate(components):
                 part = full if split is None else np.split(

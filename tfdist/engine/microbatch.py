@@ -23,7 +23,7 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.losses import loss as loss_module
 
-from tfdist.tensor.partition import sharded_logits
+from tfdist.tensor.softmax import sharded_logits
 from tfdist.tensor.plan import sharded_classifier
 
 # Loss reductions that are a mean over the batch: the full-batch loss is the

@@ -35,7 +35,7 @@ from keras.src.models.functional import operation_fn
 
 from tfdist.pipeline.placement import place_stages
 from tfdist.pipeline.stages import graph_of, plan_stages
-from tfdist.tensor.partition import sharded_logits
+from tfdist.tensor.softmax import sharded_logits
 from tfdist.tensor.plan import sharded_classifier
 
 

@@ -20,7 +20,7 @@ Ops are named `tfdist/reduce/...`.
 
 import tensorflow as tf
 
-from tfdist.collectives import non_finite_count, packed_reduce_scatter
+from tfdist.sharding.collectives import non_finite_count, packed_reduce_scatter
 
 
 class AllReduce:

@@ -45,10 +45,11 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat.optimizer import slots_found_by
-from tfdist.collectives import non_finite_count, packed_all_gather
 from tfdist.optim import adafactor
-from tfdist.optim.layout import MeshShardLayout
-from tfdist.optim.sharded import (
+from tfdist.sharding.collectives import non_finite_count, packed_all_gather
+from tfdist.sharding.layout import MeshShardLayout
+from tfdist.sharding.slots import optimizer_slots
+from tfdist.sharding.storage import (
     ShardedStorage, copy_devices, shard_keras_variable, storage_layout)
 
 # Keras optimizers whose `update_step` is elementwise (the class itself, not
@@ -168,7 +169,8 @@ class ShardedUpdate:
         index_of = self.inner._get_variable_index
         self.layouts = [self._by_index[index_of(v)] for v in model.trainable_weights]
         with strategy.scope():
-            for slot, index in _slots(self.inner, self.variables, self._replicated()):
+            for slot, index in optimizer_slots(self.inner, self.variables, for_sharding=True,
+                                               replicated=self._replicated()):
                 shard_keras_variable(slot, storage[index], strategy)
             # The parameter shards each replica updates (working buffers).
             self.buffers = [
@@ -282,27 +284,3 @@ class ShardedUpdate:
         return value - value * wd * lr
 
 
-def _slots(optimizer, variables, replicated=()):
-    """(slot, variable index) of every per-variable slot of a Keras optimizer.
-
-    Keras optimizers keep slots in lists aligned with the variables they were
-    built on (`add_optimizer_variables`); any other state, except the known
-    `replicated` variables, is refused.
-    """
-    skip = {id(v) for v in replicated}
-    found = {}
-    for value in vars(optimizer).values():
-        if not isinstance(value, (list, tuple)) or len(value) != len(variables):
-            continue
-        for i, (slot, variable) in enumerate(zip(value, variables)):
-            if (isinstance(slot, keras.Variable) and slot is not variable
-                    and id(slot) not in skip and slot.shape == variable.shape):
-                found[id(slot)] = (slot, i)
-    known = skip | {id(optimizer._iterations), id(getattr(optimizer, "_learning_rate", None))}
-    for variable in optimizer.variables:
-        if id(variable) not in found and id(variable) not in known:
-            raise ValueError(
-                f"{type(optimizer).__name__} has state {variable.path!r} of shape "
-                f"{tuple(variable.shape)} that is not a per-variable slot, so "
-                f"tfdist cannot shard it; use zero=0.")
-    return list(found.values())

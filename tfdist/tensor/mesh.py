@@ -136,7 +136,7 @@ class TensorMesh:
 
     def data_launcher(self):
         """The current replica's launcher of collectives over its data group
-        (for `tfdist.collectives` and ZeRO's sharded update)."""
+        (for `tfdist.sharding.collectives` and ZeRO's sharded update)."""
         return self._data_launchers[self.replica()]
 
     def reduce(self, x):
