@@ -15,6 +15,7 @@ from helpers import CLASSES, FEATURES, assert_parity, data, devices, train
 from test_profiler import trace_events
 from test_tensor_transformer import SEQ, VOCAB, WIDTH, block, compile_lm, lm_data
 from tfdist.pipeline.placement import component_devices
+from tfdist.pipeline.schedule import held_activations, stage_orders
 
 
 def residual_mlp(seed=0, optimizer=None):
@@ -101,6 +102,7 @@ def test_activations_held_per_stage(schedule, microbatches):
                                schedule=schedule, devices=devices(stages))
     _, _, model = train(strategy, make=residual_mlp)
     held = strategy.train_step(model)._pipeline.peak_held
+    assert held == held_activations(stage_orders(schedule, stages, microbatches))
     if schedule == "gpipe":
         assert held == [microbatches] * stages
     else:

@@ -38,8 +38,8 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfdist.config import ParallelConfig
-from tfdist.engine.pipeline import pipeline_compute
 from tfdist.optim.zero import ZeroUpdate, check_shardable
+from tfdist.pipeline.compute import pipeline_compute
 from tfdist.tensor.partition import sharded_logits
 from tfdist.tensor.plan import partition_model, sharded_classifier
 
