@@ -243,7 +243,7 @@ def test_xla_compiles_each_stage_and_keeps_parity():
                                devices=devices(2))
     result = train(strategy, make=residual_mlp)
     assert_parity(result, reference)
-    compiled = strategy.train_step(result[2])._pipeline._run
+    compiled = [runner._call for runner in strategy.train_step(result[2])._pipeline.runners]
     assert all(run.experimental_get_tracing_count() >= 1 for run in compiled)
 
 

@@ -62,8 +62,7 @@ class PipelineCompute:
         self.graph = graph_of(model)
         self.stages = stages
         self.devices = devices
-        self.orders = stage_orders(kind, len(stages), microbatches)
-        self.order = emission_order(self.orders)
+        self.order = emission_order(stage_orders(kind, len(stages), microbatches))
         self.remat = remat
         self.peak_held = [0] * len(stages)
         self.runners = [StageRunner(stage, model.trainable_weights, xla=xla) for stage in stages]
