@@ -31,6 +31,14 @@ from tfdist.tensor.partition import sharded_logits
 from tfdist.tensor.plan import sharded_classifier
 
 
+def _accumulate(totals, weights, grads):
+    """Adds `grads` (one per (index, variable) of `weights`) into `totals[index]`."""
+    for (index, _), grad in zip(weights, grads):
+        if grad is not None:
+            grad = tf.convert_to_tensor(grad)  # embeddings: IndexedSlices
+            totals[index] = grad if totals[index] is None else totals[index] + grad
+
+
 class PipelineCompute:
     """Gradients of one replica's batch through the stages, in schedule order.
 
@@ -134,10 +142,7 @@ class PipelineCompute:
                     if self.remat:
                         kept = runner.replay(kept, head)
                     grads = runner.backward(kept, out_grads[i])
-                    for (index, _), grad in zip(runner.weights, grads):
-                        if grad is not None:
-                            grad = tf.convert_to_tensor(grad)  # embeddings: IndexedSlices
-                            totals[index] = grad if totals[index] is None else totals[index] + grad
+                    _accumulate(totals, runner.weights, grads)
                     previous[s] = [g for g in tf.nest.flatten(grads, expand_composites=True)
                                    if g is not None] or previous[s]
         # The gradients meet on the replica's own device: the data-parallel
