@@ -15,6 +15,7 @@ from helpers import CLASSES, FEATURES, assert_parity, data, devices, train
 from test_profiler import trace_events
 from test_tensor_transformer import SEQ, VOCAB, WIDTH, block, compile_lm, lm_data
 from tfdist.pipeline.placement import component_devices
+from tfdist.pipeline.schedule import held_activations, stage_orders
 
 
 def residual_mlp(seed=0, optimizer=None):
@@ -101,6 +102,7 @@ def test_activations_held_per_stage(schedule, microbatches):
                                schedule=schedule, devices=devices(stages))
     _, _, model = train(strategy, make=residual_mlp)
     held = strategy.train_step(model)._pipeline.peak_held
+    assert held == held_activations(stage_orders(schedule, stages, microbatches))
     if schedule == "gpipe":
         assert held == [microbatches] * stages
     else:
@@ -112,9 +114,24 @@ def test_describe_lists_stages_with_devices():
     with strategy.scope():
         model = residual_mlp()
     lines = strategy.describe(model).splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 2 + 1 + 7   # stages, schedule, grid (header and 6 steps)
     assert lines[0].startswith("stage 0  [CPU:0]") and "layers: in" in lines[0]
     assert lines[1].startswith("stage 1  [CPU:1]") and "out" in lines[1]
+
+
+def test_describe_ends_with_the_schedule_grid():
+    strategy = tfdist.Strategy(pipeline=2, microbatches=2, schedule="1f1b", devices=devices(2))
+    with strategy.scope():
+        model = residual_mlp()
+    lines = strategy.describe(model).splitlines()
+    assert lines[2:] == ["schedule 1f1b, 2 microbatches:",
+                         "step  stage 0  stage 1",
+                         "0     F0       .",
+                         "1     F1       F0",
+                         "2     .        B0",
+                         "3     B0       F1",
+                         "4     .        B1",
+                         "5     B1       ."]
 
 
 def test_manual_boundaries():
@@ -122,7 +139,7 @@ def test_manual_boundaries():
                                devices=devices(2))
     with strategy.scope():
         model = residual_mlp()
-    first, second = strategy.describe(model).splitlines()
+    first, second = strategy.describe(model).splitlines()[:2]
     assert "layers: in, a, b" in first and "layers: c, skip, out" in second
 
 
@@ -226,7 +243,7 @@ def test_xla_compiles_each_stage_and_keeps_parity():
                                devices=devices(2))
     result = train(strategy, make=residual_mlp)
     assert_parity(result, reference)
-    compiled = strategy.train_step(result[2])._pipeline._run
+    compiled = [runner._call for runner in strategy.train_step(result[2])._pipeline.runners]
     assert all(run.experimental_get_tracing_count() >= 1 for run in compiled)
 
 

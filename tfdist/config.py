@@ -10,8 +10,10 @@ import json
 import os
 from typing import Any
 
+from tfdist.pipeline import schedule as pipeline_schedule
+
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = tuple(pipeline_schedule.SCHEDULES)  # names `stage_orders` knows
 ZERO_STAGES = (0, 1, 2)
 # The strategies a config can be validated for (`validate(strategy=...)`).
 STRATEGIES = ("Strategy", "MultiWorkerStrategy", "ParameterServerStrategy")

@@ -25,6 +25,7 @@ from tfdist.config import ParallelConfig
 from tfdist.engine.build import check_own_train_step
 from tfdist.engine.microbatch import check_divides
 from tfdist.engine.step import TrainStep
+from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline import summary as pipeline_summary
 from tfdist.profiling import start_profiler_server
@@ -105,7 +106,10 @@ class _StepOwner:
         With `pipeline` > 1: each stage's devices, parameters, estimated
         cost and layers. With `tensor` > 1: which layers are split (column /
         row-parallel Dense pairs, attention by heads, embeddings by
-        vocabulary) and which stay replicated, and why. Both when both.
+        vocabulary) and which stay replicated, and why. Both when both. With
+        `pipeline` > 1 it ends with the schedule's grid: each stage's forward
+        "F" and backward "B" of each microbatch per clock step, "." when idle
+        (`tfdist.pipeline.schedule.grid`).
 
         Example:
 
@@ -130,6 +134,11 @@ class _StepOwner:
         if self._config.tensor > 1 or not parts:
             parts.append(tensor_plan.describe(tensor_plan.plan(
                 model, self._config.tensor, self._config.vocab_parallel_classifier)))
+        if self._config.pipeline > 1:
+            config = self._config
+            parts.append(f"schedule {config.schedule}, {config.microbatches} microbatches:")
+            parts.append(pipeline_schedule.grid(pipeline_schedule.stage_orders(
+                config.schedule, config.pipeline, config.microbatches)))
         return "\n".join(parts)
 
     def scope(self):

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tfdist.config import ParallelConfig
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
-from tfdist.engine.pipeline import pipeline_compute
+from tfdist.pipeline.compute import pipeline_compute
 from tfdist.engine.reduce import AllReduce, DataGroupAllReduce, ShardedReduce
 from tfdist.engine.update import KerasApply
 from tfdist.optim.zero import ShardedUpdate, check_shardable

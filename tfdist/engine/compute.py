@@ -10,7 +10,7 @@ reduced across replicas, and the compiled metrics' results.
   device (one forward and backward when `microbatches=1`), XLA-compiled with
   `xla=True`.
 - `PipelinedCompute`: the microbatches flow through the pipeline stages in the
-  schedule's order (`tfdist.engine.pipeline`).
+  schedule's order (`tfdist.pipeline.compute`).
 
 With tensor parallelism the replicas of a tensor group first exchange their
 slices of the batch (`TensorMesh.group_batch`): a group computes on the same
@@ -136,7 +136,7 @@ class PipelinedCompute(Compute):
         model: the compiled Keras model.
         microbatches: microbatches per replica batch.
         pipeline: the `PipelineCompute` that runs the stages' units in
-            schedule order (`tfdist.engine.pipeline.pipeline_compute`).
+            schedule order (`tfdist.pipeline.compute.pipeline_compute`).
         mesh: the strategy's `TensorMesh`, or None.
 
     Example:
