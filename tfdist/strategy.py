@@ -21,6 +21,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+from tfdist.cluster.rendezvous import wait_for_peers
 from tfdist.config import ParallelConfig
 from tfdist.engine.step import TrainStep, check_microbatches_divide, check_trainable
 from tfdist.pipeline import stages as pipeline_stages
@@ -347,6 +348,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
             raise ValueError(
                 f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}."
             )
+        wait_for_peers(timeout_seconds, cluster_resolver)  # TF's own wait has no deadline
         # fails before connecting:
         config = check_tensor_config(requested_config(config, fields))
         pipeline_stages.check_pipeline_config(config, stage_boundaries, remat)

@@ -20,7 +20,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import parameter_server_strategy_v2, sharded_variable
 
-from tfdist.cluster.tf_config import free_ports
+from tfdist.cluster.tf_config import free_ports, read_tf_config
 from tfdist.profiling import start_profiler_server
 from tfdist.ps import keras_fit
 from tfdist.strategy import _StepOwner, requested_config
@@ -125,6 +125,8 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
                  variable_partitioner="auto", **fields):
         config = requested_config(config, fields)
         _check_not_under_ps(config)
+        if cluster_resolver is None:
+            read_tf_config()  # a malformed TF_CONFIG fails here, naming the field
         resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
         cluster = _check_cluster(resolver)
         if resolver.task_type in ("worker", "ps"):
