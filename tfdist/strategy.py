@@ -21,8 +21,10 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+from tfdist import usage_checks
 from tfdist.cluster.rendezvous import wait_for_peers
 from tfdist.config import ParallelConfig
+from tfdist.devices import check_devices
 from tfdist.engine.step import TrainStep, check_microbatches_divide, check_trainable
 from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline import summary as pipeline_summary
@@ -169,6 +171,7 @@ class _StepOwner:
                 fn = mesh.on_group_batch(fn, own_rows=True)
         model = _keras_step_owner(fn, ("train_step",))
         if model is not None:
+            usage_checks.check_built_in_scope(model, self)
             if type(model).train_step is TensorFlowTrainer.train_step:
                 fn = self.train_step(model)
             else:
@@ -183,6 +186,7 @@ class _StepOwner:
         `model.fit` distributes its data through this, so a batch size that
         `microbatches` cannot divide is reported before the first step.
         """
+        usage_checks.check_not_empty(dataset)
         self._check_static_batch(dataset)
         return super().experimental_distribute_dataset(dataset, options=options)
 
@@ -279,14 +283,7 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
 
     def __init__(self, config=None, *, devices=None, stage_boundaries=None,
                  remat=False, vocab_parallel_classifier=False, **fields):
-        if devices is None:
-            devices = default_devices()
-        elif isinstance(devices, str) or not devices:
-            raise ValueError(
-                f"`devices` must be a non-empty list of device names, got "
-                f"{devices!r}."
-            )
-        devices = list(devices)
+        devices = default_devices() if devices is None else check_devices(devices)
         config = requested_config(config, fields)
         config = check_tensor_config(config.resolve(len(devices)))
         pipeline_stages.check_pipeline_config(config, stage_boundaries, remat)
