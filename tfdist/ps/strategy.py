@@ -23,6 +23,7 @@ from tensorflow.python.distribute import parameter_server_strategy_v2, sharded_v
 from tfdist.cluster.tf_config import free_ports, read_tf_config
 from tfdist.profiling import start_profiler_server
 from tfdist.ps import keras_fit
+from tfdist.ps.logs import quiet_server_logs
 from tfdist.strategy import _StepOwner, requested_config
 
 # Smallest shard a variable is split into across ps tasks (TensorFlow's
@@ -123,6 +124,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
 
     def __init__(self, config=None, *, cluster_resolver=None,
                  variable_partitioner="auto", **fields):
+        quiet_server_logs()
         config = requested_config(config, fields)
         _check_not_under_ps(config)
         if cluster_resolver is None:
@@ -313,6 +315,7 @@ def in_process_cluster(workers=2, ps=1):
             f"An in-process cluster needs workers >= 1 and ps >= 1, got "
             f"workers={workers}, ps={ps}."
         )
+    quiet_server_logs()
     ports = iter(free_ports(workers + ps + 1))
     cluster = {
         "chief": [f"127.0.0.1:{next(ports)}"],
