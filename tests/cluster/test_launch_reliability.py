@@ -118,3 +118,12 @@ def test_refused_before_starting_anything(args, message):
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr and "[launch] started" not in done.stdout
+
+
+def test_a_task_killed_by_a_signal_reports_128_plus_the_signal():
+    done = subprocess.run([*TFDIST, "launch", "--workers=1", "--", sys.executable, "-c",
+                           "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 137
+    assert "[launch] worker:0 failed with exit code 137" in done.stdout
+    assert "Traceback" not in done.stdout

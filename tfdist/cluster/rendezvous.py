@@ -86,8 +86,8 @@ def _this_task(cluster_resolver, environ):
     if cluster_resolver is None:
         return read_tf_config(environ)
     spec = cluster_resolver.cluster_spec().as_dict()
-    if not spec:
-        return None
+    if not spec or cluster_resolver.task_type is None:
+        return None  # no cluster, or TensorFlow reports the missing task itself
     cluster = {task_type: list(addresses.values()) if isinstance(addresses, dict)
                else list(addresses) for task_type, addresses in spec.items()}
     return TFConfig(cluster, cluster_resolver.task_type, cluster_resolver.task_id)

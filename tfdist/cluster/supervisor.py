@@ -134,9 +134,11 @@ def main(argv):
             status = _reap().get(task.pid, status)
     if status is None:
         return 128 + signal.SIGTERM
-    if os.WIFSIGNALED(status):
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-        os.kill(os.getpid(), os.WTERMSIG(status))
+    if os.WIFSIGNALED(status):  # die of the same signal, for the launcher to see
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be handled
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
     return os.waitstatus_to_exitcode(status)
 
 
