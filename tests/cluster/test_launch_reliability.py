@@ -1,5 +1,6 @@
 """`tfdist launch` under stress: no hangs past the deadline, no orphans, clean stops."""
 
+import os
 import re
 import signal
 import subprocess
@@ -127,3 +128,15 @@ def test_a_task_killed_by_a_signal_reports_128_plus_the_signal():
     assert done.returncode == 137
     assert "[launch] worker:0 failed with exit code 137" in done.stdout
     assert "Traceback" not in done.stdout
+
+
+def test_killing_the_pid_the_launcher_prints_kills_the_task(launchers):
+    launcher = start_launcher("--workers=1", "--", sys.executable, "-c",
+                              "import os, time; print('pids', os.getpid(), flush=True); "
+                              "time.sleep(120)")
+    launchers.append(launcher)
+    supervisor, task = job_pids(read_until(launcher, r"^\[worker:0\] pids", 1))
+    os.kill(supervisor, signal.SIGKILL)  # as the fault drill does
+    rest, _ = launcher.communicate(timeout=60)
+    assert "[launch] worker:0 failed with exit code 137" in rest
+    assert wait_until_gone([task], 5) == []

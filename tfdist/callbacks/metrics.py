@@ -70,9 +70,9 @@ class Metrics(keras.callbacks.Callback):
         if self._done == 1:  # the first step traces: measure from its end
             self._last = (time.perf_counter(), self._examples(), self._done)
             self._write_static()
-        elif self._done > 1 and self._done % self.every_n_steps == 0 \
-                and self._last[2] != self._done:
-            self._write_rates()  # (unless the epoch's end just wrote this step)
+        elif (self._done > 1 and self._done % self.every_n_steps == 0
+              and self._last[2] != self._done):  # the epoch's end may have written it
+            self._write_rates()
         self._done += 1
 
     def on_epoch_end(self, epoch, logs=None):

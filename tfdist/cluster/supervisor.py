@@ -9,7 +9,7 @@ import TensorFlow), which runs COMMAND as its child and:
   `PR_SET_CHILD_SUBREAPER`: orphaned descendants become its children, not
   init's);
 - is told when the launcher dies, even by SIGKILL (`PR_SET_PDEATHSIG`), and
-  then stops the task;
+  then stops the task; the task in turn dies if the supervisor is killed;
 - on SIGTERM (the launcher stopping the job) or when COMMAND ends, stops every
   remaining descendant: SIGTERM, then SIGKILL after `GRACE_SECONDS`;
 - exits with COMMAND's exit code (or dies of the signal that killed it).
@@ -117,7 +117,10 @@ def main(argv):
         if os.getppid() != launcher:  # the launcher died before prctl
             raise _Stop()
         try:
-            task = subprocess.Popen(command)
+            # The task dies with this supervisor too (killed on its own, as
+            # a fault drill does to the pid the launcher prints).
+            task = subprocess.Popen(
+                command, preexec_fn=lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL))
         except OSError as error:
             print(f"cannot run {command[0]!r}: {error.strerror}", file=sys.stderr)
             return 127

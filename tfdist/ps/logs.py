@@ -15,7 +15,8 @@ import tensorflow as tf
 
 # absl::log_internal::RawSetMinLogLevel(absl::LogSeverityAtLeast), Abseil LTS
 # 2025-01-27 (the one TensorFlow 2.20 links).
-_SET_MIN_LOG_LEVEL = "_ZN4absl12lts_2025012712log_internal17RawSetMinLogLevelENS0_18LogSeverityAtLeastE"
+_SET_MIN_LOG_LEVEL = ("_ZN4absl12lts_2025012712log_internal17RawSetMinLogLevel"
+                      "ENS0_18LogSeverityAtLeastE")
 _WARNING = 1
 
 
