@@ -21,11 +21,16 @@ LEAVE_A_DETACHED_CHILD = (
     " start_new_session=True)\n"
     "print('pids', child.pid, flush=True)\n"
     "time.sleep(120)\n")
-# A task that ignores SIGTERM, so stopping it takes the launcher's whole grace.
-IGNORE_SIGTERM = ("import signal, time\n"
-                  "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                  "print('pids', flush=True)\n"
-                  "time.sleep(120)\n")
+# A task that ignores SIGTERM, as does the detached process it starts, so
+# stopping them takes the whole grace.
+IGNORE_SIGTERM = (
+    "import signal, subprocess, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'],"
+    " start_new_session=True)\n"
+    "print('pids', child.pid, flush=True)\n"
+    "time.sleep(120)\n")
 
 
 def start_launcher(*args):

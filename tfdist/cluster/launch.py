@@ -133,9 +133,13 @@ class _Cluster:
         self.changed.clear()
 
     def kill(self):
-        """SIGKILL to every running task's group (a second Ctrl-C)."""
+        """Kills every running task now (a second Ctrl-C): its supervisor kills
+        the task and what it started; without one, SIGKILL to the group."""
         for task in self.running_tasks():
-            _signal_group(task.process, signal.SIGKILL)
+            if _SUPERVISED:
+                task.process.send_signal(signal.SIGUSR1)
+            else:
+                _signal_group(task.process, signal.SIGKILL)
 
     def stop(self):
         """Stops every running task: SIGTERM to its group, SIGKILL after a grace."""

@@ -11,7 +11,8 @@ import TensorFlow), which runs COMMAND as its child and:
 - is told when the launcher dies, even by SIGKILL (`PR_SET_PDEATHSIG`), and
   then stops the task; the task in turn dies if the supervisor is killed;
 - on SIGTERM (the launcher stopping the job) or when COMMAND ends, stops every
-  remaining descendant: SIGTERM, then SIGKILL after `GRACE_SECONDS`;
+  remaining descendant: SIGTERM, then SIGKILL after `GRACE_SECONDS`; on
+  SIGUSR1 (a second Ctrl-C to the launcher), SIGKILL at once;
 - exits with COMMAND's exit code (or dies of the signal that killed it).
 
 Example:
@@ -38,8 +39,17 @@ class _Stop(Exception):
     """SIGTERM: the launcher stops the job, or died."""
 
 
+_state = {"stopping": False, "urgent": False}
+
+
 def _raise_stop(signum, frame):
-    raise _Stop()
+    if not _state["stopping"]:
+        raise _Stop()
+
+
+def _stop_now(signum, frame):
+    _state["urgent"] = True
+    _raise_stop(signum, frame)
 
 
 def descendants(pid=None):
@@ -94,9 +104,10 @@ def _reap():
 
 def _stop_descendants(launcher_signalled_group):
     """SIGTERM to every descendant, SIGKILL to those left after the grace."""
+    _state["stopping"] = True
     _signal_all(signal.SIGTERM, skip_group=launcher_signalled_group)
     deadline = time.monotonic() + GRACE_SECONDS
-    while descendants() and time.monotonic() < deadline:
+    while descendants() and time.monotonic() < deadline and not _state["urgent"]:
         _reap()
         time.sleep(0.05)
     while descendants():
@@ -108,6 +119,7 @@ def _stop_descendants(launcher_signalled_group):
 def main(argv):
     launcher, command = int(argv[1]), argv[2:]
     signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGUSR1, _stop_now)
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -129,7 +141,6 @@ def main(argv):
             if pid == task.pid:
                 status = code
     except _Stop:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stopped = True
     finally:
         _stop_descendants(launcher_signalled_group=stopped and os.getppid() == launcher)
