@@ -4,12 +4,12 @@
         validates a ParallelConfig and prints it as JSON.
     tfdist launch  [--chief] --workers N [--ps M] [--evaluator]
                    [--restart-on-failure K] [--timeout S] [--profiler-port P]
-                   [config flags] -- COMMAND...
+                   [config flags] COMMAND...
         runs COMMAND as every task of a local cluster (TF_CONFIG on 127.0.0.1).
     tfdist tfjob   --name NAME --image IMAGE [--namespace NS] [--chief] --workers N
                    [--ps M] [--evaluator] [--gpus-per-worker G] [--cpu C --memory M]
                    [--logdir PATH] [--profiler-port P] [--restart-policy POLICY]
-                   [--backoff-limit B] [--submit] [config flags] -- COMMAND...
+                   [--backoff-limit B] [--submit] [config flags] COMMAND...
         prints a Kubeflow TFJob manifest (kubeflow.org/v1); --submit creates it.
     tfdist profile --tasks HOST:PORT,... --logdir DIR [--duration-ms MS]
         records a trace of every listed task's profiler server at once.
@@ -23,7 +23,7 @@ with torchrun and `kubectl exec`: `tfdist launch --workers 2 python train.py
 
 Example:
 
-    $ tfdist launch --workers=2 --microbatches=2 -- python train.py
+    $ tfdist launch --workers=2 --microbatches=2 python train.py --epochs 3
 """
 
 import collections
