@@ -7,6 +7,7 @@ STAMP = $(VENV)/.installed
 .PHONY: install demo test bench clean
 
 $(STAMP): setup.cfg pyproject.toml
+	@echo "Installing tfdist and its dependencies (TensorFlow, Keras) into $(VENV): a few minutes the first time..."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -15,7 +16,8 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python keras_examples/data_parallel.py
+	@echo "tfdist demo: data-parallel training of a digits classifier on 4 virtual CPU devices"
+	$(BIN)/python keras_examples/data_parallel.py --devices=4
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

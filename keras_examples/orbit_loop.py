@@ -10,7 +10,7 @@ scaling), run on every replica with `strategy.run`.
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
 import orbit
 import tensorflow as tf
-from absl import app, flags
+from absl import flags
 
 import tfdist
 
@@ -81,4 +81,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    digits.run(main)

@@ -20,7 +20,7 @@ import sys
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
 import keras
 import tensorflow as tf
-from absl import app, flags
+from absl import flags
 
 import tfdist
 
@@ -70,4 +70,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    digits.run(main)

@@ -10,7 +10,7 @@ step time, microbatches and optimizer-state bytes per device (`logs/tfdist`).
 """
 
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
-from absl import app, flags
+from absl import flags
 
 import tfdist
 
@@ -40,4 +40,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    digits.run(main)

@@ -83,13 +83,13 @@ def test_each_stage_lives_on_its_devices(data_size, stages):
         return {d.split("device:")[-1] for d in component_devices(variable)}
 
     mesh = [d.split("device:")[-1] for d in mesh]
-    for stage in step._pipeline.stages:
+    for stage in step.compute.pipeline.stages:
         wanted = {mesh[r * stages + stage.index] for r in range(data_size)}
         for variable in stage.variables:
             assert where(variable) == wanted, variable.path
     slots = [v for v in model.optimizer.variables if len(v.shape)]
     assert slots
-    stage_of = {id(v): s.index for s in step._pipeline.stages for v in s.variables}
+    stage_of = {id(v): s.index for s in step.compute.pipeline.stages for v in s.variables}
     for slot, variable in zip(model.optimizer._momentums, model.optimizer._trainable_variables):
         wanted = {mesh[r * stages + stage_of[id(variable)]] for r in range(data_size)}
         assert where(slot) == wanted, slot.path
@@ -101,7 +101,7 @@ def test_activations_held_per_stage(schedule, microbatches):
     strategy = tfdist.Strategy(pipeline=stages, microbatches=microbatches,
                                schedule=schedule, devices=devices(stages))
     _, _, model = train(strategy, make=residual_mlp)
-    held = strategy.train_step(model)._pipeline.peak_held
+    held = strategy.train_step(model).compute.pipeline.peak_held
     assert held == held_activations(stage_orders(schedule, stages, microbatches))
     if schedule == "gpipe":
         assert held == [microbatches] * stages
@@ -189,7 +189,7 @@ def test_transformer_lm_matches_one_device(schedule):
                                devices=devices(2))
     result = train(strategy, make=two_block_lm, x=x, y=y, batch_size=16)
     assert_parity(result, reference)
-    first, second = strategy.train_step(result[2])._pipeline.stages
+    first, second = strategy.train_step(result[2]).compute.pipeline.stages
     assert any(isinstance(layer, keras.layers.MultiHeadAttention) for layer in first.layers)
     assert any(isinstance(layer, keras.layers.MultiHeadAttention) for layer in second.layers)
 
@@ -243,7 +243,7 @@ def test_xla_compiles_each_stage_and_keeps_parity():
                                devices=devices(2))
     result = train(strategy, make=residual_mlp)
     assert_parity(result, reference)
-    compiled = [runner._call for runner in strategy.train_step(result[2])._pipeline.runners]
+    compiled = [runner._call for runner in strategy.train_step(result[2]).compute.pipeline.runners]
     assert all(run.experimental_get_tracing_count() >= 1 for run in compiled)
 
 

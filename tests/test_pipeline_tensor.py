@@ -54,7 +54,7 @@ def test_each_shard_lives_on_its_stage_and_rank():
     step = strategy.train_step(model)
     groups = strategy.pipeline_devices  # groups[replica][stage]
     per_device, expected = {}, {}
-    for stage in step._pipeline.stages:
+    for stage in step.compute.pipeline.stages:
         on_stage = [group[stage.index] for group in groups]
         for variable in stage.variables:
             components = variable.value.values

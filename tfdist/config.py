@@ -309,7 +309,14 @@ class ParallelConfig:
         >>> ParallelConfig.from_json('{"data": 2}').data
         2
         """
-        return cls.from_dict(json.loads(text))
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:  # a ValueError, with the position
+            raise json.JSONDecodeError(
+                f"ParallelConfig.from_json: `text` is not valid JSON ({error.msg}); "
+                f"got {text!r}; expected an object such as '{{\"data\": 2}}'",
+                error.doc, error.pos) from error
+        return cls.from_dict(values)
 
     def replace(self, **changes) -> "ParallelConfig":
         """A copy with some fields changed (validated again).

@@ -21,7 +21,10 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+from tfdist import usage_checks
+from tfdist.cluster.rendezvous import wait_for_peers
 from tfdist.config import ParallelConfig
+from tfdist.devices import check_devices
 from tfdist.engine.build import check_own_train_step
 from tfdist.engine.microbatch import check_divides
 from tfdist.engine.step import TrainStep
@@ -177,6 +180,7 @@ class _StepOwner:
                 fn = mesh.on_group_batch(fn, own_rows=True)
         model = _keras_step_owner(fn, ("train_step",))
         if model is not None:
+            usage_checks.check_built_in_scope(model, self)
             if type(model).train_step is TensorFlowTrainer.train_step:
                 fn = self.train_step(model)
             else:
@@ -191,6 +195,7 @@ class _StepOwner:
         `model.fit` distributes its data through this, so a batch size that
         `microbatches` cannot divide is reported before the first step.
         """
+        usage_checks.check_not_empty(dataset)
         self._check_static_batch(dataset)
         return super().experimental_distribute_dataset(dataset, options=options)
 
@@ -262,14 +267,7 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
     """
 
     def __init__(self, config=None, *, devices=None, **fields):
-        if devices is None:
-            devices = default_devices()
-        elif isinstance(devices, str) or not devices:
-            raise ValueError(
-                f"`devices` must be a non-empty list of device names, got "
-                f"{devices!r}."
-            )
-        devices = list(devices)
+        devices = default_devices() if devices is None else check_devices(devices)
         config = requested_config(config, fields, "Strategy").resolve(len(devices))
         self._init_step_owner(config)
         self._collective_key_base = (
@@ -323,6 +321,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
             )
         # fails before connecting:
         config = requested_config(config, fields, "MultiWorkerStrategy")
+        wait_for_peers(timeout_seconds, cluster_resolver)  # TF's own wait has no deadline
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )

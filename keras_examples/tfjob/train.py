@@ -17,7 +17,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import digits  # noqa: E402  (first: it quiets TensorFlow's C++ logs)
 import keras  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 import tfdist  # noqa: E402
 from tfdist.cluster import read_tf_config  # noqa: E402
@@ -59,4 +59,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    digits.run(main)

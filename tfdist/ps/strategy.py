@@ -20,9 +20,10 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import parameter_server_strategy_v2, sharded_variable
 
-from tfdist.cluster.tf_config import free_ports
+from tfdist.cluster.tf_config import free_ports, read_tf_config
 from tfdist.profiling import start_profiler_server
 from tfdist.ps import keras_fit
+from tfdist.ps.logs import quiet_server_logs
 from tfdist.strategy import _StepOwner, requested_config
 
 # Smallest shard a variable is split into across ps tasks (TensorFlow's
@@ -116,7 +117,10 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
 
     def __init__(self, config=None, *, cluster_resolver=None,
                  variable_partitioner="auto", **fields):
+        quiet_server_logs()
         config = requested_config(config, fields, "ParameterServerStrategy")
+        if cluster_resolver is None:
+            read_tf_config()  # a malformed TF_CONFIG fails here, naming the field
         resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
         cluster = _check_cluster(resolver)
         if resolver.task_type in ("worker", "ps"):
@@ -293,6 +297,7 @@ def in_process_cluster(workers=2, ps=1):
             f"An in-process cluster needs workers >= 1 and ps >= 1, got "
             f"workers={workers}, ps={ps}."
         )
+    quiet_server_logs()
     ports = iter(free_ports(workers + ps + 1))
     cluster = {
         "chief": [f"127.0.0.1:{next(ports)}"],
