@@ -23,7 +23,7 @@ from tensorflow.python.distribute import parameter_server_strategy_v2, sharded_v
 from tfdist.cluster.tf_config import free_ports, read_tf_config
 from tfdist.profiling import start_profiler_server
 from tfdist.ps import keras_fit
-from tfdist.ps.logs import quiet_server_logs
+from tfdist._compat.tf_logging import quiet_server_logs
 from tfdist.strategy import _StepOwner, requested_config
 
 # Smallest shard a variable is split into across ps tasks (TensorFlow's
