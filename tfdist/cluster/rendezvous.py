@@ -103,7 +103,10 @@ def _answering(address):
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind(("", int(address.rsplit(":", 1)[1])))
+        host, port = address.rsplit(":", 1)
+        # A loopback job (tfdist launch) listens on loopback only.
+        local = host in ("127.0.0.1", "localhost")
+        listener.bind((host if local else "", int(port)))
     except OSError as error:
         listener.close()
         if error.errno != errno.EADDRINUSE:
