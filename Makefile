@@ -7,9 +7,10 @@ STAMP = $(VENV)/.installed
 .PHONY: install demo lint test test-fast bench clean
 
 # tfdist/ joins once its remaining findings are fixed (`ruff check tfdist`).
-LINT_PATHS = conftest.py tests tools keras_examples
+LINT_PATHS = tfdist conftest.py tests tools keras_examples
 
 $(STAMP): setup.cfg pyproject.toml
+	@echo "Installing tfdist and its dependencies (TensorFlow, Keras) into $(VENV): a few minutes the first time..."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -18,7 +19,8 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python keras_examples/data_parallel.py
+	@echo "tfdist demo: data-parallel training of a digits classifier on 4 virtual CPU devices"
+	$(BIN)/python keras_examples/data_parallel.py --devices=4
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -1,17 +1,32 @@
-"""What the examples share: scikit-learn's bundled digits, an MLP, quiet logs.
+"""What the examples share: scikit-learn's bundled digits, an MLP, quiet logs, `run`.
 
 The digits ship inside scikit-learn (1,797 8x8 images), so nothing downloads.
 """
 
 import collections
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import flags, logging  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
+
+
+def run(main):
+    """`absl.app.run(main)` for an example: `--help` prints the example's
+    docstring and flags and exits 0, and `--devices` must be >= 1."""
+    if any(arg in ("-h", "--help", "-help") for arg in sys.argv[1:]):
+        print((sys.modules["__main__"].__doc__ or "").strip() + "\n")
+        print(flags.FLAGS.main_module_help())
+        sys.exit(0)
+    if "devices" in flags.FLAGS:
+        flags.register_validator(
+            "devices", lambda n: n >= 1,
+            message="--devices (logical CPU devices to create) must be >= 1")
+    app.run(main)
 
 
 def quiet_logs():

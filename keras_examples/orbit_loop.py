@@ -12,7 +12,7 @@ import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
 # isort: split
 import orbit
 import tensorflow as tf
-from absl import app, flags
+from absl import flags
 
 import tfdist
 
@@ -83,4 +83,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    digits.run(main)

@@ -14,7 +14,7 @@ weights each device holds.
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
 
 # isort: split
-from absl import app, flags
+from absl import flags
 
 import tfdist
 
@@ -39,4 +39,4 @@ def main(argv):
                              epochs=FLAGS.epochs, batch_size=FLAGS.batch_size)
 
 if __name__ == "__main__":
-    app.run(main)
+    digits.run(main)

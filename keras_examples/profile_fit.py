@@ -12,7 +12,7 @@ step time, microbatches and optimizer-state bytes per device (`logs/tfdist`).
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
 
 # isort: split
-from absl import app, flags
+from absl import flags
 
 import tfdist
 
@@ -42,4 +42,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    digits.run(main)

@@ -17,7 +17,7 @@ the bytes of model weights and of optimizer state each device holds.
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
 
 # isort: split
-from absl import app, flags
+from absl import flags
 
 import tfdist
 from tfdist.callbacks.metrics import optimizer_state_bytes
@@ -51,4 +51,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    digits.run(main)

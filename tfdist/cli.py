@@ -4,25 +4,29 @@
         validates a ParallelConfig and prints it as JSON.
     tfdist launch  [--chief] --workers N [--ps M] [--evaluator]
                    [--restart-on-failure K] [--timeout S] [--profiler-port P]
-                   [config flags] -- COMMAND...
+                   [config flags] COMMAND...
         runs COMMAND as every task of a local cluster (TF_CONFIG on 127.0.0.1).
     tfdist tfjob   --name NAME --image IMAGE [--namespace NS] [--chief] --workers N
                    [--ps M] [--evaluator] [--gpus-per-worker G] [--cpu C --memory M]
                    [--logdir PATH] [--profiler-port P] [--restart-policy POLICY]
-                   [--backoff-limit B] [--submit] [config flags] -- COMMAND...
+                   [--backoff-limit B] [--submit] [config flags] COMMAND...
         prints a Kubeflow TFJob manifest (kubeflow.org/v1); --submit creates it.
     tfdist profile --tasks HOST:PORT,... --logdir DIR [--duration-ms MS]
         records a trace of every listed task's profiler server at once.
     tfdist version
         prints the tfdist, TensorFlow and Keras versions.
 
-Put `--` before COMMAND so that its own flags are not read as tfdist's.
+`tfdist --help` lists the commands, `tfdist launch --help` one command's flags.
+For launch and tfjob, everything from COMMAND's first word on is COMMAND's, as
+with torchrun and `kubectl exec`: `tfdist launch --workers 2 python train.py
+--data 2` gives `--data 2` to train.py (`--` before COMMAND works too).
 
 Example:
 
-    $ tfdist launch --workers=2 --microbatches=2 -- python train.py
+    $ tfdist launch --workers=2 --microbatches=2 python train.py --epochs 3
 """
 
+import collections
 import json
 import sys
 
@@ -43,6 +47,12 @@ flags.DEFINE_integer("zero", None, "Optimizer-state sharding stage: 0, 1 or 2.")
 flags.DEFINE_enum("precision", None, list(PRECISIONS), "Compute precision.")
 flags.DEFINE_boolean("xla", None, "jit-compile the per-replica compute.")
 flags.DEFINE_enum("schedule", None, list(SCHEDULES), "Pipeline schedule.")
+flags.DEFINE_list("stage_boundaries", None, "Pipeline: first layer of each stage "
+                  "after the first, comma-separated.")
+flags.DEFINE_boolean("remat", None, "Pipeline: recompute each stage's forward in "
+                     "its backward.")
+flags.DEFINE_boolean("vocab_parallel_classifier", None, "Tensor: split the final "
+                     "classifier by classes, with a sharded softmax loss.")
 # The tasks of a job (launch, tfjob).
 flags.DEFINE_boolean("chief", False, "Add a chief task.")
 flags.DEFINE_integer("workers", 1, "Worker tasks (>= 1).")
@@ -70,7 +80,8 @@ flags.DEFINE_list("tasks", None, "host:port of each task's profiler server.")
 flags.DEFINE_integer("duration-ms", 2000, "How long to record, in milliseconds.")
 
 _CONFIG_FIELDS = ("data", "pipeline", "tensor", "microbatches", "zero",
-                  "precision", "xla", "schedule")
+                  "precision", "xla", "schedule", "stage_boundaries", "remat",
+                  "vocab_parallel_classifier")
 _CONFIG_FLAGS = ("config",) + _CONFIG_FIELDS
 _TASK_FLAGS = ("chief", "workers", "ps", "evaluator")
 
@@ -90,8 +101,15 @@ def config_from_flags() -> ParallelConfig | None:
         return None
     values = {}
     if FLAGS.config:
-        with open(FLAGS.config) as f:
-            values = json.load(f)
+        try:
+            with open(FLAGS.config) as f:
+                values = json.load(f)
+        except OSError as error:
+            raise ValueError(f"--config={FLAGS.config}: cannot read it "
+                             f"({error.strerror}).") from error
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--config={FLAGS.config} is not valid JSON "
+                             f"({error}).") from error
     for name in _CONFIG_FIELDS:
         if FLAGS[name].value is not None:
             values[name] = FLAGS[name].value
@@ -168,44 +186,143 @@ def _version_command(args):
           f"keras {keras.__version__}")
 
 
-# command -> (function, the tfdist flags it takes)
+_Command = collections.namedtuple("_Command", "run flags summary example")
 COMMANDS = {
-    "config": (_config_command, _CONFIG_FLAGS),
-    "launch": (_launch_command, _CONFIG_FLAGS + _TASK_FLAGS
-               + ("restart-on-failure", "timeout", "profiler-port")),
-    "tfjob": (_tfjob_command, _CONFIG_FLAGS + _TASK_FLAGS
-              + ("name", "image", "namespace", "gpus-per-worker", "cpu", "memory",
-                 "logdir", "profiler-port", "restart-policy", "backoff-limit",
-                 "submit")),
-    "profile": (_profile_command, ("tasks", "logdir", "duration-ms")),
-    "version": (_version_command, ()),
+    "config": _Command(_config_command, _CONFIG_FLAGS,
+                       "Validate a ParallelConfig and print it as JSON.",
+                       "tfdist config --config parallel.json --microbatches 4"),
+    "launch": _Command(_launch_command, _CONFIG_FLAGS + _TASK_FLAGS
+                       + ("restart-on-failure", "timeout", "profiler-port"),
+                       "Run COMMAND as every task of a local cluster (TF_CONFIG on "
+                       "127.0.0.1).",
+                       "tfdist launch --workers 2 --microbatches 2 python train.py "
+                       "--epochs 3"),
+    "tfjob": _Command(_tfjob_command, _CONFIG_FLAGS + _TASK_FLAGS
+                      + ("name", "image", "namespace", "gpus-per-worker", "cpu",
+                         "memory", "logdir", "profiler-port", "restart-policy",
+                         "backoff-limit", "submit"),
+                      "Print a Kubeflow TFJob manifest for COMMAND (--submit creates it).",
+                      "tfdist tfjob --name mnist --image registry.example.com/mnist:1 "
+                      "--workers 2 python train.py"),
+    "profile": _Command(_profile_command, ("tasks", "logdir", "duration-ms"),
+                        "Record a trace of every listed task's profiler server at once.",
+                        "tfdist profile --tasks 127.0.0.1:6009,127.0.0.1:6010 "
+                        "--logdir logs"),
+    "version": _Command(_version_command, (),
+                        "Print the tfdist, TensorFlow and Keras versions.",
+                        "tfdist version"),
 }
-_OWN_FLAGS = {name for _, names in COMMANDS.values() for name in names}
+_TAKES_A_COMMAND = ("launch", "tfjob")
+_OWN_FLAGS = {name for command in COMMANDS.values() for name in command.flags}
+_HELP_FLAGS = ("-h", "--help", "-help")
+
+
+def overview() -> str:
+    """`tfdist --help`: the commands, one line each.
+
+    Example:
+
+    >>> "launch" in overview()
+    True
+    """
+    width = max(map(len, COMMANDS))
+    lines = ["usage: tfdist COMMAND [flags] [-- program args...]", "", "Commands:"]
+    lines += [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
+    lines += ["", "Run `tfdist COMMAND --help` for a command's flags.",
+              "Example: " + COMMANDS["launch"].example]
+    return "\n".join(lines)
+
+
+def command_help(name: str) -> str:
+    """`tfdist NAME --help`: the command's summary, flags and an example.
+
+    Example:
+
+    >>> "--workers" in command_help("launch")
+    True
+    """
+    command = COMMANDS[name]
+    usage = f"usage: tfdist {name} [flags]"
+    if name in _TAKES_A_COMMAND:
+        usage += " COMMAND [args...]"
+    lines = [usage, "", command.summary]
+    if command.flags:
+        lines += ["", "Flags:"]
+        for flag in command.flags:
+            value = FLAGS[flag]
+            default = "" if value.default in (None, False) else f" (default: {value.default})"
+            lines.append(f"  --{flag:<20} {value.help}{default}")
+    if name in _TAKES_A_COMMAND:
+        lines += ["", "Everything from COMMAND's first word on is passed to COMMAND."]
+    lines += ["", "Example:", f"  {command.example}"]
+    return "\n".join(lines)
+
+
+def split_argv(argv):
+    """(tfdist's own argv, COMMAND) of a `tfdist launch|tfjob ...` command line.
+
+    tfdist's flags come first; COMMAND starts at the first word that is not a
+    flag nor a flag's value (or after `--`), and keeps all its own flags.
+
+    Example:
+
+    >>> split_argv(["tfdist", "launch", "--workers", "2", "python", "t.py", "--data", "2"])
+    (['tfdist', 'launch', '--workers', '2'], ['python', 't.py', '--data', '2'])
+    """
+    own = list(argv[:2])
+    rest = list(argv[2:])
+    while rest:
+        word = rest.pop(0)
+        if word == "--":
+            return own, rest
+        if not word.startswith("-"):
+            return own, [word] + rest
+        own.append(word)
+        name = word.lstrip("-").split("=", 1)[0]
+        if "=" not in word and name in FLAGS and not isinstance(
+                FLAGS[name], flags.BooleanFlag) and rest:
+            own.append(rest.pop(0))
+    return own, []
 
 
 def main(argv):
-    if len(argv) < 2 or argv[1] not in COMMANDS:
-        raise app.UsageError(
-            f"usage: tfdist {{{'|'.join(COMMANDS)}}} [flags]; got "
-            f"{argv[1:2] or 'no command'}.")
-    command, allowed = COMMANDS[argv[1]]
-    stray = sorted(n for n in _OWN_FLAGS - set(allowed) if FLAGS[n].present)
+    name = argv[1]
+    command = COMMANDS[name]
+    stray = sorted(n for n in _OWN_FLAGS - set(command.flags) if FLAGS[n].present)
     if stray:
         raise app.UsageError(
-            f"`tfdist {argv[1]}` does not take --{', --'.join(stray)}.")
+            f"`tfdist {name}` does not take --{', --'.join(stray)}; see "
+            f"`tfdist {name} --help`.")
     try:
-        return command(argv[2:]) or 0
+        return command.run(argv[2:]) or 0
     except (ValueError, TypeError) as error:  # bad input
-        print(f"tfdist {argv[1]}: {error}", file=sys.stderr)
+        print(f"tfdist {name}: {error}", file=sys.stderr)
         return 2
     except RuntimeError as error:  # e.g. no cluster to submit to
-        print(f"tfdist {argv[1]}: {error}", file=sys.stderr)
+        print(f"tfdist {name}: {error}", file=sys.stderr)
         return 1
 
 
-def run():
-    """Console-script entry point (`tfdist` on the PATH)."""
-    app.run(main)
+def run(argv=None):
+    """Console-script entry point (`tfdist` on the PATH).
+
+    Help is answered here (exit 0); everything else goes to the absl app,
+    with a launch or tfjob COMMAND after `--`.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] in _HELP_FLAGS + ("help",):
+        print(overview(), file=sys.stdout if len(argv) >= 2 else sys.stderr)
+        sys.exit(0 if len(argv) >= 2 else 2)
+    name = argv[1]
+    if name not in COMMANDS:
+        print(f"tfdist: unknown command {name!r}; commands are "
+              f"{', '.join(COMMANDS)} (see `tfdist --help`).", file=sys.stderr)
+        sys.exit(2)
+    own, command = split_argv(argv) if name in _TAKES_A_COMMAND else (argv, [])
+    if any(word in _HELP_FLAGS for word in own[2:]):
+        print(command_help(name))
+        sys.exit(0)
+    app.run(main, argv=own + (["--"] + command if command else []))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,20 @@ import json
 import os
 from typing import Any
 
+from tfdist.pipeline import schedule as pipeline_schedule
+
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = tuple(pipeline_schedule.SCHEDULES)  # names `stage_orders` knows
 ZERO_STAGES = (0, 1, 2)
+# The strategies a config can be validated for (`validate(strategy=...)`).
+STRATEGIES = ("Strategy", "MultiWorkerStrategy", "ParameterServerStrategy")
+# Fields that must keep their default under the asynchronous parameter-server
+# strategy, and why.
+_NOT_UNDER_PS = {
+    "pipeline": (1, "pipeline stages need synchronous steps"),
+    "tensor": (1, "tensor shards need synchronous collectives"),
+    "zero": (0, "optimizer state already lives, unreplicated, on the ps tasks"),
+}
 
 # Environment variables through which `tfdist launch` and TFJob manifests pass
 # settings to every task: the ParallelConfig (as JSON), the log directory, and
@@ -41,6 +52,20 @@ class ParallelConfig:
         precision: "float32", "mixed_float16" or "mixed_bfloat16".
         xla: jit-compile the per-replica compute with XLA.
         schedule: pipeline schedule, "gpipe" or "1f1b".
+        stage_boundaries: with `pipeline` > 1, the names of the first layer
+            of each stage after the first (`pipeline - 1` names); default
+            (None): stages balanced by estimated compute.
+        remat: with `pipeline` > 1, recompute each stage's forward in its
+            backward (less activation memory, more compute).
+        vocab_parallel_classifier: with `tensor` > 1, split the model's final
+            Dense by classes and compute its sparse softmax cross-entropy
+            sharded (the model must be compiled with
+            `SparseCategoricalCrossentropy(from_logits=True)`).
+
+    Every rule on how the fields combine is checked by `validate`, which
+    every entry point runs (the strategies, `tfdist config`, `tfdist launch`,
+    `tfdist tfjob`), so a combination is accepted or refused the same way
+    everywhere.
 
     Example:
 
@@ -59,22 +84,46 @@ class ParallelConfig:
     precision: str = "float32"
     xla: bool = False
     schedule: str = "gpipe"
+    stage_boundaries: tuple[str, ...] | None = None
+    remat: bool = False
+    vocab_parallel_classifier: bool = False
 
     def __post_init__(self):
+        if isinstance(self.stage_boundaries, list):  # from JSON: kept immutable
+            object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))
         self.validate()
 
-    def validate(self) -> "ParallelConfig":
-        """Checks every field; returns the config, so calls can be chained.
+    def validate(self, strategy: str | None = None) -> "ParallelConfig":
+        """Checks every field and every rule on how fields combine; returns
+        the config, so calls can be chained.
 
-        Raises `TypeError` for a value of the wrong type and `ValueError` for
-        a value out of range, each naming the argument, the value given and
-        what would be valid.
+        With `strategy` (one of `STRATEGIES`), also the rules of that
+        strategy: `MultiWorkerStrategy` runs pipeline and tensor parallelism
+        one at a time; `ParameterServerStrategy` (asynchronous) runs neither,
+        nor `zero`.
+
+        Raises `TypeError` for a value of the wrong type, `ValueError` for a
+        value out of range or a combination that cannot work, and
+        `NotImplementedError` for a combination this version does not run,
+        each naming the arguments, the values given and what would be valid.
 
         Example:
 
         >>> ParallelConfig(data=2).validate().data
         2
+        >>> ParallelConfig(data=2, tensor=2, xla=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: `tensor=2` with `xla=True` is not available: ...
         """
+        self._check_types()
+        self._check_ranges()
+        self._check_combinations()
+        if strategy is not None:
+            self._check_strategy(strategy)
+        return self
+
+    def _check_types(self):
         for name in ("data", "pipeline", "tensor", "microbatches", "zero"):
             value = getattr(self, name)
             if name == "data" and value is None:
@@ -84,6 +133,21 @@ class ParallelConfig:
                     f"`{name}` must be an int, got {value!r} of type "
                     f"{type(value).__name__}."
                 )
+        for name in ("xla", "remat", "vocab_parallel_classifier"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"`{name}` must be a bool, got {value!r} of type "
+                    f"{type(value).__name__}."
+                )
+        boundaries = self.stage_boundaries
+        if boundaries is not None and (
+                not isinstance(boundaries, tuple)
+                or not all(isinstance(name, str) for name in boundaries)):
+            raise TypeError(
+                f"`stage_boundaries` must be a list of layer names, got {boundaries!r}.")
+
+    def _check_ranges(self):
         for name in ("data", "pipeline", "tensor", "microbatches"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -101,25 +165,58 @@ class ParallelConfig:
                 f"state sharded, 2: optimizer state and gradients sharded), "
                 f"got {self.zero!r}."
             )
-        if self.zero and self.data == 1:
-            raise ValueError(
-                f"`zero={self.zero}` shards optimizer state across the "
-                f"data-parallel replicas, but `data=1`: there is nothing to "
-                f"shard. Use data >= 2, or zero=0.")
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
             raise ValueError(
                 f"`precision` must be one of {PRECISIONS}, got {self.precision!r}."
-            )
-        if not isinstance(self.xla, bool):
-            raise TypeError(
-                f"`xla` must be a bool, got {self.xla!r} of type "
-                f"{type(self.xla).__name__}."
             )
         if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
             raise ValueError(
                 f"`schedule` must be one of {SCHEDULES}, got {self.schedule!r}."
             )
-        return self
+
+    def _check_combinations(self):
+        if self.zero and self.data == 1:
+            raise ValueError(
+                f"`zero={self.zero}` shards optimizer state across the "
+                f"data-parallel replicas, but `data=1`: there is nothing to "
+                f"shard. Use data >= 2, or zero=0.")
+        if self.pipeline == 1 and (self.stage_boundaries is not None or self.remat):
+            raise ValueError(
+                "`stage_boundaries` and `remat` apply to pipeline stages, but "
+                "`pipeline=1`: use pipeline >= 2, or drop them.")
+        if self.stage_boundaries is not None and (
+                len(self.stage_boundaries) != self.pipeline - 1):
+            raise ValueError(
+                f"`stage_boundaries` must name {self.pipeline - 1} layer(s) for "
+                f"pipeline={self.pipeline} (the first layer of each stage after the "
+                f"first), got {list(self.stage_boundaries)!r}.")
+        if self.vocab_parallel_classifier and self.tensor == 1:
+            raise ValueError(
+                "`vocab_parallel_classifier=True` splits the final classifier "
+                "over a tensor group, but `tensor=1`: use tensor >= 2.")
+        if self.tensor > 1 and self.xla:
+            # TensorFlow: "Collectives are not yet implemented for CPU devices
+            # when compiling with XLA".
+            raise NotImplementedError(
+                f"`tensor={self.tensor}` with `xla=True` is not available: the "
+                f"tensor-parallel layers all-reduce inside the compiled computation, "
+                f"and TensorFlow cannot compile collectives with XLA on CPU devices. "
+                f"Use xla=False with tensor parallelism.")
+
+    def _check_strategy(self, strategy):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}.")
+        if strategy == "MultiWorkerStrategy" and self.pipeline > 1 and self.tensor > 1:
+            raise NotImplementedError(
+                f"`pipeline={self.pipeline}` with `tensor={self.tensor}` runs on "
+                f"one host (tfdist.Strategy); MultiWorkerStrategy takes one of them.")
+        if strategy == "ParameterServerStrategy":
+            for name, (off, why) in _NOT_UNDER_PS.items():
+                if getattr(self, name) != off:
+                    raise ValueError(
+                        f"`{name}={getattr(self, name)}` is not available under "
+                        f"ParameterServerStrategy ({why}); use {name}={off}, or "
+                        f"tfdist.Strategy / tfdist.MultiWorkerStrategy.")
 
     def resolve(self, num_devices: int) -> "ParallelConfig":
         """The config for a mesh of `num_devices` devices, `data` filled in.
@@ -131,10 +228,10 @@ class ParallelConfig:
 
         >>> ParallelConfig().resolve(4).data
         4
-        >>> ParallelConfig(data=4).resolve(2)
+        >>> ParallelConfig(data=4).resolve(2)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: The mesh data=4 x pipeline=1 x tensor=1 needs 4 devices, but there are 2: choose sizes whose product is 2, or omit `data` to use every device.
+        ValueError: The mesh data=4 x pipeline=1 x tensor=1 needs 4 devices, but there are 2: ...
         """
         groups = self.pipeline * self.tensor
         if self.data is None:
@@ -163,7 +260,10 @@ class ParallelConfig:
         >>> ParallelConfig(data=2).to_dict()["data"]
         2
         """
-        return dataclasses.asdict(self)
+        values = dataclasses.asdict(self)
+        if self.stage_boundaries is not None:
+            values["stage_boundaries"] = list(self.stage_boundaries)
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ParallelConfig":
@@ -209,7 +309,14 @@ class ParallelConfig:
         >>> ParallelConfig.from_json('{"data": 2}').data
         2
         """
-        return cls.from_dict(json.loads(text))
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:  # a ValueError, with the position
+            raise json.JSONDecodeError(
+                f"ParallelConfig.from_json: `text` is not valid JSON ({error.msg}); "
+                f"got {text!r}; expected an object such as '{{\"data\": 2}}'",
+                error.doc, error.pos) from error
+        return cls.from_dict(values)
 
     def replace(self, **changes) -> "ParallelConfig":
         """A copy with some fields changed (validated again).

@@ -21,13 +21,19 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+from tfdist import usage_checks
+from tfdist.cluster.rendezvous import wait_for_peers
 from tfdist.config import ParallelConfig
-from tfdist.engine.step import TrainStep, check_microbatches_divide, check_trainable
+from tfdist.devices import check_devices
+from tfdist.engine.build import check_own_train_step
+from tfdist.engine.microbatch import check_divides
+from tfdist.engine.step import TrainStep
+from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline import summary as pipeline_summary
 from tfdist.profiling import start_profiler_server
 from tfdist.tensor import plan as tensor_plan
-from tfdist.tensor.mesh import TensorMesh, check_tensor_config
+from tfdist.tensor.mesh import TensorMesh
 
 # Each strategy gets its own range of collective group keys: TensorFlow's
 # collective runtime remembers a group key's size for the life of the process,
@@ -36,13 +42,14 @@ _COLLECTIVE_KEY_SPACING = 100_000
 _collective_key_bases = itertools.count(1)
 
 
-def requested_config(config, fields) -> ParallelConfig:
-    """The validated `ParallelConfig` a strategy was asked for, from `config=`
-    (a ParallelConfig or dict) or from keywords; not yet resolved for devices.
+def requested_config(config, fields, strategy: str) -> ParallelConfig:
+    """The `ParallelConfig` a strategy was asked for, from `config=` (a
+    ParallelConfig or dict) or from keywords, validated for `strategy` (its
+    class name); not yet resolved for devices.
 
     Example:
 
-    >>> requested_config(None, {"microbatches": 2}).resolve(4).data
+    >>> requested_config(None, {"microbatches": 2}, "Strategy").resolve(4).data
     4
     """
     if config is not None and fields:
@@ -59,7 +66,7 @@ def requested_config(config, fields) -> ParallelConfig:
             f"`config` must be a tfdist.ParallelConfig or a dict, got "
             f"{type(config).__name__}."
         )
-    return config
+    return config.validate(strategy)
 
 
 def default_devices() -> list[str]:
@@ -77,15 +84,12 @@ def default_devices() -> list[str]:
 class _StepOwner:
     """What both tfdist strategies add to their `tf.distribute` parent."""
 
-    vocab_parallel_classifier = False  # Strategy's option (tensor parallelism)
-
-    def _init_step_owner(self, config: ParallelConfig, stage_boundaries=None, remat=False):
+    def _init_step_owner(self, config: ParallelConfig):
         start_profiler_server()  # when $TFDIST_PROFILER_PORT asks for one
         if config.pipeline > 1:
             pipeline_summary.install()
+            pipeline_stages.warn_of_bubble(config)
         self._config = config
-        self.stage_boundaries = stage_boundaries
-        self.remat = remat
         self._train_steps = weakref.WeakKeyDictionary()
 
     @property
@@ -104,7 +108,10 @@ class _StepOwner:
         With `pipeline` > 1: each stage's devices, parameters, estimated
         cost and layers. With `tensor` > 1: which layers are split (column /
         row-parallel Dense pairs, attention by heads, embeddings by
-        vocabulary) and which stay replicated, and why. Both when both.
+        vocabulary) and which stay replicated, and why. Both when both. With
+        `pipeline` > 1 it ends with the schedule's grid: each stage's forward
+        "F" and backward "B" of each microbatch per clock step, "." when idle
+        (`tfdist.pipeline.schedule.grid`).
 
         Example:
 
@@ -122,13 +129,18 @@ class _StepOwner:
         parts = []
         if self._config.pipeline > 1:
             stages = pipeline_stages.plan_stages(
-                model, self._config.pipeline, self.stage_boundaries)
+                model, self._config.pipeline, self._config.stage_boundaries)
             per_stage = [[group[s] for group in self.pipeline_devices]
                          for s in range(self._config.pipeline)]
             parts.append(pipeline_stages.describe(stages, per_stage))
         if self._config.tensor > 1 or not parts:
             parts.append(tensor_plan.describe(tensor_plan.plan(
-                model, self._config.tensor, self.vocab_parallel_classifier)))
+                model, self._config.tensor, self._config.vocab_parallel_classifier)))
+        if self._config.pipeline > 1:
+            config = self._config
+            parts.append(f"schedule {config.schedule}, {config.microbatches} microbatches:")
+            parts.append(pipeline_schedule.grid(pipeline_schedule.stage_orders(
+                config.schedule, config.pipeline, config.microbatches)))
         return "\n".join(parts)
 
     def scope(self):
@@ -167,10 +179,11 @@ class _StepOwner:
                 fn = mesh.on_group_batch(fn, own_rows=True)
         model = _keras_step_owner(fn, ("train_step",))
         if model is not None:
+            usage_checks.check_built_in_scope(model, self)
             if type(model).train_step is TensorFlowTrainer.train_step:
                 fn = self.train_step(model)
             else:
-                self._check_custom_train_step(model)
+                check_own_train_step(model, self._config)
         if isinstance(fn, TrainStep):
             fn.prepare()  # before the replicas trace it
         return super().run(fn, args=args, kwargs=kwargs, options=options)
@@ -181,6 +194,7 @@ class _StepOwner:
         `model.fit` distributes its data through this, so a batch size that
         `microbatches` cannot divide is reported before the first step.
         """
+        usage_checks.check_not_empty(dataset)
         self._check_static_batch(dataset)
         return super().experimental_distribute_dataset(dataset, options=options)
 
@@ -190,25 +204,9 @@ class _StepOwner:
             global_batch = leaves[0].shape[0]
             replicas = self.num_replicas_in_sync
             if global_batch is not None and global_batch % replicas == 0:
-                check_microbatches_divide(
+                check_divides(
                     global_batch // replicas, self._config.microbatches, replicas
                 )
-
-    def _check_custom_train_step(self, model):
-        config = self._config
-        wanted = [
-            f"{name}={getattr(config, name)!r}"
-            for name, plain in (("microbatches", 1), ("xla", False), ("zero", 0))
-            if getattr(config, name) != plain
-        ]
-        if wanted:
-            raise ValueError(
-                f"{type(model).__name__} overrides `train_step`, so tfdist runs "
-                f"it as written (data parallel only) and cannot apply "
-                f"{', '.join(wanted)}. Remove those options, or drop the "
-                f"override and customise `compute_loss` instead."
-            )
-        check_trainable(model, config)
 
 
 def _keras_step_owner(fn, names):
@@ -251,17 +249,9 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         devices: device names to use; default: every logical GPU of the host,
             or every logical CPU if there is none
             (see `tfdist.use_virtual_devices`).
-        stage_boundaries: with `pipeline` > 1, layer names, one per stage
-            after the first, each the first layer of its stage; default:
-            stages balanced by estimated compute.
-        remat: with `pipeline` > 1, recompute each stage's forward in its
-            backward (less memory, more compute).
-        vocab_parallel_classifier: with `tensor` > 1, split the model's final
-            Dense by classes and compute its sparse softmax cross-entropy
-            sharded (the model must be compiled with
-            `SparseCategoricalCrossentropy(from_logits=True)`).
         **fields: `data`, `pipeline`, `tensor`, `microbatches`, `zero`,
-            `precision`, `xla`, `schedule` (see `ParallelConfig`).
+            `precision`, `xla`, `schedule`, `stage_boundaries`, `remat`,
+            `vocab_parallel_classifier` (see `ParallelConfig`).
 
     Example:
 
@@ -275,27 +265,10 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
     ```
     """
 
-    def __init__(self, config=None, *, devices=None, stage_boundaries=None,
-                 remat=False, vocab_parallel_classifier=False, **fields):
-        if devices is None:
-            devices = default_devices()
-        elif isinstance(devices, str) or not devices:
-            raise ValueError(
-                f"`devices` must be a non-empty list of device names, got "
-                f"{devices!r}."
-            )
-        devices = list(devices)
-        config = requested_config(config, fields)
-        config = check_tensor_config(config.resolve(len(devices)))
-        pipeline_stages.check_pipeline_config(config, stage_boundaries, remat)
-        if not isinstance(vocab_parallel_classifier, bool):
-            raise TypeError(f"`vocab_parallel_classifier` must be a bool, got "
-                            f"{vocab_parallel_classifier!r}.")
-        if vocab_parallel_classifier and config.tensor == 1:
-            raise ValueError("`vocab_parallel_classifier=True` splits the final classifier "
-                             "over a tensor group, but `tensor=1`: use tensor >= 2.")
-        self._init_step_owner(config, stage_boundaries, remat)
-        self.vocab_parallel_classifier = vocab_parallel_classifier
+    def __init__(self, config=None, *, devices=None, **fields):
+        devices = default_devices() if devices is None else check_devices(devices)
+        config = requested_config(config, fields, "Strategy").resolve(len(devices))
+        self._init_step_owner(config)
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
@@ -340,19 +313,14 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
     """
 
     def __init__(self, config=None, *, cluster_resolver=None,
-                 timeout_seconds: float = 300.0, stage_boundaries=None, remat=False,
-                 **fields):
+                 timeout_seconds: float = 300.0, **fields):
         if not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0:
             raise ValueError(
                 f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}."
             )
         # fails before connecting:
-        config = check_tensor_config(requested_config(config, fields))
-        pipeline_stages.check_pipeline_config(config, stage_boundaries, remat)
-        if config.pipeline > 1 and config.tensor > 1:
-            raise NotImplementedError(
-                f"`pipeline={config.pipeline}` with `tensor={config.tensor}` runs on "
-                f"one host (tfdist.Strategy); MultiWorkerStrategy takes one of them.")
+        config = requested_config(config, fields, "MultiWorkerStrategy")
+        wait_for_peers(timeout_seconds, cluster_resolver)  # TF's own wait has no deadline
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
@@ -365,7 +333,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         self.pipeline_devices = _stages_on_each_worker(
             self.extended.worker_devices, config.pipeline)
         config = config.resolve(self.num_replicas_in_sync * config.pipeline)
-        self._init_step_owner(config, stage_boundaries, remat)
+        self._init_step_owner(config)
         if config.tensor > 1:
             self._tensor_mesh = TensorMesh(self, config.tensor)
 

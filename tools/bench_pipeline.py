@@ -147,9 +147,10 @@ def step_timer():
 def breakdown(sleeps, begin, end, schedule, p, m):
     """One step's sleeps against the schedule: (in order?, critical path in units,
     {part: seconds}) with the parts summing to the step time."""
-    from tfdist.engine.pipeline import schedule as stage_orders
+    from tfdist.pipeline.schedule import stage_orders
 
-    orders = stage_orders(schedule, p, m)
+    orders = [[(action.kind, action.microbatch) for action in order]
+              for order in stage_orders(schedule, p, m)]
     units, ran = {}, {s: [] for s in range(p)}
     for s in range(p):
         mine = sorted((start, end_, kind) for stage, kind, start, end_ in sleeps if stage == s)

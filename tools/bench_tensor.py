@@ -123,11 +123,11 @@ def measured_bytes(model, x, y):
 
 def theory_bytes(model, data, tensor):
     """Megatron's per-step traffic for this model (docs/benchmarks.md)."""
-    from tfdist.tensor.partition import layout_of
+    from tfdist.sharding.storage import axis_layout
 
-    split = sum(w.numpy().size for w in model.trainable_weights if layout_of(w) is not None)
+    split = sum(w.numpy().size for w in model.trainable_weights if axis_layout(w) is not None)
     replicated = sum(w.numpy().size for w in model.trainable_weights
-                     if layout_of(w) is None)
+                     if axis_layout(w) is None)
     group_rows = FLAGS.batch_size // data
     activation = group_rows * FLAGS.seq * FLAGS.width * FLOAT
     example = (FLAGS.seq * FLAGS.width + 1) * FLOAT  # x and its label

@@ -19,7 +19,7 @@ import digits  # noqa: E402  (first: it quiets TensorFlow's C++ logs)
 
 # isort: split
 import keras  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 import tfdist  # noqa: E402
 from tfdist.cluster import read_tf_config  # noqa: E402
@@ -61,4 +61,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    digits.run(main)

@@ -92,10 +92,11 @@ def test_sigint_to_the_launcher_leaves_no_child_alive():
 
 
 def test_timeout_names_the_tasks_still_running():
-    done = run_tfdist("launch", "--workers=2", "--ps=1", "--timeout=2", "--",
+    done = run_tfdist("launch", "--chief", "--workers=2", "--ps=1", "--timeout=2", "--",
                   sys.executable, "-c", SERVE)
     assert done.returncode == 124
-    assert "[launch] timed out after 2 s; tasks still running: worker:0, worker:1, ps:0" \
+    assert ("[launch] timed out after 2 s; tasks still running: chief:0, worker:0, "
+            "worker:1, ps:0") \
         in done.stdout
     assert not any(alive(p) for p in started_pids(done.stdout))
 

@@ -23,6 +23,7 @@ from helpers import (
 )
 from test_tensor_transformer import SEQ, VOCAB, WIDTH, block, compile_lm, lm_data
 from tfdist.pipeline.placement import component_devices
+from tfdist.pipeline.schedule import held_activations, stage_orders
 
 
 def residual_mlp(seed=0, optimizer=None):
@@ -90,13 +91,13 @@ def test_each_stage_lives_on_its_devices(data_size, stages):
         return {d.split("device:")[-1] for d in component_devices(variable)}
 
     mesh = [d.split("device:")[-1] for d in mesh]
-    for stage in step._pipeline.stages:
+    for stage in step.compute.pipeline.stages:
         wanted = {mesh[r * stages + stage.index] for r in range(data_size)}
         for variable in stage.variables:
             assert where(variable) == wanted, variable.path
     slots = [v for v in model.optimizer.variables if len(v.shape)]
     assert slots
-    stage_of = {id(v): s.index for s in step._pipeline.stages for v in s.variables}
+    stage_of = {id(v): s.index for s in step.compute.pipeline.stages for v in s.variables}
     for slot, variable in zip(model.optimizer._momentums, model.optimizer._trainable_variables):
         wanted = {mesh[r * stages + stage_of[id(variable)]] for r in range(data_size)}
         assert where(slot) == wanted, slot.path
@@ -108,7 +109,8 @@ def test_activations_held_per_stage(schedule, microbatches):
     strategy = tfdist.Strategy(pipeline=stages, microbatches=microbatches,
                                schedule=schedule, devices=devices(stages))
     _, _, model = train(strategy, make=residual_mlp)
-    held = strategy.train_step(model)._pipeline.peak_held
+    held = strategy.train_step(model).compute.pipeline.peak_held
+    assert held == held_activations(stage_orders(schedule, stages, microbatches))
     if schedule == "gpipe":
         assert held == [microbatches] * stages
     else:
@@ -120,9 +122,24 @@ def test_describe_lists_stages_with_devices():
     with strategy.scope():
         model = residual_mlp()
     lines = strategy.describe(model).splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 2 + 1 + 7   # stages, schedule, grid (header and 6 steps)
     assert lines[0].startswith("stage 0  [CPU:0]") and "layers: in" in lines[0]
     assert lines[1].startswith("stage 1  [CPU:1]") and "out" in lines[1]
+
+
+def test_describe_ends_with_the_schedule_grid():
+    strategy = tfdist.Strategy(pipeline=2, microbatches=2, schedule="1f1b", devices=devices(2))
+    with strategy.scope():
+        model = residual_mlp()
+    lines = strategy.describe(model).splitlines()
+    assert lines[2:] == ["schedule 1f1b, 2 microbatches:",
+                         "step  stage 0  stage 1",
+                         "0     F0       .",
+                         "1     F1       F0",
+                         "2     .        B0",
+                         "3     B0       F1",
+                         "4     .        B1",
+                         "5     B1       ."]
 
 
 def test_manual_boundaries():
@@ -130,7 +147,7 @@ def test_manual_boundaries():
                                devices=devices(2))
     with strategy.scope():
         model = residual_mlp()
-    first, second = strategy.describe(model).splitlines()
+    first, second = strategy.describe(model).splitlines()[:2]
     assert "layers: in, a, b" in first and "layers: c, skip, out" in second
 
 
@@ -180,7 +197,7 @@ def test_transformer_lm_matches_one_device(schedule):
                                devices=devices(2))
     result = train(strategy, make=two_block_lm, x=x, y=y, batch_size=16)
     assert_parity(result, reference)
-    first, second = strategy.train_step(result[2])._pipeline.stages
+    first, second = strategy.train_step(result[2]).compute.pipeline.stages
     assert any(isinstance(layer, keras.layers.MultiHeadAttention) for layer in first.layers)
     assert any(isinstance(layer, keras.layers.MultiHeadAttention) for layer in second.layers)
 
@@ -234,7 +251,7 @@ def test_xla_compiles_each_stage_and_keeps_parity():
                                devices=devices(2))
     result = train(strategy, make=residual_mlp)
     assert_parity(result, reference)
-    compiled = strategy.train_step(result[2])._pipeline._run
+    compiled = [runner._call for runner in strategy.train_step(result[2]).compute.pipeline.runners]
     assert all(run.experimental_get_tracing_count() >= 1 for run in compiled)
 
 

@@ -13,6 +13,7 @@ import tfdist
 from helpers import assert_parity, devices, train, trained_reference
 from test_pipeline import two_block_lm
 from test_tensor_transformer import lm_data
+from tfdist.sharding.storage import axis_layout
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +54,13 @@ def test_each_shard_lives_on_its_stage_and_rank():
     step = strategy.train_step(model)
     groups = strategy.pipeline_devices  # groups[replica][stage]
     per_device, expected = {}, {}
-    for stage in step._pipeline.stages:
+    for stage in step.compute.pipeline.stages:
         on_stage = [group[stage.index] for group in groups]
         for variable in stage.variables:
             components = variable.value.values
             assert [_short(c.device) for c in components] == [
                 _short(d) for d in on_stage], variable.path
-            split = tfdist.tensor.partition.layout_of(variable)
+            split = axis_layout(variable)
             full = variable.numpy()
             for replica, component in enumerate(components):
                 part = full if split is None else np.split(

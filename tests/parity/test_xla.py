@@ -18,7 +18,7 @@ def fit_with_xla_dump(dump_dir, *flags):
 
 
 def compiled_step_modules(dump_dir):
-    return sorted(p for p in pathlib.Path(dump_dir).glob("*compute_gradients*")
+    return sorted(p for p in pathlib.Path(dump_dir).glob("*forward_backward*")
                   if p.name.endswith(".cpu_after_optimizations.txt"))
 
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tfdist
 from helpers import devices
+from tfdist.engine.reduce import DataGroupAllReduce
 from tfdist.tensor.mesh import cluster_devices
 
 
@@ -47,9 +48,9 @@ def test_tensor_groups_are_consecutive_replicas():
 
 def test_data_groups_are_the_same_rank_of_every_tensor_group():
     strategy = tfdist.Strategy(data=2, tensor=2, devices=devices(4))
-    # reduce_gradients sums over the data group {r, r + t} and multiplies by t.
+    # DataGroupAllReduce sums over the data group {r, r + t} and multiplies by t.
     reduced = per_replica(strategy,
-                          lambda mesh, replica: mesh.reduce_gradients([replica[None], None])[0])
+                          lambda mesh, replica: DataGroupAllReduce(mesh)([replica[None], None])[0])
     assert reduced[:, 0].tolist() == [(0 + 2) * 2, (1 + 3) * 2, (0 + 2) * 2, (1 + 3) * 2]
 
 

@@ -77,7 +77,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
 
 def _has_sharded_state(model):
-    from tfdist.optim.sharded import ShardedStorage
+    from tfdist.sharding.storage import ShardedStorage
 
     optimizer = getattr(model, "optimizer", None)
     return optimizer is not None and any(

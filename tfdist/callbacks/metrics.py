@@ -12,7 +12,9 @@ from tfdist.cluster.tf_config import read_tf_config
 
 
 class Metrics(keras.callbacks.Callback):
-    """Writes tfdist's training scalars to TensorBoard every `every_n_steps` steps.
+    """Writes tfdist's training scalars to TensorBoard every `every_n_steps` steps
+    and at the end of every epoch (as Keras's `TensorBoard` callback does), so a
+    short run still gets its throughput.
 
     Scalars (tags under `tfdist/`):
 
@@ -68,12 +70,15 @@ class Metrics(keras.callbacks.Callback):
         if self._done == 1:  # the first step traces: measure from its end
             self._last = (time.perf_counter(), self._examples(), self._done)
             self._write_static()
-        elif self._done and self._done % self.every_n_steps == 0:
+        elif (self._done > 1 and self._done % self.every_n_steps == 0
+              and self._last[2] != self._done):  # the epoch's end may have written it
             self._write_rates()
         self._done += 1
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch_examples = float(self.model._loss_tracker.count.numpy())
+        if self._last is not None and self._last[2] != self._done:
+            self._write_rates()
 
     def on_epoch_begin(self, epoch, logs=None):
         # Keras has just reset the loss tracker, whose count `_examples` reads.
@@ -81,7 +86,7 @@ class Metrics(keras.callbacks.Callback):
         self._epoch_examples = 0.0
 
     def on_train_end(self, logs=None):
-        if self._done % self.every_n_steps == 0 and self._last is not None:
+        if self._last is not None and self._last[2] != self._done:
             self._write_rates()
         if self._writer is not None:
             self._writer.close()

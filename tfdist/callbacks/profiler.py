@@ -107,11 +107,11 @@ class Profiler(keras.callbacks.Callback):
             warnings.warn(
                 f"Profiler: training ended after {self._step} steps, inside the "
                 f"range steps=({self.start}, {self.stop}); the trace holds steps "
-                f"{self.start} to {self._step - 1}.")
+                f"{self.start} to {self._step - 1}.", stacklevel=2)
         elif self.trace_path is None and self.selected:
             warnings.warn(
                 f"Profiler: steps=({self.start}, {self.stop}) is beyond this run's "
-                f"{self._step} steps: no trace was written.")
+                f"{self._step} steps: no trace was written.", stacklevel=2)
 
     def _finish(self):
         tf.profiler.experimental.stop()

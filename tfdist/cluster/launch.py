@@ -10,13 +10,18 @@ worker tasks, or, in a parameter-server job with a chief (ps and worker tasks
 serve until stopped), the chief. Tasks still running then (ps, evaluator) get a
 few seconds to finish and are stopped. The first task to fail (after its
 restarts, if any) stops every other task, and its exit code is returned. A
-timeout, SIGINT or SIGTERM stops every task too. Each task runs in its own
-process group, stopped as a group (SIGTERM, then SIGKILL), and on Linux it dies
-with the launcher even if the launcher is killed.
+timeout, SIGINT or SIGTERM stops every task too (a second SIGINT kills them at
+once). Each task runs in its own process group, stopped as a group (SIGTERM,
+then SIGKILL). On Linux each task runs under `supervisor.py`, which also stops
+the processes the task started (detached ones included) when the task ends or
+is stopped, and stops the task if the launcher dies, even by SIGKILL.
+
+The launcher never waits for a task's output beyond the job's end: output
+still buffered a moment after a task's process has exited is dropped.
 """
 
-import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,15 +35,9 @@ TIMEOUT_EXIT_CODE = 124
 INTERRUPTED_EXIT_CODE = 130
 _STOP_GRACE_SECONDS = 10.0  # SIGTERM -> SIGKILL
 _DRAIN_SECONDS = 5.0  # after success, for tasks that were about to finish
-
-try:
-    _libc = ctypes.CDLL("libc.so.6", use_errno=True)
-except OSError:  # not glibc Linux: no parent-death signal
-    _libc = None
-
-
-def _die_with_parent():
-    _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+_OUTPUT_SECONDS = 1.0  # for a task's last output after its process exited
+_SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
+_SUPERVISED = sys.platform.startswith("linux")
 
 
 class _Task:
@@ -84,19 +83,26 @@ class _Cluster:
             env[PROFILER_PORT_ENV] = str(self.profiler_port + self.tasks.index(task))
         task.exit_code = None
         task.reader = None
+        command = self.command
+        if _SUPERVISED:
+            command = [sys.executable, _SUPERVISOR, str(os.getpid())] + command
         task.process = subprocess.Popen(
-            self.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, errors="replace",
-            start_new_session=True,
-            preexec_fn=_die_with_parent if _libc is not None else None)
+            start_new_session=True)
         task.reader = threading.Thread(target=self._copy_output,
                                        args=(task, task.process), daemon=True)
         task.reader.start()
+        threading.Thread(target=self._notice_exit, args=(task.process,), daemon=True).start()
         self.say("launch", f"started {task.name} (pid {task.process.pid})")
 
     def _copy_output(self, task, process):
         for line in process.stdout:
             self.say(task.name, line)
+
+    def _notice_exit(self, process):
+        # Apart from the output: a process the task left behind may hold its
+        # output pipe open long after the task ended.
         process.wait()
         self.changed.set()
 
@@ -105,7 +111,7 @@ class _Cluster:
         exited = []
         for task in self.running_tasks():
             if task.process.poll() is not None:
-                task.reader.join()
+                task.reader.join(_OUTPUT_SECONDS)
                 task.exit_code = task.process.returncode
                 exited.append(task)
         return exited
@@ -126,6 +132,15 @@ class _Cluster:
         self.changed.wait(remaining)
         self.changed.clear()
 
+    def kill(self):
+        """Kills every running task now (a second Ctrl-C): its supervisor kills
+        the task and what it started; without one, SIGKILL to the group."""
+        for task in self.running_tasks():
+            if _SUPERVISED:
+                task.process.send_signal(signal.SIGUSR1)
+            else:
+                _signal_group(task.process, signal.SIGKILL)
+
     def stop(self):
         """Stops every running task: SIGTERM to its group, SIGKILL after a grace."""
         running = self.running_tasks()
@@ -139,7 +154,7 @@ class _Cluster:
                 _signal_group(task.process, signal.SIGKILL)
                 task.process.wait()
             if task.reader is not None:  # None if interrupted right after Popen
-                task.reader.join()
+                task.reader.join(_OUTPUT_SECONDS)
             task.exit_code = task.process.returncode
 
 
@@ -193,6 +208,10 @@ def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
             isinstance(part, str) for part in command):
         raise ValueError(
             f"`command` must be a non-empty list of strings, got {command!r}.")
+    if shutil.which(command[0]) is None:
+        raise ValueError(
+            f"`command` starts with {command[0]!r}, which is not an executable file "
+            f"nor a program on $PATH.")
     if isinstance(restart_on_failure, bool) or not isinstance(
             restart_on_failure, int) or restart_on_failure < 0:
         raise ValueError(
@@ -210,18 +229,25 @@ def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
             f"`profiler_port` must be an int in 1..{65535 - len(configs)} (task k "
             f"uses profiler_port + k), got {profiler_port!r}.")
     cluster = _Cluster(command, configs, config, profiler_port, output or sys.stdout)
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return _supervise(cluster, restart_on_failure, timeout)
     except (KeyboardInterrupt, _Terminated):
-        cluster.say("launch", "interrupted: stopping every task")
+        cluster.say("launch", f"interrupted: stopping every task (up to "
+                              f"{_STOP_GRACE_SECONDS:g} s; Ctrl-C again kills them now)")
         return INTERRUPTED_EXIT_CODE
     finally:
-        cluster.stop()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if main_thread:  # while stopping, a second Ctrl-C kills instead of raising
+            signal.signal(signal.SIGINT, lambda signum, frame: cluster.kill())
+        try:
+            cluster.stop()
+        finally:
+            if main_thread:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
 
 def _supervise(cluster, restart_on_failure, timeout):

@@ -213,3 +213,8 @@ def check_task_counts(*, chief, workers, ps, evaluator):
                             f"{type(value).__name__}.")
         if value < minimum:
             raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
+    if ps and not chief:
+        raise ValueError(
+            f"`ps={ps}` needs `chief=True` (--chief): in a parameter-server job the "
+            f"chief runs the training loop, and without it the workers and ps "
+            f"tasks would wait forever.")

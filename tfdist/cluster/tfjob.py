@@ -295,12 +295,15 @@ def submit(
     if training_client is None:
         try:
             training_client = TrainingClient(job_kind=KIND)
-        except kubernetes.config.ConfigException as error:
+        except (kubernetes.config.ConfigException, yaml.YAMLError) as error:
+            reason = (f"the kubeconfig is not valid YAML ({str(error).splitlines()[0]})"
+                      if isinstance(error, yaml.YAMLError) else
+                      f"no Kubernetes credentials ({error})")
             raise RuntimeError(
-                f"Cannot submit TFJob {manifest.job.metadata.name!r}: no "
-                f"Kubernetes credentials ({error}). Point $KUBECONFIG (default "
-                f"~/.kube/config) at a kubeconfig for the cluster, or write the "
-                f"manifest with `to_yaml()` and `kubectl apply -f` it."
+                f"Cannot submit TFJob {manifest.job.metadata.name!r}: {reason}. Point "
+                f"$KUBECONFIG (default ~/.kube/config) at a kubeconfig for the "
+                f"cluster, or write the manifest with `to_yaml()` and "
+                f"`kubectl apply -f` it."
             ) from error
     training_client.create_job(
         job=manifest.job, namespace=manifest.job.metadata.namespace

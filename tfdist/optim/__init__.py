@@ -1,4 +1,5 @@
-"""Sharded optimizer state (ZeRO): element layouts, sharded storage, the sharded update.
+"""Sharded optimizer state (ZeRO): the sharded update (layouts and storage from
+`tfdist.sharding`).
 
 Example:
 
@@ -11,8 +12,8 @@ model.fit(x, y)
 ```
 """
 
-from tfdist.optim.layout import ShardLayout
-from tfdist.optim.sharded import ShardedStorage
 from tfdist.optim.zero import ELEMENTWISE, elementwise
+from tfdist.sharding.layout import ShardLayout
+from tfdist.sharding.storage import ShardedStorage
 
 __all__ = ["ELEMENTWISE", "ShardLayout", "ShardedStorage", "elementwise"]

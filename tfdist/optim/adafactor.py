@@ -27,7 +27,7 @@ returned as assignments, so a caller may commit them conditionally (under
 loss scaling, only if the gradients are finite) while the collectives stay
 outside the condition.
 
-Example (what `ZeroUpdate` does per step, in replica context):
+Example (what `ShardedUpdate` does per step, in replica context):
 
 ```python
 state, new_values = adafactor.updates(optimizer, gradient_shards, parameter_shards,
@@ -125,7 +125,8 @@ class _Step:
             c = ops.add(ops.multiply(beta, self.c), ops.multiply(ops.subtract(1, beta), col_means))
             self.state += [(self.r, r), (self.c, c)]
             r_normalised = tf.reshape(ops.divide(r, ops.mean(r, axis=-1, keepdims=True)), [-1])
-            v = ops.multiply(tf.gather(r_normalised, self.row), tf.gather(tf.reshape(c, [-1]), self.col))
+            v = ops.multiply(tf.gather(r_normalised, self.row),
+                             tf.gather(tf.reshape(c, [-1]), self.col))
         else:
             v = ops.add(ops.multiply(beta, self.v),
                         ops.multiply(ops.subtract(1, beta), self.square))

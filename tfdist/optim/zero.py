@@ -1,16 +1,17 @@
-"""`ZeroUpdate`: the reduce and apply phases of a step with sharded optimizer state.
+"""`ShardedUpdate`: the update part of a step with sharded optimizer state (ZeRO).
 
 With `zero` >= 1 the optimizer state of every trainable variable is split
 element by element across the N replicas (`ShardLayout`): replica r holds
 shard r of every slot (Adam's `m` and `v`, SGD's momentum, ...) and nothing
 else. One step, in replica context:
 
-1. **reduce**: `zero=1` all-reduces the gradients (one packed collective) and
-   each replica takes its shard of them; `zero=2` reduce-scatters them (one
-   packed all-to-all and a local sum), so each replica only ever holds the
-   reduced gradient of its own shard.
-2. **apply**: each replica copies its shard of every parameter into a shard
-   buffer and runs the optimizer's own Keras `update_step` on it, with the
+1. **reduce** (`tfdist.engine.reduce.ShardedReduce`): `zero=1` all-reduces the
+   gradients (one packed collective) and each replica takes its shard of
+   them; `zero=2` reduce-scatters them (one packed all-to-all and a local
+   sum), so each replica only ever holds the reduced gradient of its own shard.
+2. **apply** (`ShardedUpdate`, from here on): each replica copies its shard
+   of every parameter into a shard buffer and runs the optimizer's own Keras
+   `update_step` on it, with the
    gradient shard and the slot shards (the slots' storage is replica-local, so
    Keras's reads and assigns touch the shard). Learning-rate schedules, weight
    decay (with its exclusions), `loss_scale_factor` and `clipvalue` act as in
@@ -41,17 +42,20 @@ into shards (`shard_keras_variable`), so saving (`save_weights`, `save`,
 exactly as an unsharded run, and loading reshards it.
 """
 
-import contextlib
-import threading
-
 import keras
 import tensorflow as tf
 
-from tfdist.collectives import all_gather, reduce_scatter
+from tfdist._compat.optimizer import slots_found_by
 from tfdist.optim import adafactor
-from tfdist.optim.layout import MeshShardLayout
-from tfdist.optim.sharded import (
-    ShardedStorage, copy_devices, shard_keras_variable, storage_layout)
+from tfdist.sharding.collectives import non_finite_count, packed_all_gather
+from tfdist.sharding.layout import MeshShardLayout
+from tfdist.sharding.slots import optimizer_slots
+from tfdist.sharding.storage import (
+    ShardedStorage,
+    copy_devices,
+    shard_keras_variable,
+    storage_layout,
+)
 
 # Keras optimizers whose `update_step` is elementwise (the class itself, not
 # subclasses, which may override it).
@@ -126,12 +130,13 @@ def check_shardable(optimizer, zero: int, mode=None, elementwise_only=False):
                 f"or norms); turn {mode} off, or use `clipvalue` for clipping.")
 
 
-class ZeroUpdate:
-    """Reduce, sharded apply and gather of one model's gradients (replica context).
+class ShardedUpdate:
+    """Sharded apply and gather of one model's reduced gradient shards
+    (replica context).
 
     Built once per model (before the first step; it moves the optimizer's slots
-    into shards) and called by `TrainStep` in place of its reduce and apply
-    phases.
+    into shards) and called by `TrainStep` as its update part, after a
+    `ShardedReduce` over `layouts`.
 
     Args:
         model: a compiled, built `keras.Model` under a tfdist strategy.
@@ -140,8 +145,9 @@ class ZeroUpdate:
     Example:
 
     ```python
-    update = ZeroUpdate(model, zero=2)     # in TrainStep, once
-    update(local_gradients)                # per step, in replica context
+    update = ShardedUpdate(model, zero=2)                  # once
+    reduce = ShardedReduce(update.layouts, 2)              # once
+    update(reduce(local_gradients))   # per step, in replica context
     ```
     """
 
@@ -163,9 +169,13 @@ class ZeroUpdate:
         # Where each replica's state lives, and its slicing of the local part.
         storage = [MeshShardLayout(v.shape, tensor, self.num_shards, storage_layout(v))
                    for v in self.variables]
-        self.layouts = [layout.part for layout in storage]
+        # Layouts by optimizer index, and aligned with the model's weights.
+        self._by_index = [layout.part for layout in storage]
+        index_of = self.inner._get_variable_index
+        self.layouts = [self._by_index[index_of(v)] for v in model.trainable_weights]
         with strategy.scope():
-            for slot, index in _slots(self.inner, self.variables, self._replicated()):
+            for slot, index in optimizer_slots(self.inner, self.variables, for_sharding=True,
+                                               replicated=self._replicated()):
                 shard_keras_variable(slot, storage[index], strategy)
             # The parameter shards each replica updates (working buffers).
             self.buffers = [
@@ -180,36 +190,27 @@ class ZeroUpdate:
         rule = SHARDED_UPDATES.get(type(self.inner))
         return rule.replicated_state(self.inner) if rule else []
 
-    def __call__(self, grads):
-        """Applies `grads` (this replica's, aligned with `model.trainable_weights`)."""
+    def __call__(self, shards):
+        """Applies this replica's gradient `shards` (aligned with
+        `model.trainable_weights`, None where a weight has no gradient)."""
         index_of = self.inner._get_variable_index
         present = [(index_of(v), g) for v, g in
-                   zip(self.model.trainable_weights, grads) if g is not None]
-        if not present:
-            raise ValueError("No gradients provided for any variable.")
+                   zip(self.model.trainable_weights, shards) if g is not None]
         indices = [i for i, _ in present]
-        grads = [tf.convert_to_tensor(g) for _, g in present]
-        layouts = [self.layouts[i] for i in indices]
+        shards = [g for _, g in present]
+        layouts = [self._by_index[i] for i in indices]
         context = tf.distribute.get_replica_context()
         mesh = self.mesh
         launcher = mesh.data_launcher() if mesh else None
         # This replica's shard index: its place in its data group.
         replica = context.replica_id_in_sync_group // (mesh.tensor if mesh else 1)
-        with tf.name_scope("reduce"):
-            if self.zero == 1:
-                reduced = (mesh.reduce_gradients(grads) if mesh else
-                           context.all_reduce(tf.distribute.ReduceOp.SUM, grads))
-                shards = [layout.shard(g, replica) for layout, g in zip(layouts, reduced)]
-            else:
-                shards = _packed_reduce_scatter(grads, layouts, launcher)
-                if mesh:  # see TensorMesh.reduce_gradients
-                    shards = [g * tf.cast(mesh.tensor, g.dtype) for g in shards]
+        with tf.name_scope("apply"):
             # One decision on every replica (of every tensor rank): the
             # shards of all replicas cover every reduced gradient.
-            finite = self.scaler and _all_finite(context, shards)
-        with tf.name_scope("apply"):
+            finite = self.scaler and tf.equal(context.all_reduce(
+                tf.distribute.ReduceOp.SUM, non_finite_count(shards)), 0.0)
             for i in indices:
-                self.buffers[i].assign(self.layouts[i].shard(self.variables[i].value, replica))
+                self.buffers[i].assign(self._by_index[i].shard(self.variables[i].value, replica))
             if self.scaler is not None:
                 shards = [g / self.scaler.dynamic_scale for g in shards]
             update = self._update(shards, indices)
@@ -224,7 +225,7 @@ class ZeroUpdate:
             self.inner._iterations.assign_add(applied)
         with tf.name_scope("gather"):
             updated = [self.buffers[i].value() for i in indices]
-            full = _packed_all_gather(updated, layouts, launcher)
+            full = packed_all_gather(updated, layouts, launcher)
             for i, value in zip(indices, full):
                 variable = self.variables[i]
                 if storage_layout(variable) is not None:
@@ -264,7 +265,7 @@ class ZeroUpdate:
         if rule is not None:
             values = [self._decayed(i, b.value(), learning_rate) for i, b in zip(indices, buffers)]
             state, new_values = rule.updates(inner, shards, values,
-                                             [self.layouts[i] for i in indices],
+                                             [self._by_index[i] for i in indices],
                                              indices, learning_rate)
             assignments = state + list(zip(buffers, new_values))
             return lambda: [inner.assign(variable, value) for variable, value in assignments]
@@ -272,7 +273,7 @@ class ZeroUpdate:
         def elementwise():
             for i, buffer in zip(indices, buffers):
                 buffer.assign(self._decayed(i, buffer.value(), learning_rate))
-            with _indexed_as(inner, buffers, indices):
+            with slots_found_by(inner, buffers, indices):
                 for gradient, buffer in zip(shards, buffers):
                     inner.update_step(gradient, buffer, learning_rate)
 
@@ -288,97 +289,3 @@ class ZeroUpdate:
         return value - value * wd * lr
 
 
-def _slots(optimizer, variables, replicated=()):
-    """(slot, variable index) of every per-variable slot of a Keras optimizer.
-
-    Keras optimizers keep slots in lists aligned with the variables they were
-    built on (`add_optimizer_variables`); any other state, except the known
-    `replicated` variables, is refused.
-    """
-    skip = {id(v) for v in replicated}
-    found = {}
-    for value in vars(optimizer).values():
-        if not isinstance(value, (list, tuple)) or len(value) != len(variables):
-            continue
-        for i, (slot, variable) in enumerate(zip(value, variables)):
-            if (isinstance(slot, keras.Variable) and slot is not variable
-                    and id(slot) not in skip and slot.shape == variable.shape):
-                found[id(slot)] = (slot, i)
-    known = skip | {id(optimizer._iterations), id(getattr(optimizer, "_learning_rate", None))}
-    for variable in optimizer.variables:
-        if id(variable) not in found and id(variable) not in known:
-            raise ValueError(
-                f"{type(optimizer).__name__} has state {variable.path!r} of shape "
-                f"{tuple(variable.shape)} that is not a per-variable slot, so "
-                f"tfdist cannot shard it; use zero=0.")
-    return list(found.values())
-
-
-def _packed_reduce_scatter(grads, layouts, launcher=None):
-    """Reduce-scatter of every gradient, one collective per dtype (over
-    `launcher`'s group if given, else every replica)."""
-    return _per_dtype(grads, layouts,
-                      lambda rows: reduce_scatter(tf.concat(rows, 1), launcher),
-                      lambda layout, g: layout.rows(g))
-
-
-def _packed_all_gather(shards, layouts, launcher=None):
-    """Every replica's shards (of `launcher`'s group if given), gathered into
-    full values; one collective per dtype."""
-    def gather(parts):
-        return all_gather(tf.concat(parts, 0), launcher)
-
-    gathered = _per_dtype(shards, layouts, gather, lambda layout, s: s, axis=1)
-    return [layout.unshard(rows) for layout, rows in zip(layouts, gathered)]
-
-
-def _per_dtype(values, layouts, collective, prepare, axis=0):
-    """Runs `collective` once per dtype on the concatenated `prepare`d values
-    and splits its result back (along `axis`) into per-value shard-size parts."""
-    results = [None] * len(values)
-    groups = {}
-    for position, value in enumerate(values):
-        groups.setdefault(value.dtype, []).append(position)
-    for positions in groups.values():
-        out = collective([prepare(layouts[p], values[p]) for p in positions])
-        sizes = [layouts[p].shard_size for p in positions]
-        for p, part in zip(positions, tf.split(out, sizes, axis=axis)):
-            results[p] = part
-    return results
-
-
-def _all_finite(context, shards):
-    """One decision for every replica: are all reduced gradient shards finite?"""
-    bad = tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(s), tf.float32))
-                    for s in shards])
-    return tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, bad), 0.0)
-
-
-_index_lock = threading.Lock()
-_index_depth = {}
-
-
-@contextlib.contextmanager
-def _indexed_as(optimizer, buffers, indices):
-    """Makes `optimizer` find each buffer's slots: those of variable `indices[k]`.
-
-    Keras's `update_step` looks its slots up by the variable it updates. The
-    replicas of one step trace this together (the keys are the same on all), so
-    the entries are reference-counted.
-    """
-    keys = {optimizer._var_key(b): i for b, i in zip(buffers, indices)}
-    table = optimizer._trainable_variables_indices
-    with _index_lock:
-        depth = _index_depth.get(id(optimizer), 0)
-        if depth == 0:
-            table.update(keys)
-        _index_depth[id(optimizer)] = depth + 1
-    try:
-        yield
-    finally:
-        with _index_lock:
-            _index_depth[id(optimizer)] -= 1
-            if _index_depth[id(optimizer)] == 0:
-                del _index_depth[id(optimizer)]
-                for key in keys:
-                    table.pop(key, None)

@@ -11,10 +11,10 @@ Keras variables keep their identity, path and value: only their storage moves,
 so saving, loading and the optimizer's bookkeeping are unchanged.
 """
 
-import keras
 import tensorflow as tf
 
-from tfdist.optim.keys import optimizer_keys_follow
+from tfdist.sharding.keys import optimizer_keys_follow
+from tfdist.sharding.slots import optimizer_slots
 
 
 class _OnDevices:
@@ -67,16 +67,11 @@ def place_stages(model, stages, stage_devices, strategy):
                     where[id(variable)] = devices
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and optimizer.built:
-            # Keras optimizers keep per-variable state in lists aligned with
-            # the variables they were built on; the rest is scalars.
             inner = getattr(optimizer, "inner_optimizer", optimizer)
             trainable = inner._trainable_variables
-            for value in vars(inner).values():
-                if isinstance(value, (list, tuple)) and len(value) == len(trainable):
-                    for slot, variable in zip(value, trainable):
-                        if (isinstance(slot, keras.Variable) and slot is not variable
-                                and id(variable) in where):
-                            move_variable(slot, where[id(variable)], strategy)
+            for slot, index in optimizer_slots(inner, trainable):
+                if id(trainable[index]) in where:
+                    move_variable(slot, where[id(trainable[index])], strategy)
 
 
 def component_devices(variable):

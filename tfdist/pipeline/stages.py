@@ -261,28 +261,22 @@ def describe(stages, devices) -> str:
     return "\n".join(lines)
 
 
-def check_pipeline_config(config, stage_boundaries=None, remat=False):
-    """Checks `remat` and `stage_boundaries` are only given with stages, and
-    warns of a large bubble.
+def warn_of_bubble(config):
+    """Warns when `microbatches` < `pipeline`: the stages would mostly wait.
 
     Example:
 
-    >>> check_pipeline_config(tfdist.ParallelConfig(pipeline=2, microbatches=4).resolve(2))
+    ```python
+    warn_of_bubble(ParallelConfig(pipeline=4, microbatches=2))   # UserWarning: bubble 60%
+    ```
     """
-    if not isinstance(remat, bool):
-        raise TypeError(f"`remat` must be a bool, got {remat!r}.")
-    if config.pipeline == 1:
-        if stage_boundaries is not None or remat:
-            raise ValueError(
-                "`stage_boundaries` and `remat` apply to pipeline stages, but "
-                "`pipeline=1`: use pipeline >= 2, or drop them.")
-        return
     if config.microbatches < config.pipeline:
         warnings.warn(
             f"`microbatches={config.microbatches}` < `pipeline={config.pipeline}`: "
             f"stages wait for each other most of the step (bubble "
             f"{(config.pipeline - 1) / (config.microbatches + config.pipeline - 1):.0%}"
-            f" of it). Use microbatches >= {config.pipeline}, ideally several times more.")
+            f" of it). Use microbatches >= {config.pipeline}, ideally several times more.",
+            stacklevel=2)
 
 
 def _weights(operation):

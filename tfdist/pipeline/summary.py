@@ -1,4 +1,4 @@
-"""`model.summary()` of a pipelined model: Keras's table, then its stages."""
+"""`model.summary()` of a pipelined model: Keras's table, then its stages and schedule."""
 
 import functools
 
@@ -8,16 +8,18 @@ _installed = False
 
 
 def install():
-    """Makes `model.summary()` end with the stages (`strategy.describe(model)`)
-    for models built under a tfdist strategy with `pipeline` > 1. Once per
-    process; other models' summaries are unchanged.
+    """Makes `model.summary()` end with the stages and the schedule's grid
+    (`strategy.describe(model)`) for models built under a tfdist strategy
+    with `pipeline` > 1. Once per process; other models' summaries are
+    unchanged.
 
     Example:
 
     ```python
     with tfdist.Strategy(pipeline=2, microbatches=4).scope():
         model = build_model()
-    model.summary()   # ... Keras's table, then "Pipeline stages:" and one line per stage
+    model.summary()   # ... Keras's table, then "Pipeline stages:", one line per stage
+                      # and the schedule's grid
     ```
     """
     global _installed

@@ -150,6 +150,7 @@ class ScheduledTrainFunction:
         steps = self._steps = model.steps_per_execution
         if type(model).train_step is TensorFlowTrainer.train_step:
             step = strategy.train_step(model)
+            step.prepare()  # its parts, before the step functions are traced
             ledger = StepLedger(strategy, colocate_with=model.optimizer.iterations.value)
 
             def one_step(iterator, step_id):

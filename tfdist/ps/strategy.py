@@ -20,7 +20,8 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import parameter_server_strategy_v2, sharded_variable
 
-from tfdist.cluster.tf_config import free_ports
+from tfdist._compat.tf_logging import quiet_server_logs
+from tfdist.cluster.tf_config import free_ports, read_tf_config
 from tfdist.profiling import start_profiler_server
 from tfdist.ps import keras_fit
 from tfdist.strategy import _StepOwner, requested_config
@@ -71,13 +72,6 @@ class PartitionedVariable(sharded_variable.ShardedVariable):
         return np.asarray(self.numpy(), dtype=dtype)
 
 
-_NOT_UNDER_PS = {
-    "pipeline": (1, "pipeline stages need synchronous steps"),
-    "tensor": (1, "tensor shards need synchronous collectives"),
-    "zero": (0, "optimizer state already lives, unreplicated, on the ps tasks"),
-}
-
-
 class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterServerStrategy):
     """Asynchronous data-parallel training with parameter servers, for `model.fit`.
 
@@ -123,8 +117,10 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
 
     def __init__(self, config=None, *, cluster_resolver=None,
                  variable_partitioner="auto", **fields):
-        config = requested_config(config, fields)
-        _check_not_under_ps(config)
+        quiet_server_logs()
+        config = requested_config(config, fields, "ParameterServerStrategy")
+        if cluster_resolver is None:
+            read_tf_config()  # a malformed TF_CONFIG fails here, naming the field
         resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
         cluster = _check_cluster(resolver)
         if resolver.task_type in ("worker", "ps"):
@@ -224,16 +220,6 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
 
 
 
-def _check_not_under_ps(config):
-    for name, (off, why) in _NOT_UNDER_PS.items():
-        if getattr(config, name) != off:
-            raise ValueError(
-                f"`{name}={getattr(config, name)}` is not available under "
-                f"ParameterServerStrategy ({why}); use {name}={off}, or "
-                f"tfdist.Strategy / tfdist.MultiWorkerStrategy."
-            )
-
-
 def _check_cluster(resolver):
     cluster = resolver.cluster_spec().as_dict()
     missing = [t for t in ("ps", "worker") if not cluster.get(t)]
@@ -311,6 +297,7 @@ def in_process_cluster(workers=2, ps=1):
             f"An in-process cluster needs workers >= 1 and ps >= 1, got "
             f"workers={workers}, ps={ps}."
         )
+    quiet_server_logs()
     ports = iter(free_ports(workers + ps + 1))
     cluster = {
         "chief": [f"127.0.0.1:{next(ports)}"],

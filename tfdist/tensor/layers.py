@@ -2,14 +2,15 @@
 
 Each is its Keras parent (same arguments, weights, checkpoints) whose weights,
 when it is built under a tfdist strategy with `tensor` > 1, are split across
-the tensor group (see `tfdist.tensor.partition`); anywhere else it is exactly
+the tensor group by its layout (`Column`, `Row`, `Vocabulary` of
+`tfdist.tensor.layouts`, the ones `plan` uses); anywhere else it is exactly
 its parent.
 """
 
 import keras
 import tensorflow as tf
 
-from tfdist.tensor import partition
+from tfdist.tensor.layouts import Column, Row, Vocabulary
 
 
 def current_mesh():
@@ -75,7 +76,7 @@ class ColumnParallelDense(keras.layers.Dense):
         mesh = current_mesh()
         if mesh is not None:
             _check_splittable(self, "units", self.units, mesh)
-            partition.column(self, mesh, gather_output=self.gather_output)
+            Column(gather_output=self.gather_output).apply(self, mesh)
 
     def get_config(self):
         return {**super().get_config(), "gather_output": self.gather_output}
@@ -103,7 +104,7 @@ class RowParallelDense(keras.layers.Dense):
         mesh = current_mesh()
         if mesh is not None:
             _check_splittable(self, "input size", input_shape[-1], mesh)
-            partition.row(self, mesh)
+            Row().apply(self, mesh)
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
@@ -127,4 +128,4 @@ class ParallelEmbedding(keras.layers.Embedding):
         mesh = current_mesh()
         if mesh is not None:
             _check_splittable(self, "input_dim", self.input_dim, mesh)
-            partition.vocabulary(self, mesh)
+            Vocabulary().apply(self, mesh)

@@ -136,7 +136,7 @@ class TensorMesh:
 
     def data_launcher(self):
         """The current replica's launcher of collectives over its data group
-        (for `tfdist.collectives` and ZeRO's sharded update)."""
+        (for `tfdist.sharding.collectives` and ZeRO's sharded update)."""
         return self._data_launchers[self.replica()]
 
     def reduce(self, x):
@@ -222,68 +222,6 @@ class TensorMesh:
             return outputs
 
         return on_group_batch
-
-    def reduce_gradients(self, grads):
-        """The data-parallel reduction of this replica's gradients (None kept).
-
-        Every replica of a tensor group differentiates its group's batch loss,
-        scaled by Keras by 1/N (N replicas): summing over the d replicas of
-        the data group gives 1/t of the gradient of the global batch, for a
-        shard as for a replicated weight (identical on the t ranks), so the
-        sum is multiplied by t. One packed collective per step.
-        """
-        present = [tf.convert_to_tensor(g) for g in grads if g is not None]
-        if self.data > 1 and present:
-            present = self.data_launcher().batch_all_reduce([present])
-        reduced = iter([g * tf.cast(self.tensor, g.dtype) for g in present])
-        return [None if g is None else next(reduced) for g in grads]
-
-    def share_non_finite(self, grads):
-        """`grads` (reduced, dense) made non-finite on every rank of the
-        tensor group if they are on any.
-
-        Loss scaling skips a step whose gradients are not all finite; the
-        ranks of a tensor group hold the gradients of different shards, so
-        one rank may overflow alone. One scalar all-reduce over the group
-        counts the non-finite values; if there are any, each rank adds NaN to
-        its first gradient, so the optimizer skips the step on every replica.
-
-        Example:
-
-        ```python
-        grads = mesh.share_non_finite(mesh.reduce_gradients(grads))
-        ```
-        """
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
-            return grads
-        count = tf.add_n([tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(grads[i])),
-                                                tf.float32)) for i in present])
-        count = self._tensor_launcher().all_reduce(tf.reshape(count, [1]))[0]
-        first = present[0]
-        poison = tf.where(count > 0, float("nan"), 0.0)
-        grads = list(grads)
-        grads[first] = grads[first] + tf.cast(poison, grads[first].dtype)
-        return grads
-
-
-def check_tensor_config(config):
-    """Refuses what `tensor` > 1 does not compose with yet; returns `config`.
-
-    Example:
-
-    >>> check_tensor_config(tfdist.ParallelConfig(tensor=2, data=2)).tensor
-    2
-    """
-    if config.tensor > 1 and config.xla:
-        # TensorFlow: "Collectives are not yet implemented for CPU devices
-        # when compiling with XLA".
-        raise NotImplementedError(
-            f"`tensor={config.tensor}` with `xla=True` is not available: the "
-            f"tensor-parallel layers all-reduce inside the compiled computation, "
-            f"and TensorFlow cannot compile collectives with XLA on CPU devices. "
-            f"Use xla=False with tensor parallelism.")
-    return config
 
 
 def cluster_devices(extended):

@@ -1,7 +1,7 @@
 """Which layers of an unchanged Keras model are partitioned, and how.
 
-`plan(model, tensor)` decides, `apply(plan, mesh)` partitions, `describe`
-renders the decisions. The rules:
+`plan(model, tensor)` decides (a `tfdist.tensor.layouts` layout per layer),
+`apply(plan, mesh)` partitions, `describe` renders the decisions. The rules:
 
 - **Dense pairs**: a Dense whose output feeds exactly one layer, a Dense that
   is its only input, becomes column-parallel and that consumer row-parallel
@@ -20,10 +20,19 @@ import dataclasses
 
 import keras
 
-from tfdist.optim.keys import optimizer_keys_follow
-from tfdist.optim.sharded import shard_keras_variable
-from tfdist.optim.zero import _slots
-from tfdist.tensor import partition
+from tfdist.sharding.keys import optimizer_keys_follow
+from tfdist.sharding.slots import optimizer_slots
+from tfdist.sharding.storage import axis_layout, shard_keras_variable
+from tfdist.tensor.layouts import (
+    Classifier,
+    Column,
+    Heads,
+    Replicated,
+    Row,
+    TensorLayout,
+    Vocabulary,
+)
+from tfdist.tensor.softmax import ShardedSoftmaxCrossEntropy, is_sparse_softmax_loss
 
 # Keras activations that act element by element (safe on a slice of features).
 _ELEMENTWISE = (
@@ -35,11 +44,20 @@ _ELEMENTWISE = (
 
 @dataclasses.dataclass
 class Decision:
-    """How one layer is laid out: `layout` is "column", "row", "heads",
-    "vocabulary" or "replicated"; `reason` says why (or what it pairs with)."""
+    """How one layer is laid out: `layout` is a `TensorLayout` (`Column`,
+    `Row`, `Heads`, `Vocabulary`, `Classifier` or `Replicated`); `reason`
+    says why (or what it pairs with).
+
+    Example:
+
+    ```python
+    decision = Decision(layer, Column(), "paired with dense_1")
+    decision.layout.apply(decision.layer, strategy.tensor_mesh)
+    ```
+    """
 
     layer: keras.layers.Layer
-    layout: str
+    layout: TensorLayout
     reason: str
 
 
@@ -53,30 +71,31 @@ def plan(model, tensor: int, classifier: bool = False) -> list:
 
     >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, "relu", name="up"),
     ...                           keras.layers.Dense(4, name="down")])
-    >>> [(d.layer.name, d.layout) for d in plan(model, 2)]
+    >>> [(d.layer.name, d.layout.name) for d in plan(model, 2)]
     [('up', 'column'), ('down', 'row')]
     """
     decisions, taken = [], set()
     for layer in _layers(model):
         if id(layer) in taken:
             continue
-        if partition.layout_of(_main_weight(layer)) is not None:
+        if axis_layout(_main_weight(layer)) is not None:
             decisions.append(getattr(layer, "_tfdist_decision", None) or Decision(
-                layer, _explicit_layout(layer), f"tfdist.layers.{type(layer).__name__}"))
+                layer, layer._tfdist_layout, f"tfdist.layers.{type(layer).__name__}"))
         elif constrained_weight(layer) is not None:
-            decisions.append(Decision(layer, "replicated", _constrained_reason(layer)))
+            decisions.append(Decision(layer, Replicated(), _constrained_reason(layer)))
         elif isinstance(layer, keras.layers.MultiHeadAttention):
             decisions.append(_attention(layer, tensor))
         elif isinstance(layer, keras.layers.Embedding):
             decisions.append(_embedding(layer, tensor))
         elif type(layer) is keras.layers.Dense:
             pair = _dense_pair(layer, tensor, taken)
-            if classifier and pair[0].layout == "replicated" and _is_final(model, layer):
+            if (classifier and isinstance(pair[0].layout, Replicated)
+                    and _is_final(model, layer)):
                 pair = [_classifier(model, layer, tensor)]
             decisions.extend(pair)
             taken.update(id(d.layer) for d in pair)
         elif layer.weights:
-            decisions.append(Decision(layer, "replicated",
+            decisions.append(Decision(layer, Replicated(),
                                       f"{type(layer).__name__} has no tensor-parallel layout"))
     return decisions
 
@@ -85,18 +104,9 @@ def apply(decisions, mesh):
     """Partitions the layers of a plan (layers already partitioned are kept)."""
     for decision in decisions:
         layer = decision.layer
-        if partition.layout_of(_main_weight(layer)) is not None:
+        if axis_layout(_main_weight(layer)) is not None:
             continue
-        if decision.layout == "column":
-            partition.column(layer, mesh)
-        elif decision.layout == "row":
-            partition.row(layer, mesh)
-        elif decision.layout == "heads":
-            partition.heads(layer, mesh)
-        elif decision.layout == "vocabulary":
-            partition.vocabulary(layer, mesh)
-        elif decision.layout == "classifier":
-            partition.classifier(layer, mesh)
+        decision.layout.apply(layer, mesh)
         layer._tfdist_decision = decision  # what describe reports afterwards
 
 
@@ -112,7 +122,8 @@ def describe(decisions) -> str:
     # dense_2    Dense  replicated  no Dense consumes its output alone
     ```
     """
-    rows = [(d.layer.name, type(d.layer).__name__, d.layout, d.reason) for d in decisions]
+    rows = [(d.layer.name, type(d.layer).__name__, d.layout.name, d.reason)
+            for d in decisions]
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
     return "\n".join(
         "  ".join(value.ljust(width) for value, width in zip(r[:3], widths)) + "  " + r[3]
@@ -138,27 +149,22 @@ def _main_weight(layer):
     return None
 
 
-def _explicit_layout(layer):
-    return {"ColumnParallelDense": "column", "RowParallelDense": "row",
-            "ParallelEmbedding": "vocabulary"}.get(type(layer).__name__, "partitioned")
-
-
 def _attention(layer, tensor):
     heads = layer.num_heads
     if getattr(layer, "_use_gate", False):
-        return Decision(layer, "replicated", "gated attention is not split in this version")
+        return Decision(layer, Replicated(), "gated attention is not split in this version")
     if heads % tensor:
-        return Decision(layer, "replicated",
+        return Decision(layer, Replicated(),
                         f"num_heads={heads} is not divisible by tensor={tensor}")
-    return Decision(layer, "heads", f"{heads} heads -> {heads // tensor} per device")
+    return Decision(layer, Heads(), f"{heads} heads -> {heads // tensor} per device")
 
 
 def _embedding(layer, tensor):
     if layer.input_dim % tensor:
-        return Decision(layer, "replicated",
+        return Decision(layer, Replicated(),
                         f"input_dim (vocabulary)={layer.input_dim} is not divisible "
                         f"by tensor={tensor}")
-    return Decision(layer, "vocabulary",
+    return Decision(layer, Vocabulary(),
                     f"{layer.input_dim} rows -> {layer.input_dim // tensor} per device")
 
 
@@ -173,18 +179,18 @@ def _classifier(model, layer, tensor):
     entries = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None)
     # Before the first step the compiled loss is not built: what compile got.
     losses = [e.loss for e in entries] if entries else [getattr(model, "loss", None)]
-    if len(losses) != 1 or not partition.is_sparse_softmax_loss(
+    if len(losses) != 1 or not is_sparse_softmax_loss(
             getattr(losses[0], "fallback", losses[0])):
-        return Decision(layer, "replicated",
+        return Decision(layer, Replicated(),
                         "a class-split classifier needs the model compiled (and built) "
                         "with SparseCategoricalCrossentropy(from_logits=True) alone")
     if layer.units % tensor:
-        return Decision(layer, "replicated",
+        return Decision(layer, Replicated(),
                         f"units (classes)={layer.units} is not divisible by tensor={tensor}")
     if layer.activation not in (None, keras.activations.linear):
-        return Decision(layer, "replicated", "a class-split classifier must output logits "
+        return Decision(layer, Replicated(), "a class-split classifier must output logits "
                         "(no activation)")
-    return Decision(layer, "classifier", f"{layer.units} classes -> {layer.units // tensor} "
+    return Decision(layer, Classifier(), f"{layer.units} classes -> {layer.units // tensor} "
                     f"per device, sharded softmax loss")
 
 
@@ -194,24 +200,24 @@ def _dense_pair(layer, tensor, taken):
     if consumer is None or type(consumer) is not keras.layers.Dense or id(consumer) in taken:
         why = "no Dense consumes its output alone" if consumer is None or type(
             consumer) is not keras.layers.Dense else f"{consumer.name} is already paired"
-        return [Decision(layer, "replicated", why)]
+        return [Decision(layer, Replicated(), why)]
     if _only_consumer_input(consumer) is not layer:
-        return [Decision(layer, "replicated", f"{consumer.name} has other inputs")]
+        return [Decision(layer, Replicated(), f"{consumer.name} has other inputs")]
     if constrained_weight(consumer) is not None:
-        return [Decision(layer, "replicated", f"its pair {consumer.name}: "
+        return [Decision(layer, Replicated(), f"its pair {consumer.name}: "
                          f"{_constrained_reason(consumer)}")]
     if layer.units % tensor:
-        return [Decision(layer, "replicated",
+        return [Decision(layer, Replicated(),
                          f"units={layer.units} is not divisible by tensor={tensor}")]
     activation = keras.activations.serialize(layer.activation)
     name = activation if isinstance(activation, str) else str(activation)
     if name not in _ELEMENTWISE:
-        return [Decision(layer, "replicated",
+        return [Decision(layer, Replicated(),
                          f"activation {name!r} is not elementwise (it would act on a "
                          f"slice of the features)")]
-    return [Decision(layer, "column", f"paired with {consumer.name} "
+    return [Decision(layer, Column(), f"paired with {consumer.name} "
                      f"({layer.units} -> {layer.units // tensor} units per device)"),
-            Decision(consumer, "row", f"paired with {layer.name}")]
+            Decision(consumer, Row(), f"paired with {layer.name}")]
 
 
 def constrained_weight(layer):
@@ -249,27 +255,24 @@ def partition_model(model, mesh):
     model.layers[0].kernel.value.values   # one (in, out/t) shard per device
     ```
     """
-    decisions = plan(model, mesh.tensor, mesh.strategy.vocab_parallel_classifier)
+    decisions = plan(model, mesh.tensor, mesh.strategy.config.vocab_parallel_classifier)
     with optimizer_keys_follow(model):
         apply(decisions, mesh)
-    if any(d.layout == "classifier" for d in decisions):
+    if any(isinstance(d.layout, Classifier) for d in decisions):
         entries = model._compile_loss._flat_losses
         (entry,) = entries
-        if not isinstance(entry.loss, partition.ShardedSoftmaxCrossEntropy):
-            entries[0] = entry._replace(
-                loss=partition.ShardedSoftmaxCrossEntropy(mesh, entry.loss))
+        if not isinstance(entry.loss, ShardedSoftmaxCrossEntropy):
+            entries[0] = entry._replace(loss=ShardedSoftmaxCrossEntropy(mesh, entry.loss))
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or not optimizer.built:
         return
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     variables = list(inner._trainable_variables)
     with mesh.strategy.scope():
-        for slot, index in _slots(inner, variables):
-            layout = partition.layout_of(variables[index])
-            if layout is not None and partition.layout_of(slot) is None:
+        for slot, index in optimizer_slots(inner, variables, for_sharding=True):
+            layout = axis_layout(variables[index])
+            if layout is not None and axis_layout(slot) is None:
                 shard_keras_variable(slot, layout, mesh.strategy)
-
-
 
 
 def sharded_classifier(model):
@@ -283,4 +286,4 @@ def sharded_classifier(model):
     ```
     """
     entries = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None) or []
-    return any(isinstance(e.loss, partition.ShardedSoftmaxCrossEntropy) for e in entries)
+    return any(isinstance(e.loss, ShardedSoftmaxCrossEntropy) for e in entries)

@@ -1,15 +1,16 @@
 """`ShardedStorage`: a variable whose elements are split across the replicas.
 
 Each replica's device holds one variable of `layout.shard_shape`, its own
-shard, and nothing else: an element shard of ZeRO (`ShardLayout`) or a slice
-along one axis for tensor parallelism (`tfdist.tensor.AxisLayout`). It is a
-`tf.distribute` on-read variable, so inside a replica (in `strategy.run`)
-reading or assigning it reads or assigns that replica's shard: Keras's own
-optimizer code, which reads and assigns its slot variables, runs unchanged on a
-shard. Outside replicas (saving, loading, `numpy()`) it behaves as one variable
-of the full, unsharded shape: reads gather every shard, assigns scatter a full
-value, and a checkpoint holds the full tensor, exactly what an unsharded
-variable saves. Loading into any number of replicas reshards.
+shard, and nothing else, as its layout (any of `tfdist.sharding.layout`) says:
+an element shard of ZeRO (`ShardLayout`, `MeshShardLayout`) or a slice along
+one axis for tensor parallelism (`AxisLayout`). It is a `tf.distribute`
+on-read variable, so inside a replica (in `strategy.run`) reading or assigning
+it reads or assigns that replica's shard: Keras's own optimizer code, which
+reads and assigns its slot variables, runs unchanged on a shard. Outside
+replicas (saving, loading, `numpy()`) it behaves as one variable of the full,
+unsharded shape: reads gather every shard, assigns scatter a full value, and a
+checkpoint holds the full tensor, exactly what an unsharded variable saves.
+Loading into any number of replicas reshards.
 
 `shard_keras_variable` moves an existing Keras variable's storage into shards in
 place: the Keras object (its identity, path, shape and place in its optimizer)
@@ -20,7 +21,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, values, values_util
 from tensorflow.python.ops import resource_variable_ops
 
-from tfdist.optim.layout import ShardLayout
+from tfdist.sharding.layout import AxisLayout, ShardLayout
 
 
 class ShardedStorage(values.SyncOnReadVariable):
@@ -172,3 +173,17 @@ def copy_devices(variable, strategy):
     if len(copies) != len(strategy.extended.worker_devices):
         return None
     return [copy.device for copy in copies]
+
+
+def axis_layout(variable):
+    """The `AxisLayout` of a Keras variable split across a tensor group, else None.
+
+    Example:
+
+    ```python
+    axis_layout(model.layers[0].kernel)   # AxisLayout((8, 16), axis=1, parts=2)
+    axis_layout(model.optimizer.variables[2])  # None: a ZeRO shard, or whole
+    ```
+    """
+    layout = storage_layout(variable)
+    return layout if isinstance(layout, AxisLayout) else None

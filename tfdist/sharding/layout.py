@@ -1,15 +1,37 @@
-"""`ShardLayout`: how one variable's elements are split across N replicas.
+"""Shard layouts: how one variable's value is split across a strategy's replicas.
 
-The variable is flattened (row-major) and zero-padded to `N * shard_size`
-elements, `shard_size = ceil(size / N)`; replica r owns elements
-`[r * shard_size, (r + 1) * shard_size)`. Every shard has the same shape, so the
-shards of one variable (or of many, concatenated) cross devices in one
-collective, and a large variable is split across every replica whatever its
-shape. The padding (fewer than N elements per variable) is zeros and never
-leaves the shards: `unshard` cuts it off.
+Every layout has the same interface, which `ShardedStorage` relies on:
 
-`MeshShardLayout` is the same on a data x tensor mesh: each tensor rank's part
-of a weight split across the replicas of its data group.
+- `shape`: the full variable's shape;
+- `shard_shape`: the shape of each replica's shard (the same on every replica);
+- `shard(value, index)`: the shard of a full `value` that replica `index`
+  holds (an int, or a scalar tensor for `ShardLayout`);
+- `unshard(shards)`: the full value from every replica's shard, stacked in
+  replica order.
+
+The layouts:
+
+- `ShardLayout` (ZeRO): the variable is flattened (row-major) and zero-padded
+  to `N * shard_size` elements, `shard_size = ceil(size / N)`; replica r owns
+  elements `[r * shard_size, (r + 1) * shard_size)`. Every shard has the same
+  shape, so the shards of one variable (or of many, concatenated) cross
+  devices in one collective, and a large variable is split across every
+  replica whatever its shape. The padding (fewer than N elements per
+  variable) is zeros and never leaves the shards: `unshard` cuts it off.
+- `AxisLayout` (tensor parallelism): t equal slices along one axis; replica r
+  holds rank `r % t`'s slice (see `tfdist.tensor.TensorMesh`), so every data
+  group holds one full copy of the weight.
+- `MeshShardLayout` (ZeRO on a data x tensor mesh): each tensor rank's part of
+  a weight (its `AxisLayout` slice, or all of it) split by `ShardLayout`
+  across the replicas of its data group.
+
+Example:
+
+>>> layout = AxisLayout((4, 6), axis=1, parts=2)
+>>> full = tf.reshape(tf.range(24), (4, 6))
+>>> shards = tf.stack([layout.shard(full, r) for r in range(2)])
+>>> bool(tf.reduce_all(layout.unshard(shards) == full))
+True
 """
 
 import math
@@ -56,11 +78,43 @@ class ShardLayout:
         return tf.reshape(flat, self.shape)
 
 
+class AxisLayout:
+    """The split of a weight of `shape` into `parts` slices along `axis`.
+
+    Example:
+
+    >>> layout = AxisLayout((4, 6), axis=1, parts=2)
+    >>> layout.shard_shape
+    [4, 3]
+    >>> layout.shard(tf.reshape(tf.range(24), (4, 6)), 3).numpy()[0]  # replica 3: rank 1
+    array([3, 4, 5], dtype=int32)
+    """
+
+    def __init__(self, shape, axis: int, parts: int):
+        self.shape = tf.TensorShape(shape)
+        self.axis = axis % self.shape.rank
+        self.parts = parts
+        if self.shape[self.axis] % parts:
+            raise ValueError(
+                f"Dimension {self.axis} of shape {tuple(self.shape)} is "
+                f"{self.shape[self.axis]}, which {parts} shards do not divide.")
+        self.shard_shape = self.shape.as_list()
+        self.shard_shape[self.axis] //= parts
+
+    def shard(self, value, index):
+        """The slice of `value` that replica `index` holds (rank `index % parts`)."""
+        return tf.split(value, self.parts, axis=self.axis)[index % self.parts]
+
+    def unshard(self, shards):
+        """The full value from every replica's shard, stacked in replica order."""
+        return tf.concat([shards[rank] for rank in range(self.parts)], axis=self.axis)
+
+
 class MeshShardLayout:
     """ZeRO's element shards of a weight on a data x tensor mesh.
 
     Each tensor rank's part of the weight (its slice when the weight is split,
-    `split` its `tfdist.tensor.AxisLayout`; the whole weight when it is
+    `split` its `AxisLayout`; the whole weight when it is
     replicated) is split element by element (`ShardLayout`) across the `data`
     replicas of that rank's data group: replica r holds element shard
     `r // tensor` of rank `r % tensor`'s part. With tensor=1 this is `ShardLayout` over the
@@ -68,7 +122,6 @@ class MeshShardLayout:
 
     Example:
 
-    >>> from tfdist.tensor.layout import AxisLayout
     >>> split = AxisLayout((4, 6), axis=1, parts=2)
     >>> layout = MeshShardLayout((4, 6), tensor=2, data=2, split=split)
     >>> layout.shard_shape       # rank 1's (4, 3) slice, half of its 12 elements

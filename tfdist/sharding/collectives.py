@@ -11,6 +11,8 @@ same on one host and across workers:
   a local sum of the N shards received: each replica ends up with only its own
   reduced shard; no replica ever holds another replica's reduced shard.
 - `all_gather`: one gather of equal-shaped shards along a new leading axis.
+- `packed_reduce_scatter`, `packed_all_gather`: the same for many values of
+  shard layouts (ZeRO's gradients and parameters), one collective per dtype.
 
 Both take an optional `launcher`: a subgroup's launcher for this replica (a
 `TensorMesh` data group), in place of the strategy's all-replica one.
@@ -75,3 +77,64 @@ def all_gather(row, launcher=None):
     """
     launcher = launcher or _launcher()
     return launcher._all_gather(row[tf.newaxis], launcher._options)
+
+
+def packed_reduce_scatter(grads, layouts, launcher=None):
+    """Reduce-scatter of every gradient, one collective per dtype (over
+    `launcher`'s group if given, else every replica).
+
+    Example:
+
+    ```python
+    shards = packed_reduce_scatter(grads, layouts)   # in replica context
+    ```
+    """
+    return _per_dtype(grads, layouts,
+                      lambda rows: reduce_scatter(tf.concat(rows, 1), launcher),
+                      lambda layout, g: layout.rows(g))
+
+
+def packed_all_gather(shards, layouts, launcher=None):
+    """Every replica's shards (of `launcher`'s group if given), gathered into
+    full values; one collective per dtype.
+
+    Example:
+
+    ```python
+    full = packed_all_gather(updated_shards, layouts)   # in replica context
+    ```
+    """
+    def gather(parts):
+        return all_gather(tf.concat(parts, 0), launcher)
+
+    gathered = _per_dtype(shards, layouts, gather, lambda layout, s: s, axis=1)
+    return [layout.unshard(rows) for layout, rows in zip(layouts, gathered)]
+
+
+def _per_dtype(values, layouts, collective, prepare, axis=0):
+    """Runs `collective` once per dtype on the concatenated `prepare`d values
+    and splits its result back (along `axis`) into per-value shard-size parts."""
+    results = [None] * len(values)
+    groups = {}
+    for position, value in enumerate(values):
+        groups.setdefault(value.dtype, []).append(position)
+    for positions in groups.values():
+        out = collective([prepare(layouts[p], values[p]) for p in positions])
+        sizes = [layouts[p].shard_size for p in positions]
+        for p, part in zip(positions, tf.split(out, sizes, axis=axis)):
+            results[p] = part
+    return results
+
+
+def non_finite_count(tensors):
+    """How many elements of `tensors` are not finite, as a float32 scalar:
+    all-reduced, it makes one loss-scaling skip decision for replicas that
+    hold different gradients (tensor ranks, ZeRO shards).
+
+    Example:
+
+    >>> float(non_finite_count([tf.constant([1.0, float("inf")]), tf.constant([float("nan")])]))
+    2.0
+    """
+    return tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(t), tf.float32))
+                     for t in tensors])

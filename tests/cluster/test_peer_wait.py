@@ -1,0 +1,33 @@
+"""A MultiWorkerStrategy whose peer never starts fails within its timeout, naming the peer."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tfdist.cluster.tf_config import free_ports
+
+pytestmark = pytest.mark.multiprocess
+
+CREATE_STRATEGY = ("import tfdist\n"
+                   "tfdist.MultiWorkerStrategy(timeout_seconds=10)\n"
+                   "print('connected')\n")
+
+
+@pytest.mark.parametrize("index, missing", [(0, 1), (1, 0)])
+def test_missing_peer_fails_the_constructor_within_its_timeout(index, missing):
+    """Worker `index` starts alone; worker `missing` (the leader, or not) never does."""
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
+    env = dict(os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="2")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", CREATE_STRATEGY], env=env,
+                          capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - start
+    assert done.returncode != 0 and "connected" not in done.stdout
+    assert seconds < 30, seconds
+    assert (f"TimeoutError: worker:{index} waited 10 s for the other tasks of the job, "
+            f"but worker:{missing} ({addresses[missing]}) did not start") in done.stderr

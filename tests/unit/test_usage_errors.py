@@ -1,0 +1,47 @@
+"""Common mistakes under a tfdist strategy fail at once, saying what to do."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+
+X, Y = np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32")
+
+
+def build():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    return model
+
+
+def test_unknown_device_is_refused_listing_the_available_ones():
+    with pytest.raises(ValueError, match=r"`devices` names \['/device:GPU:7'\], which "
+                                         r"this host does not have; available: "
+                                         r"/device:CPU:0, /device:CPU:1, "):
+        tfdist.Strategy(devices=["/device:GPU:7"])
+    assert tfdist.Strategy(devices=["/device:CPU:0", "CPU:1"]).num_replicas_in_sync == 2
+
+
+@pytest.mark.parametrize("data", [
+    lambda: (tf.data.Dataset.from_tensor_slices((X[:0], Y[:0])).batch(4), None),
+    lambda: (tf.data.Dataset.from_tensor_slices((X, Y)).batch(4).take(0), None),
+])
+def test_empty_dataset_says_it_is_empty(data):
+    strategy = tfdist.Strategy(devices=["CPU:0", "CPU:1"])
+    with strategy.scope():
+        model = build()
+    x, y = data()
+    with pytest.raises(ValueError, match=r"The dataset is empty \(0 batches\)"):
+        model.fit(x, y, verbose=0)
+
+
+def test_model_built_outside_the_scope_says_to_build_it_inside():
+    strategy = tfdist.Strategy(devices=["CPU:0", "CPU:1"])
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with strategy.scope():
+        model.compile("sgd", "mse")
+        with pytest.raises(ValueError, match=r"was built outside `strategy.scope\(\)`.*"
+                                             r"Build \(create the layers and weights"):
+            model.fit(X, Y, verbose=0)

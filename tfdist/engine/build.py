@@ -1,0 +1,142 @@
+"""Which parts make a model's step, and every rule that depends on the model.
+
+The rules on the config alone (which fields combine) are `ParallelConfig.validate`,
+run by every entry point. The rules here need the compiled model too (its
+optimizer, losses, dtype policy, whether it overrides `train_step`); they run
+before the first step. `assemble` then picks the step's three parts (see
+`tfdist.engine.step`) and readies the state they keep:
+
+| config              | compute            | reduce               | update         |
+|---------------------|--------------------|----------------------|----------------|
+| (default)           | `LocalCompute`     | `AllReduce`          | `KerasApply`   |
+| `tensor` > 1        | `LocalCompute`     | `DataGroupAllReduce` | `KerasApply`   |
+| `pipeline` > 1      | `PipelinedCompute` | (as above)           | (as above)     |
+| `zero` > 0          | (as above)         | `ShardedReduce`      | `ShardedUpdate`|
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdist.config import ParallelConfig
+from tfdist.engine.compute import LocalCompute, PipelinedCompute
+from tfdist.engine.reduce import AllReduce, DataGroupAllReduce, ShardedReduce
+from tfdist.engine.update import KerasApply
+from tfdist.optim.zero import ShardedUpdate, check_shardable
+from tfdist.pipeline.compute import pipeline_compute
+from tfdist.tensor.plan import partition_model
+
+# Fields whose value only tfdist's own step can honour, and their off value.
+_STEP_LEVEL = (("microbatches", 1), ("xla", False), ("zero", 0), ("pipeline", 1),
+               ("tensor", 1))
+
+
+def check_model(model, config: ParallelConfig):
+    """Errors that must stop `fit` before its first step, with what to do instead.
+
+    Example:
+
+    ```python
+    check_model(model, strategy.config)   # ValueError: "The model has no optimizer..."
+    ```
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError(
+            "The model has no optimizer: call `model.compile(optimizer=...)` "
+            "before `model.fit`."
+        )
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if inner.gradient_accumulation_steps:
+        raise ValueError(
+            f"`gradient_accumulation_steps={inner.gradient_accumulation_steps}` "
+            f"on the Keras optimizer does not work under tf.distribute (its "
+            f"conditional apply contains the gradient all-reduce). Use the "
+            f"strategy's `microbatches={inner.gradient_accumulation_steps}` "
+            f"instead: it accumulates the same gradients inside one step and "
+            f"reduces them once."
+        )
+    if not model.trainable_weights:
+        raise ValueError("The model has no trainable weights: nothing to train.")
+    if config.zero:
+        check_shardable(optimizer, config.zero)
+    if config.tensor > 1:  # split weights are updated shard by shard
+        check_shardable(optimizer, config.zero, mode=f"`tensor={config.tensor}`",
+                        elementwise_only=True)
+    policy = model.dtype_policy.name
+    if policy != config.precision:
+        raise ValueError(
+            f"The model was built with dtype policy {policy!r} but the "
+            f"strategy has `precision={config.precision!r}`: build the model "
+            f"inside `strategy.scope()`, which sets the policy."
+        )
+    if config.precision == "mixed_float16" and not isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer
+    ):
+        raise ValueError(
+            "`precision='mixed_float16'` needs loss scaling, but the model's "
+            f"optimizer is a {type(optimizer).__name__}: compile with "
+            "`auto_scale_loss=True` (the default) or wrap the optimizer in "
+            "`keras.optimizers.LossScaleOptimizer`."
+        )
+
+
+def check_own_train_step(model, config: ParallelConfig):
+    """A model that overrides `train_step` runs it as written (data parallel
+    with Keras's own gradient handling): every option only tfdist's step
+    honours is refused, then the rules of `check_model`.
+
+    Example:
+
+    ```python
+    check_own_train_step(model, ParallelConfig(microbatches=2))   # ValueError
+    ```
+    """
+    wanted = [f"{name}={getattr(config, name)!r}" for name, off in _STEP_LEVEL
+              if getattr(config, name) != off]
+    if wanted:
+        raise ValueError(
+            f"{type(model).__name__} overrides `train_step`, so tfdist runs "
+            f"it as written (data parallel only) and cannot apply "
+            f"{', '.join(wanted)}. Remove those options, or drop the "
+            f"override and customise `compute_loss` instead."
+        )
+    check_model(model, config)
+
+
+def assemble(model, config: ParallelConfig):
+    """The (compute, reduce, update) parts of `model`'s step under `config`.
+
+    Readies the state they keep, in this order: pipeline stages' variables
+    moved to their stages' devices, layers split over tensor groups (where
+    their stage put them), the optimizer's state moved into ZeRO shards.
+    Values are kept.
+
+    Example:
+
+    ```python
+    compute, reduce, update = assemble(model, strategy.config)
+    ```
+    """
+    strategy = model.distribute_strategy
+    mesh = getattr(strategy, "tensor_mesh", None)
+    optimizer = model.optimizer
+    if config.zero and not optimizer.built:
+        raise RuntimeError(
+            "The optimizer is not built: call `TrainStep.build(...)` "
+            "(or `model.fit`, which builds it) before running the step.")
+    k = config.microbatches
+    if config.pipeline > 1:
+        compute = PipelinedCompute(model, k, pipeline_compute(model, strategy), mesh)
+    else:
+        compute = LocalCompute(model, k, mesh, xla=config.xla)
+    if mesh is not None:
+        with tf.init_scope():
+            partition_model(model, mesh)
+    if config.zero:
+        with tf.init_scope():
+            update = ShardedUpdate(model, config.zero)
+        return compute, ShardedReduce(update.layouts, config.zero, mesh), update
+    if mesh is not None:
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        return compute, DataGroupAllReduce(mesh, share_non_finite=scaled), KerasApply(model)
+    return compute, AllReduce(), KerasApply(model)

@@ -1,0 +1,179 @@
+"""Compute parts: a replica's batch in, its local gradients and metrics out.
+
+The first of a step's three parts (`TrainStep` = update(reduce(compute(batch)))).
+Every compute part is called in replica context with the replica's batch and
+returns `(gradients, metrics)`: the gradients of the replica's whole batch loss
+(aligned with `model.trainable_weights`, None where a weight has none), not yet
+reduced across replicas, and the compiled metrics' results.
+
+- `LocalCompute`: the batch's microbatches one after another on the replica's
+  device (one forward and backward when `microbatches=1`), XLA-compiled with
+  `xla=True`.
+- `PipelinedCompute`: the microbatches flow through the pipeline stages in the
+  schedule's order (`tfdist.pipeline.compute`).
+
+With tensor parallelism the replicas of a tensor group first exchange their
+slices of the batch (`TensorMesh.group_batch`): a group computes on the same
+examples.
+"""
+
+import tensorflow as tf
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tfdist.engine import microbatch
+
+
+class Compute:
+    """The part every compute shares: unpacking the batch, the tensor group's
+    batch exchange, and the checks of a microbatched batch. Subclasses
+    implement `gradients(x, y, sample_weight)`.
+
+    Args:
+        model: the compiled Keras model.
+        microbatches: microbatches per replica batch.
+        mesh: the strategy's `TensorMesh`, or None.
+
+    Example:
+
+    ```python
+    grads, metrics = compute(batch)   # in replica context
+    ```
+    """
+
+    def __init__(self, model, microbatches: int, mesh=None):
+        self.model = model
+        self.microbatches = microbatches
+        self.mesh = mesh
+        self.loss = microbatch.MicrobatchLoss(model, mesh)
+
+    def __call__(self, data):
+        if self.mesh is not None:
+            with tf.name_scope("group_batch"):  # a tensor group shares its batch
+                data, _ = self.mesh.group_batch(data)
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        return self.gradients(x, y, sample_weight)
+
+    def split(self, x, y, sample_weight):
+        """The batch's microbatches, after checking it can be cut into them."""
+        k = self.microbatches
+        if k > 1:
+            microbatch.check_divides(
+                tf.get_static_value(microbatch.batch_size_of(x)), k,
+                self.model.distribute_strategy.num_replicas_in_sync)
+            microbatch.check_mean_losses(self.model, k)
+        return microbatch.split(x, y, sample_weight, k)
+
+    def gradients(self, x, y, sample_weight):
+        raise NotImplementedError
+
+
+class LocalCompute(Compute):
+    """The microbatches one after another on the replica's device.
+
+    Each microbatch's forward starts after the previous one's backward, so
+    only one microbatch's activations are alive at a time; its gradients are
+    added to the running sum. Ops are named `microbatch{i}/...`.
+
+    Args:
+        model: the compiled Keras model.
+        microbatches: microbatches per replica batch.
+        mesh: the strategy's `TensorMesh`, or None.
+        xla: compile each microbatch's forward and backward with XLA.
+
+    Example:
+
+    ```python
+    compute = LocalCompute(model, microbatches=4)
+    grads, metrics = strategy.run(compute, args=(batch,))
+    ```
+    """
+
+    def __init__(self, model, microbatches: int, mesh=None, xla=False):
+        super().__init__(model, microbatches, mesh)
+        self._run = self._forward_backward
+        if xla:
+            self._run = tf.function(
+                self._forward_backward, jit_compile=True, reduce_retracing=True)
+        elif mesh is not None and microbatches > 1:
+            # The replicas are traced into one graph, in which TensorFlow
+            # chains every stateful op without a resource (the loss's shape
+            # asserts) in program order: replica 0's microbatch 1, which waits
+            # for its microbatch 0's gradient all-reduce, would come before
+            # replica 1's microbatch 0 and that all-reduce would never meet
+            # its peer. One function call per microbatch keeps each replica's
+            # chain inside its own calls.
+            self._run = tf.function(self._forward_backward, reduce_retracing=True)
+
+    def gradients(self, x, y, sample_weight):
+        total = metrics = None
+        for i, part in enumerate(self.split(x, y, sample_weight)):
+            with tf.name_scope(f"microbatch{i}"), \
+                    tf.control_dependencies(_tensors(total)):
+                loss, y_pred, grads = self._run(part.x, part.y, part.sample_weight, part.share)
+                metrics = self.loss.record(part, loss, y_pred)
+                total = microbatch.add_gradients(total, grads)
+        return total, metrics
+
+    def _forward_backward(self, x, y, sample_weight, share):
+        """Forward, loss and gradients of one microbatch: those of `share *
+        loss`, its part of the batch loss (the whole loss when `share` is None)."""
+        model = self.model
+        part = microbatch.Microbatch(x, y, sample_weight, share, None)
+        with tf.GradientTape() as tape, self.loss.logits():
+            if model._call_has_training_arg:
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+            loss = self.loss.loss(part, y_pred)
+            target = self.loss.target(loss, share)
+        return loss, y_pred, _gradients(tape, target, model.trainable_weights)
+
+
+class PipelinedCompute(Compute):
+    """The microbatches through the model's pipeline stages.
+
+    Args:
+        model: the compiled Keras model.
+        microbatches: microbatches per replica batch.
+        pipeline: the `PipelineCompute` that runs the stages' units in
+            schedule order (`tfdist.pipeline.compute.pipeline_compute`).
+        mesh: the strategy's `TensorMesh`, or None.
+
+    Example:
+
+    ```python
+    compute = PipelinedCompute(model, 4, pipeline_compute(model, strategy))
+    ```
+    """
+
+    def __init__(self, model, microbatches: int, pipeline, mesh=None):
+        super().__init__(model, microbatches, mesh)
+        self.pipeline = pipeline
+
+    def gradients(self, x, y, sample_weight):
+        with tf.name_scope("split"):
+            parts = self.split(x, y, sample_weight)
+        return self.pipeline([(p.x, p.y, p.sample_weight, p.share, p.size) for p in parts])
+
+
+def _gradients(tape, target, variables):
+    """`tape.gradient` for Keras variables, some maybe partitioned.
+
+    A variable a parameter-server strategy partitioned (a `ShardedVariable`)
+    is differentiated through its shards; its gradient is their concatenation,
+    for the optimizer to apply to the whole variable.
+    """
+    sources = [getattr(v.value, "variables", None) or v for v in variables]
+    grads = tape.gradient(target, sources)
+    return [
+        tf.concat([tf.convert_to_tensor(g) for g in grad], axis=0)
+        if isinstance(source, list) and grad[0] is not None else
+        (None if isinstance(source, list) else grad)
+        for source, grad in zip(sources, grads)
+    ]
+
+
+def _tensors(grads):
+    """The tensors of a gradient list (None and IndexedSlices handled)."""
+    return tf.nest.flatten([g for g in grads or [] if g is not None],
+                           expand_composites=True)

@@ -1,0 +1,206 @@
+"""What every compute part does per microbatch: slicing, the loss, the bookkeeping.
+
+Both ways of computing a step's gradients (`tfdist.engine.compute.LocalCompute`,
+one microbatch after another on the replica's device, and the pipelined
+compute, microbatches flowing through stages) cut the per-replica batch the same
+way and treat each microbatch's loss the same way:
+
+- `split`: microbatch i of k is rows `[i*n//k, (i+1)*n//k)` of the batch, so
+  uneven and empty slices are fine; its `share` of the batch is its size over n.
+- `MicrobatchLoss`: the loss of one microbatch as Keras's `train_step` computes
+  it, the part of it whose gradient is taken (times `share`, then the
+  optimizer's loss scale), and the loss tracker and compiled metrics updated
+  with it. For batch-mean losses the shares make the summed gradients exactly
+  the whole batch's, and Keras's streaming metrics updated per microbatch equal
+  one update with the whole batch.
+- `add_gradients`: the running sum of the microbatches' gradients.
+"""
+
+import contextlib
+import dataclasses
+
+import tensorflow as tf
+from keras.src import tree
+from keras.src.losses import loss as loss_module
+
+from tfdist.tensor.plan import sharded_classifier
+from tfdist.tensor.softmax import sharded_logits
+
+# Loss reductions that are a mean over the batch: the full-batch loss is the
+# size-weighted sum of the microbatch losses.
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """One slice of a replica's batch: its inputs, targets, sample weights,
+    its share of the batch (None: the whole batch) and its size (a scalar
+    tensor)."""
+
+    x: object
+    y: object
+    sample_weight: object
+    share: object
+    size: object
+
+
+def split(x, y, sample_weight, microbatches: int) -> list[Microbatch]:
+    """The batch cut into `microbatches` consecutive slices (one: itself).
+
+    Example:
+
+    >>> parts = split(tf.zeros((5, 2)), tf.zeros((5,)), None, 2)
+    >>> [int(p.size) for p in parts], [round(float(p.share), 1) for p in parts]
+    ([2, 3], [0.4, 0.6])
+    """
+    batch_size = batch_size_of(x)
+    if microbatches == 1:
+        return [Microbatch(x, y, sample_weight, None, batch_size)]
+    parts = []
+    for i in range(microbatches):
+        start = (i * batch_size) // microbatches
+        stop = ((i + 1) * batch_size) // microbatches
+        x_i, y_i, sw_i = tree.map_structure(
+            lambda t, start=start, stop=stop: None if t is None else t[start:stop],
+            (x, y, sample_weight))
+        share = tf.cast(stop - start, tf.float32) / tf.maximum(
+            tf.cast(batch_size, tf.float32), 1.0)
+        parts.append(Microbatch(x_i, y_i, sw_i, share, stop - start))
+    return parts
+
+
+def batch_size_of(x):
+    """The number of rows of a batch's inputs, as a scalar int32 tensor.
+
+    Example:
+
+    >>> int(batch_size_of({"a": tf.zeros((3, 4))}))
+    3
+    """
+    first = next(t for t in tree.flatten(x) if t is not None)
+    return tf.shape(first, out_type=tf.int32)[0]
+
+
+def check_divides(per_replica_batch, microbatches, num_replicas):
+    """A batch size known before the step must split into equal microbatches.
+
+    Batches whose size is only known at run time (such as a last, partial
+    batch) are split as evenly as possible and weighted exactly instead.
+
+    Example:
+
+    >>> check_divides(6, 4, 2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: `microbatches=4` must divide the per-replica batch size, which is 6: ...
+    """
+    if per_replica_batch is not None and per_replica_batch % microbatches:
+        raise ValueError(
+            f"`microbatches={microbatches}` must divide the per-replica batch "
+            f"size, which is {per_replica_batch}: use a divisor of "
+            f"{per_replica_batch} or a global batch size divisible by "
+            f"{microbatches * num_replicas}."
+        )
+
+
+def check_mean_losses(model, microbatches: int):
+    """Microbatching is exact for batch-mean losses; anything else is refused.
+
+    Example:
+
+    ```python
+    check_mean_losses(model, 2)   # ValueError for a loss with reduction="sum"
+    ```
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    for entry in getattr(compile_loss, "_flat_losses", None) or []:
+        reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
+        if reduction not in MEAN_REDUCTIONS:
+            raise ValueError(
+                f"`microbatches={microbatches}` needs losses that average over "
+                f"the batch (reduction in {MEAN_REDUCTIONS}), but loss "
+                f"{entry.name or entry.loss!r} has reduction={reduction!r}. Use "
+                f"a mean reduction, or microbatches=1."
+            )
+
+
+class MicrobatchLoss:
+    """A compiled model's loss on one microbatch, and its bookkeeping.
+
+    Args:
+        model: the compiled Keras model.
+        mesh: the strategy's `TensorMesh`, or None. When the model's final
+            classifier is split by classes, the loss is computed on each
+            rank's slice of the logits (`logits()` is the context for the
+            forward pass) and the metrics see the gathered logits.
+
+    Example:
+
+    ```python
+    loss_of = MicrobatchLoss(model, mesh=None)
+    with tf.GradientTape() as tape, loss_of.logits():
+        y_pred = model(mb.x, training=True)
+        loss = loss_of.loss(mb, y_pred)
+        target = loss_of.target(loss, mb.share)
+    metrics = loss_of.record(mb, loss, y_pred)
+    ```
+    """
+
+    def __init__(self, model, mesh=None):
+        self.model = model
+        self.mesh = mesh
+
+    def _sharded(self):
+        return self.mesh is not None and sharded_classifier(self.model)
+
+    def logits(self):
+        """The context of a forward pass whose logits the loss takes."""
+        return sharded_logits() if self._sharded() else contextlib.nullcontext()
+
+    def loss(self, microbatch: Microbatch, y_pred):
+        """Keras's training loss of the microbatch (mean over it, plus
+        `model.losses`, scaled for distribution as Keras does)."""
+        return self.model._compute_loss(
+            x=microbatch.x, y=microbatch.y, y_pred=y_pred,
+            sample_weight=microbatch.sample_weight, training=True)
+
+    def target(self, loss, share):
+        """What to differentiate: the loss times its share of the batch,
+        times the optimizer's loss scale."""
+        part = loss if share is None else loss * tf.cast(share, loss.dtype)
+        return self.model.optimizer.scale_loss(part)
+
+    def record(self, microbatch: Microbatch, loss, y_pred):
+        """Updates the loss tracker and the compiled metrics; returns the
+        metric results."""
+        model = self.model
+        model._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss),
+            sample_weight=microbatch.size)
+        if self._sharded() and model._compile_metrics is not None:
+            y_pred = self.mesh.gather_last(y_pred)  # metrics see every class
+        return model.compute_metrics(microbatch.x, microbatch.y, y_pred,
+                                     sample_weight=microbatch.sample_weight)
+
+
+def add_gradients(total, grads):
+    """`total + grads`, element by element, None meaning no gradient.
+
+    Example:
+
+    >>> [g.numpy().tolist() if g is not None else None
+    ...  for g in add_gradients([tf.ones(2), None], [tf.ones(2), None])]
+    [[2.0, 2.0], None]
+    """
+    if total is None:
+        return list(grads)
+
+    def add(a, b):
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+    return [add(a, b) for a, b in zip(total, grads)]
+

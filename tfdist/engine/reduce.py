@@ -1,0 +1,134 @@
+"""Reduce parts: a replica's local gradients in, what its update needs out.
+
+The second of a step's three parts (`TrainStep` = update(reduce(compute(batch)))).
+Each is called in replica context with the replica's gradients (aligned with
+`model.trainable_weights`, None where a weight has none) and crosses devices
+once per step, whatever the number of microbatches:
+
+- `AllReduce`: one packed all-reduce (sum) over every replica; the full
+  reduced gradients.
+- `DataGroupAllReduce`: with tensor parallelism, one packed all-reduce over the
+  replica's data group (the replicas holding the same shards); under loss
+  scaling, a non-finite gradient on any rank of the tensor group is made
+  non-finite on all of them, so every replica skips the same steps.
+- `ShardedReduce`: ZeRO's: each replica gets only its element shard of every
+  reduced gradient, by all-reduce then slicing (`zero=1`) or by
+  reduce-scatter (`zero=2`), over every replica or the data group.
+
+Ops are named `tfdist/reduce/...`.
+"""
+
+import tensorflow as tf
+
+from tfdist.sharding.collectives import non_finite_count, packed_reduce_scatter
+
+
+class AllReduce:
+    """Sum of every replica's gradients: one packed all-reduce.
+
+    Example:
+
+    ```python
+    reduced = AllReduce()(grads)   # in replica context
+    ```
+    """
+
+    def __call__(self, grads):
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return grads
+        present = [g for g in grads if g is not None]
+        reduced = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+        return [None if g is None else next(reduced) for g in grads]
+
+
+class DataGroupAllReduce:
+    """The data-parallel reduction on a data x tensor mesh (None kept).
+
+    Every replica of a tensor group differentiates its group's batch loss,
+    scaled by Keras by 1/N (N replicas): summing over the d replicas of the
+    data group gives 1/t of the gradient of the global batch, for a shard as
+    for a replicated weight (identical on the t ranks), so the sum is
+    multiplied by t. One packed collective per step.
+
+    Args:
+        mesh: the strategy's `TensorMesh`.
+        share_non_finite: make the gradients non-finite on every rank of the
+            tensor group if they are on any (under loss scaling, so that the
+            optimizer skips the step everywhere).
+
+    Example:
+
+    ```python
+    reduced = DataGroupAllReduce(strategy.tensor_mesh)(grads)
+    ```
+    """
+
+    def __init__(self, mesh, share_non_finite=False):
+        self.mesh = mesh
+        self.share_non_finite = share_non_finite
+
+    def __call__(self, grads):
+        mesh = self.mesh
+        present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+        if mesh.data > 1 and present:
+            present = mesh.data_launcher().batch_all_reduce([present])
+        present = [g * tf.cast(mesh.tensor, g.dtype) for g in present]
+        if self.share_non_finite and present:
+            # The ranks hold the gradients of different shards, so one may
+            # overflow alone: add NaN to every rank's first gradient if any
+            # rank's are not finite.
+            count = mesh.reduce(tf.reshape(non_finite_count(present), [1]))[0]
+            poison = tf.where(count > 0, float("nan"), 0.0)
+            present[0] = present[0] + tf.cast(poison, present[0].dtype)
+        reduced = iter(present)
+        return [None if g is None else next(reduced) for g in grads]
+
+
+class ShardedReduce:
+    """ZeRO's reduction: this replica's shard of every reduced gradient.
+
+    Args:
+        layouts: each trainable weight's shard layout (aligned with
+            `model.trainable_weights`): how a replica's part of the weight
+            is cut into element shards over its data group.
+        zero: 1 (all-reduce, then keep this replica's shard) or 2
+            (reduce-scatter: no replica ever holds another's reduced shard).
+        mesh: the strategy's `TensorMesh` (the reduction is over each data
+            group), or None (over every replica).
+
+    Example:
+
+    ```python
+    shards = ShardedReduce(update.layouts, zero=2)(grads)
+    ```
+    """
+
+    def __init__(self, layouts, zero: int, mesh=None):
+        self.layouts = layouts
+        self.zero = zero
+        self.mesh = mesh
+        self._full = DataGroupAllReduce(mesh) if mesh is not None else AllReduce()
+
+    def __call__(self, grads):
+        mesh = self.mesh
+        positions = [i for i, g in enumerate(grads) if g is not None]
+        if not positions:
+            raise ValueError("No gradients provided for any variable.")
+        present = [tf.convert_to_tensor(grads[i]) for i in positions]
+        layouts = [self.layouts[i] for i in positions]
+        if self.zero == 1:
+            context = tf.distribute.get_replica_context()
+            # This replica's shard index: its place in its data group.
+            index = context.replica_id_in_sync_group // (mesh.tensor if mesh else 1)
+            shards = [layout.shard(g, index)
+                      for layout, g in zip(layouts, self._full(present))]
+        else:
+            shards = packed_reduce_scatter(
+                present, layouts, mesh.data_launcher() if mesh else None)
+            if mesh is not None:  # see DataGroupAllReduce
+                shards = [g * tf.cast(mesh.tensor, g.dtype) for g in shards]
+        out = [None] * len(grads)
+        for i, shard in zip(positions, shards):
+            out[i] = shard
+        return out

@@ -1,0 +1,189 @@
+"""`PipelineCompute`: phase 1 of the step with `pipeline` > 1.
+
+Each replica's batch is split into `microbatches` slices that flow through the
+model's stages (`tfdist.pipeline.stages`), stage s computing on its own device.
+The step engine, not TensorFlow's executor, decides the order in which each
+stage runs its actions (the forward or the backward of one microbatch): the
+schedule's emission order (`tfdist.pipeline.schedule`), every action of a
+stage waiting (control dependencies) for that stage's previous action. Each
+action is its stage's `StageRunner`'s (`tfdist.pipeline.runner`). The last
+stage's forward ends in the microbatch's loss, weighted by its share of the
+batch, so the summed gradients are the batch's.
+
+With `tensor` > 1 each action of stage s runs under `TensorMesh.stage(s)`: the
+split layers' all-reduces are among the tensor group's stage-s devices.
+
+Ops are named `tfdist/stage{s}/{fwd|bwd}/mb{i}/...`.
+"""
+
+import contextlib
+import functools
+
+import tensorflow as tf
+from keras.src import tree
+
+from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
+from tfdist.pipeline.placement import place_stages
+from tfdist.pipeline.runner import StageRunner
+from tfdist.pipeline.schedule import FORWARD, emission_order, stage_orders
+from tfdist.pipeline.stages import graph_of, plan_stages
+
+
+def _accumulate(totals, weights, grads):
+    """Adds `grads` (one per (index, variable) of `weights`) into `totals[index]`."""
+    for (index, _), grad in zip(weights, grads):
+        if grad is not None:
+            grad = tf.convert_to_tensor(grad)  # embeddings: IndexedSlices
+            totals[index] = grad if totals[index] is None else totals[index] + grad
+
+
+class PipelineCompute:
+    """Gradients of one replica's batch through the stages, in schedule order.
+
+    Args:
+        model: the compiled Keras model.
+        stages: its `Stage`s (`plan_stages`).
+        devices: `devices[r][s]`, the device of stage s in data replica r.
+        microbatches: microbatches per replica batch.
+        kind: the schedule, a key of `tfdist.pipeline.schedule.SCHEDULES`
+            ("gpipe" or "1f1b").
+        remat: recompute each stage's forward in its backward.
+        xla: compile each stage's layers with XLA.
+
+    After a step is traced, `peak_held[s]` is the largest number of
+    microbatches whose activations stage s held at once
+    (`held_activations` of the schedule).
+
+    Example:
+
+    ```python
+    compute = PipelineCompute(model, plan_stages(model, 2), [["CPU:0", "CPU:1"]], 4, "1f1b")
+    grads, metrics = compute(slices)   # inside strategy.run: one (x, y, sw, share, size)
+                                       # per microbatch
+    ```
+    """
+
+    def __init__(self, model, stages, devices, microbatches, kind, remat=False, xla=False):
+        self.model = model
+        self.graph = graph_of(model)
+        self.stages = stages
+        self.devices = devices
+        self.order = emission_order(stage_orders(kind, len(stages), microbatches))
+        self.remat = remat
+        self.peak_held = [0] * len(stages)
+        self.runners = [StageRunner(stage, model.trainable_weights, xla=xla) for stage in stages]
+        self.loss = MicrobatchLoss(model, getattr(model.distribute_strategy, "tensor_mesh", None))
+        self._per_replica = {}  # with tensor groups: local replica -> its tf.function
+
+    def __call__(self, slices):
+        """(summed gradients aligned with `model.trainable_weights`, metrics).
+
+        `slices` gives each microbatch's (x, y, sample_weight, share, size).
+        """
+        strategy = self.model.distribute_strategy
+        replica = tf.get_static_value(
+            tf.distribute.get_replica_context().replica_id_in_sync_group)
+        if replica is None:
+            raise RuntimeError("pipeline: the replica id is not known while tracing.")
+        local = int(strategy.extended._get_local_replica_id(replica))
+        mesh = getattr(strategy, "tensor_mesh", None)
+        if mesh is None:
+            return self._replica_actions(slices, local, mesh)
+        # With tensor groups, actions all-reduce with the other replicas. The
+        # replicas are traced into one graph, in which TensorFlow chains
+        # every stateful op without a resource (such as a loss's shape
+        # assert) in trace order: replica 0's second loss before replica 1's
+        # first, which (1F1B) waits for a backward whose all-reduce needs
+        # replica 0's second forward: a cycle. One function call per replica
+        # keeps each replica's chain inside its own call.
+        if local not in self._per_replica:
+            self._per_replica[local] = tf.function(
+                functools.partial(self._replica_actions, local=local, mesh=mesh))
+        return self._per_replica[local](slices)
+
+    def _replica_actions(self, slices, local, mesh):
+        # A class-split classifier gives its logit slice to the sharded loss.
+        with self.loss.logits():
+            return self._run_actions(slices, self.devices[local], mesh)
+
+    def _run_actions(self, slices, devices, mesh):
+        """Every action of the schedule, in emission order, each on its stage's
+        device after the stage's previous action."""
+        last = len(self.stages) - 1
+        env = [self._inputs(x_i) for x_i, *_ in slices]   # values by id(symbolic)
+        out_grads = [{} for _ in slices]                   # gradients by id(symbolic)
+        held = [{} for _ in self.stages]                   # stage -> mb -> Activations
+        previous = [[] for _ in self.stages]               # stage's last action's tensors
+        totals = [None] * len(self.model.trainable_weights)
+        metrics = None
+        for action in self.order:
+            s, i = action.stage, action.microbatch
+            runner = self.runners[s]
+            forward = action.kind == FORWARD
+            # The loss is tracked by the forward, not again by a remat replay.
+            head = (functools.partial(self._last_stage_loss, slices[i], forward)
+                    if s == last else None)
+            with tf.name_scope(f"stage{s}/{'fwd' if forward else 'bwd'}/mb{i}"), \
+                    tf.device(devices[s]), tf.control_dependencies(previous[s]), \
+                    mesh.stage(s) if mesh else contextlib.nullcontext():
+                if forward:
+                    kept = runner.forward(env[i], head, remat=self.remat)
+                    held[s][i] = kept
+                    self.peak_held[s] = max(self.peak_held[s], len(held[s]))
+                    env[i].update((id(sym), value) for sym, value in
+                                  zip(runner.stage.outputs, kept.outputs))
+                    if s == last:
+                        metrics = kept.metrics
+                    previous[s] = tf.nest.flatten([kept.loss] if s == last else kept.outputs)
+                else:
+                    kept = held[s].pop(i)
+                    if self.remat:
+                        kept = runner.replay(kept, head)
+                    grads = runner.backward(kept, out_grads[i])
+                    _accumulate(totals, runner.weights, grads)
+                    previous[s] = [g for g in tf.nest.flatten(grads, expand_composites=True)
+                                   if g is not None] or previous[s]
+        # The gradients meet on the replica's own device: the data-parallel
+        # reduce is then one packed all-reduce, as without stages.
+        with tf.device(devices[0]):
+            totals = [None if g is None else tf.identity(g) for g in totals]
+        return totals, metrics
+
+    def _last_stage_loss(self, microbatch, track, values):
+        """The last stage's loss of `microbatch` (its (x, y, sample_weight,
+        share, size)) from the stage's `values`: (loss, loss weighted by the
+        microbatch's share and scaled by the optimizer, metrics). With `track`
+        (the first forward, not a remat replay) it also updates the loss
+        tracker and the compiled metrics; otherwise metrics is None."""
+        part = Microbatch(*microbatch)
+        outputs = [values[id(sym)] for sym in self.graph.outputs]
+        y_pred = tree.pack_sequence_as(self.graph._outputs_struct, outputs)
+        loss = self.loss.loss(part, y_pred)
+        scaled = self.loss.target(loss, part.share)
+        if not track:
+            return loss, scaled, None
+        return loss, scaled, self.loss.record(part, loss, y_pred)
+
+    def _inputs(self, x):
+        return {id(sym): value for sym, value in
+                zip(self.graph.inputs, tree.flatten(self.graph._standardize_inputs(x)))}
+
+
+def pipeline_compute(model, strategy) -> PipelineCompute:
+    """Plans `model`'s stages, moves their variables onto the stages' devices,
+    and returns the compute that runs them (strategy's `pipeline`,
+    `stage_boundaries`, `microbatches`, `schedule`, `remat`).
+
+    Example:
+
+    ```python
+    compute = pipeline_compute(model, tfdist.Strategy(pipeline=2, microbatches=4))
+    ```
+    """
+    config = strategy.config
+    stages = plan_stages(model, config.pipeline, config.stage_boundaries)
+    devices = strategy.pipeline_devices
+    per_stage = [[replica[s] for replica in devices] for s in range(config.pipeline)]
+    place_stages(model, stages, per_stage, strategy)
+    return PipelineCompute(model, stages, devices, config.microbatches,
+                           config.schedule, remat=config.remat, xla=config.xla)

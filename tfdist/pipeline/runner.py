@@ -1,0 +1,183 @@
+"""`StageRunner`: one pipeline stage's forward, backward and remat replay of a
+microbatch.
+
+Each runs its stage alone: the forward records a tape over the stage's inputs
+and weights and keeps it in `Activations`; the backward turns the gradients of
+the stage's outputs (summed over every later stage that reads them) into those
+of its inputs and weights. With remat the forward keeps only its inputs (and
+the stage's state as it found it) and `replay` recomputes it under a tape. The
+order, devices and name scopes of the actions are `PipelineCompute`'s
+(`tfdist.pipeline.compute`).
+"""
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+from keras.src import tree
+from keras.src.models.functional import operation_fn
+
+
+@dataclasses.dataclass
+class Activations:
+    """What a stage's forward of one microbatch keeps for its backward.
+
+    Attributes:
+        inputs: the stage's input values by `id` of their symbolic tensor.
+        sources: the same values, in the order of `stage.inputs`.
+        outputs: the stage's output values, in the order of `stage.outputs`.
+        tape: the tape recorded over `sources` and the weights; None when
+            the forward was not recorded (remat: `replay` records it).
+        state: with remat, the stage's non-trainable state (seed counters,
+            normalisation statistics) as the forward found it.
+        loss: last stage only: the microbatch's loss.
+        scaled: last stage only: the loss weighted by the microbatch's share
+            and scaled by the optimizer: what the backward differentiates.
+        metrics: last stage only, when tracked: the model's metrics after
+            this microbatch.
+
+    Example:
+
+    ```python
+    activations = runner.forward(values)
+    activations.outputs   # what the next stage reads
+    ```
+    """
+
+    inputs: dict
+    sources: list
+    outputs: list
+    tape: tf.GradientTape | None = None
+    state: list | None = None
+    loss: Any = None
+    scaled: Any = None
+    metrics: Any = None
+
+
+def _call_layers(stage, sources):
+    """The stage's layer calls on its input values; its output values."""
+    values = {id(sym): value for sym, value in zip(stage.inputs, sources)}
+    for node in stage.nodes:
+        args, kwargs = node.arguments.fill_in(values)
+        op = operation_fn(node.operation, training=True)
+        outputs = op(*args, **kwargs)
+        for sym, value in zip(node.outputs, tree.flatten(outputs)):
+            values[id(sym)] = value
+    return [values[id(sym)] for sym in stage.outputs]
+
+
+class StageRunner:
+    """Runs one pipeline stage's forward, backward and remat replay.
+
+    Args:
+        stage: the `Stage` it runs (`plan_stages`).
+        trainable_weights: the model's trainable weights, to which the
+            backward's gradients are aligned (`weights`).
+        xla: compile the stage's layer calls with XLA (one computation per
+            stage, replica and microbatch shape; the order stays the engine's).
+
+    Attributes:
+        weights: (index in `trainable_weights`, variable) of each of the
+            stage's trainable weights, in the order `backward` returns their
+            gradients.
+        state: the stage's non-trainable variables.
+
+    Example:
+
+    ```python
+    runner = StageRunner(plan_stages(model, 2)[0], model.trainable_weights)
+    activations = runner.forward(values)          # values by id(symbolic tensor)
+    grads = runner.backward(activations, out_grads)
+    ```
+    """
+
+    def __init__(self, stage, trainable_weights, xla=False):
+        self.stage = stage
+        self.state = [v for layer in stage.layers
+                      for v in getattr(layer, "non_trainable_variables", ())]
+        index = {id(v): i for i, v in enumerate(trainable_weights)}
+        self.weights = [(index[id(v)], v) for layer in stage.layers
+                        for v in getattr(layer, "trainable_weights", ())]
+        self._call = functools.partial(_call_layers, stage)
+        if xla:
+            self._call = tf.function(self._call, jit_compile=True, reduce_retracing=True)
+
+    def forward(self, values: dict, head: Callable | None = None,
+                remat: bool = False) -> Activations:
+        """The stage's forward on `values` (by `id` of symbolic tensor).
+
+        `head`, given for the last stage, maps the stage's input and output
+        values to (loss, scaled loss, metrics); it runs under the tape. With
+        `remat` nothing is recorded: `replay` computes it again.
+        """
+        # remat replays this forward later: keep the stage's state (random-seed
+        # counters) as it was before it.
+        state = [tf.identity(v.value) for v in self.state] if remat else None
+        activations = self._record(values, head, record=not remat)
+        activations.state = state
+        return activations
+
+    def replay(self, activations: Activations, head: Callable | None = None) -> Activations:
+        """The remat forward: the stage's forward again, under a tape, with
+        its state set to what the first run saw and restored afterwards, so
+        dropout draws the same masks and no statistic is updated twice."""
+        now = [tf.identity(v.value) for v in self.state]
+        with tf.control_dependencies(now):
+            started = [v.assign(value) for v, value in zip(self.state, activations.state)]
+        with tf.control_dependencies(tf.nest.flatten(started)):
+            replayed = self._record(activations.inputs, head, record=True)
+        with tf.control_dependencies(tf.nest.flatten(replayed.outputs)):
+            for v, value in zip(self.state, now):
+                v.assign(value)
+        return replayed
+
+    def backward(self, activations: Activations, out_grads: dict) -> list:
+        """Gradients of the stage's weights (aligned with `weights`); adds
+        those of its inputs to `out_grads` (by `id` of symbolic tensor), which
+        holds the gradients of its outputs."""
+        stage = self.stage
+        weights = [v for _, v in self.weights]
+        sources = activations.sources
+        floating = [t for t in sources if t.dtype.is_floating]
+        is_last = activations.scaled is not None
+        if is_last:
+            targets, seeds = activations.scaled, None
+        else:
+            pairs = [(out, out_grads.get(id(sym))) for sym, out in
+                     zip(stage.outputs, activations.outputs)
+                     if out_grads.get(id(sym)) is not None]
+            targets = [out for out, _ in pairs]
+            seeds = [g for _, g in pairs]
+        if is_last or targets:
+            grads = activations.tape.gradient(targets, floating + weights,
+                                              output_gradients=seeds)
+        else:
+            grads = [None] * (len(floating) + len(weights))
+        input_grads = iter(grads[:len(floating)])
+        for sym, value in zip(stage.inputs, sources):
+            if value.dtype.is_floating:
+                grad = next(input_grads)
+                if grad is not None:
+                    grad = tf.convert_to_tensor(grad)
+                    known = out_grads.get(id(sym))
+                    out_grads[id(sym)] = grad if known is None else known + grad
+        return grads[len(floating):]
+
+    def _record(self, values, head, record):
+        """Runs the stage (and `head`) on `values`, under a tape if `record`."""
+        inputs = {id(sym): values[id(sym)] for sym in self.stage.inputs}
+        sources = [inputs[id(sym)] for sym in self.stage.inputs]
+        tape = tf.GradientTape() if record else None
+        with tape if record else contextlib.nullcontext():
+            if record:
+                tape.watch([t for t in sources if t.dtype.is_floating])
+            activations = Activations(inputs, sources, self._call(sources), tape)
+            if head is not None:
+                seen = dict(inputs)
+                seen.update((id(sym), value) for sym, value in
+                            zip(self.stage.outputs, activations.outputs))
+                activations.loss, activations.scaled, activations.metrics = head(seen)
+        return activations

@@ -1,0 +1,274 @@
+"""Tensor layouts: how a built Keras layer is split across a tensor group.
+
+Each layout (Megatron's, Shoeybi et al., 2019) owns two things: how it moves a
+built layer's weights into per-device shards (`split`: `ShardedStorage` with an
+`AxisLayout`; the Keras variables keep their full shape, path and identity)
+and the call the layer makes on its shards inside the strategy's replicas
+(`sharded_call`). `apply` does both; outside the replicas (Keras's symbolic
+build, eager calls, another strategy) the layer reads its weights whole and
+computes exactly as before. `name` is what `describe` prints.
+
+- `Column`: a Dense / EinsumDense whose kernel and bias are split along the
+  output axis (`axis` of the kernel): each rank computes its slice of the
+  output. Its input passes Megatron's "f" (`copy_input`), unless the owner of
+  several projections applied it once (attention).
+- `Row`: a Dense / EinsumDense whose kernel is split along its first (input)
+  axis; it takes a column layer's sliced output, and the partial products are
+  summed over the group ("g") before the replicated bias and the activation.
+- `Vocabulary`: an Embedding whose table is split by rows; each rank looks up
+  the ids it owns (zeros elsewhere) and the group sums ("g").
+- `Heads`: a MultiHeadAttention: query/key/value column-parallel by heads, the
+  output projection row-parallel; each distinct input passes "f" once.
+- `Classifier`: the model's final Dense split by output classes like
+  `Column`; inside tfdist's training step (`sharded_logits()`) it returns each
+  rank's slice of the logits, which `ShardedSoftmaxCrossEntropy` turns into
+  the loss without ever assembling them; elsewhere it all-gathers them.
+- `Replicated`: the layer is left whole on every device.
+
+Example:
+
+```python
+Column().apply(model.layers[0], strategy.tensor_mesh)   # (in, out) -> (in, out/t)
+Row().apply(model.layers[1], strategy.tensor_mesh)      # (in, out) -> (in/t, out)
+```
+"""
+
+import keras
+import tensorflow as tf
+from keras.src import backend
+
+from tfdist.sharding.layout import AxisLayout
+from tfdist.sharding.storage import shard_keras_variable
+from tfdist.tensor.softmax import logits_are_sharded
+
+
+def use_call(layer, call):
+    """Makes `call` the computation of one built layer (this object only).
+
+    Keras offers no hook to change how one built layer computes: its
+    `__call__` runs `self.call`, so an instance attribute shadows the class's
+    method for this object alone (its class, other instances, its config and
+    its weights are untouched). Every tensor layout changes a layer's call
+    here, and nowhere else.
+
+    Example:
+
+    ```python
+    own_call = type(layer).call
+    use_call(layer, lambda inputs, training=None: own_call(layer, inputs) * 2.0)
+    ```
+    """
+    layer.call = call
+
+
+class TensorLayout:
+    """How a built layer is split over a tensor group, and how it then computes.
+
+    Subclasses set `name` (what `describe` prints) and implement
+    `split(layer, mesh)` and `sharded_call(layer, mesh, *args, **kwargs)`.
+
+    Example:
+
+    ```python
+    layout = Vocabulary()
+    layout.apply(embedding, strategy.tensor_mesh)   # (V, d) -> (V/t, d)
+    layout.name                                     # 'vocabulary'
+    ```
+    """
+
+    name = None
+
+    def split(self, layer, mesh):
+        """Moves `layer`'s weights into shards over `mesh`'s tensor group."""
+        raise NotImplementedError
+
+    def sharded_call(self, layer, mesh, *args, **kwargs):
+        """What `layer` computes on its shards inside a replica of `mesh`."""
+        raise NotImplementedError
+
+    def apply(self, layer, mesh):
+        """Splits built `layer` over `mesh` and gives it its sharded call."""
+        self.split(layer, mesh)
+        own_call = type(layer).call
+
+        def call(*args, **kwargs):
+            if mesh.rank() is None:  # outside the mesh's replicas: whole weights
+                return own_call(layer, *args, **kwargs)
+            return self.sharded_call(layer, mesh, *args, **kwargs)
+
+        use_call(layer, call)
+        layer._tfdist_layout = self  # what `plan` reports for an explicit layer
+
+
+class Replicated(TensorLayout):
+    """A layer left whole on every device of the tensor group.
+
+    Example:
+
+    ```python
+    Replicated().apply(layer, mesh)   # nothing changes
+    ```
+    """
+
+    name = "replicated"
+
+    def apply(self, layer, mesh):
+        """Leaves `layer` as it is."""
+
+
+class Column(TensorLayout):
+    """A Dense / EinsumDense split by output features (kernel axis `axis`).
+
+    Args:
+        axis: the kernel's output axis to split (-2 for attention's
+            (d, heads, size) projections).
+        copy_input: pass the input through Megatron's "f" (off when the owner
+            of several projections applies it once).
+        gather_output: all-gather the output slices (last axis).
+
+    Example:
+
+    ```python
+    Column().apply(model.layers[0], strategy.tensor_mesh)   # (in, out) -> (in, out/t)
+    ```
+    """
+
+    name = "column"
+
+    def __init__(self, axis=-1, copy_input=True, gather_output=False):
+        self.axis = axis
+        self.copy_input = copy_input
+        self.gather_output = gather_output
+
+    def split(self, layer, mesh):
+        """Splits the kernel along `axis` and the bias along the same output axis."""
+        kernel_axis = self.axis % len(layer._kernel.shape)
+        _split(layer._kernel, kernel_axis, mesh)
+        if layer.bias is not None:
+            # The bias has the kernel's output axes (those after its input axes).
+            offset = len(layer._kernel.shape) - len(layer.bias.shape)
+            _split(layer.bias, kernel_axis - offset, mesh)
+
+    def sharded_call(self, layer, mesh, inputs, training=None):
+        """This rank's slice of the output (all of it with `gather_output`)."""
+        x = mesh.copy(inputs) if self.copy_input else inputs
+        y = type(layer).call(layer, x)
+        return mesh.gather_last(y) if self.gathers() else y
+
+    def gathers(self):
+        """Whether the output slices are gathered (asked at every call)."""
+        return self.gather_output
+
+
+class Classifier(Column):
+    """The model's final Dense split by output classes, its logits left
+    sharded inside `sharded_logits()` and gathered elsewhere.
+
+    Example:
+
+    ```python
+    Classifier().apply(model.layers[-1], strategy.tensor_mesh)  # (d, V) -> (d, V/t)
+    ```
+    """
+
+    name = "classifier"
+
+    def gathers(self):
+        """Gathers the logits unless the loss takes them sharded."""
+        return not logits_are_sharded()
+
+
+class Row(TensorLayout):
+    """A Dense / EinsumDense split by input features (kernel axis 0).
+
+    Example:
+
+    ```python
+    Row().apply(model.layers[1], strategy.tensor_mesh)   # (in, out) -> (in/t, out)
+    ```
+    """
+
+    name = "row"
+
+    def split(self, layer, mesh):
+        """Splits the kernel along its input axis; the bias stays whole."""
+        _split(layer._kernel, 0, mesh)
+        # Its input is a slice of the features inside replicas, whole outside.
+        layer.input_spec = None
+
+    def sharded_call(self, layer, mesh, inputs, training=None):
+        """The partial products summed over the group ("g"), bias, activation."""
+        if isinstance(layer, keras.layers.EinsumDense):
+            partial = keras.ops.einsum(layer.equation, inputs, layer.kernel)
+        else:
+            partial = keras.ops.matmul(inputs, layer.kernel)
+        y = mesh.reduce(partial)
+        if layer.bias is not None:
+            y = keras.ops.add(y, layer.bias)
+        return y if layer.activation is None else layer.activation(y)
+
+
+class Vocabulary(TensorLayout):
+    """An Embedding split by vocabulary rows.
+
+    Example:
+
+    ```python
+    Vocabulary().apply(model.layers[0], strategy.tensor_mesh)   # (V, d) -> (V/t, d)
+    ```
+    """
+
+    name = "vocabulary"
+
+    def split(self, layer, mesh):
+        """Splits the table by rows."""
+        _split(layer._embeddings, 0, mesh)
+
+    def sharded_call(self, layer, mesh, inputs):
+        """This rank's rows looked up (zeros for ids it does not own), summed ("g")."""
+        rows = layer.input_dim // mesh.tensor
+        ids = tf.cast(inputs, tf.int32) - mesh.rank() * rows
+        owned = tf.logical_and(ids >= 0, ids < rows)
+        found = tf.gather(tf.convert_to_tensor(layer.embeddings),
+                          tf.where(owned, ids, tf.zeros_like(ids)))
+        found = found * tf.cast(owned, found.dtype)[..., tf.newaxis]
+        return tf.cast(mesh.reduce(found), layer.compute_dtype)
+
+
+class Heads(TensorLayout):
+    """A MultiHeadAttention split by heads.
+
+    Example:
+
+    ```python
+    Heads().apply(block_attention, strategy.tensor_mesh)   # 8 heads -> 8/t per device
+    ```
+    """
+
+    name = "heads"
+
+    def split(self, layer, mesh):
+        """Query/key/value `Column` by heads, the output projection `Row`."""
+        for projection in (layer._query_dense, layer._key_dense, layer._value_dense):
+            Column(axis=-2, copy_input=False).apply(projection, mesh)  # (d, heads, size)
+        Row().apply(layer._output_dense, mesh)                         # (heads, size, d)
+
+    def sharded_call(self, layer, mesh, query, value, key=None, **kwargs):
+        """The layer's own call, each distinct input through "f" once."""
+        copies = {}
+
+        def copy(x):  # self-attention: once
+            if x is None:
+                return None
+            if id(x) not in copies:
+                copies[id(x)] = mesh.copy(x)
+                backend.set_keras_mask(copies[id(x)], backend.get_keras_mask(x))
+            return copies[id(x)]
+
+        return type(layer).call(layer, copy(query), copy(value), copy(key), **kwargs)
+
+
+def _split(variable, axis, mesh):
+    layout = AxisLayout(variable.shape, axis, mesh.tensor)
+    with mesh.strategy.scope():
+        shard_keras_variable(variable, layout, mesh.strategy)
