@@ -106,7 +106,9 @@ class LocalCompute(Compute):
 
     def gradients(self, x, y, sample_weight):
         total = metrics = None
-        for i, part in enumerate(self.split(x, y, sample_weight)):
+        with tf.name_scope("split"):
+            parts = self.split(x, y, sample_weight)
+        for i, part in enumerate(parts):
             with tf.name_scope(f"microbatch{i}"), \
                     tf.control_dependencies(_tensors(total)):
                 loss, y_pred, grads = self._run(part.x, part.y, part.sample_weight, part.share)

@@ -104,8 +104,9 @@ class TrainStep:
 
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""
-        grads, metrics = self.gradients(data)
-        self.apply_gradients(grads)
+        with tf.name_scope("tfdist"):  # one scope: the parts' ops are tfdist/<part>/...
+            grads, metrics = self._gradients(data)
+            self.update(grads)
         return metrics
 
     def gradients(self, data):
@@ -121,17 +122,20 @@ class TrainStep:
         strategy.run(step.apply_gradients, args=(grads,))
         ```
         """
-        if self.compute is None:
-            raise RuntimeError(
-                "Run the step with the tfdist strategy's `run` (or call "
-                "`TrainStep.prepare()` first): its parts are chosen, and their "
-                "state readied, before the first step.")
         with tf.name_scope("tfdist"):
-            grads, metrics = self.compute(data)
-            with tf.name_scope("reduce"):
-                return self.reduce(grads), metrics
+            return self._gradients(data)
 
     def apply_gradients(self, grads):
         """The update part alone, on what `gradients` returned."""
         with tf.name_scope("tfdist"):
             self.update(grads)
+
+    def _gradients(self, data):
+        if self.compute is None:
+            raise RuntimeError(
+                "Run the step with the tfdist strategy's `run` (or call "
+                "`TrainStep.prepare()` first): its parts are chosen, and their "
+                "state readied, before the first step.")
+        grads, metrics = self.compute(data)
+        with tf.name_scope("reduce"):
+            return self.reduce(grads), metrics
