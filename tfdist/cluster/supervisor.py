@@ -110,10 +110,15 @@ def _stop_descendants(launcher_signalled_group):
     while descendants() and time.monotonic() < deadline and not _state["urgent"]:
         _reap()
         time.sleep(0.05)
-    while descendants():
+    deadline = time.monotonic() + GRACE_SECONDS
+    while descendants() and time.monotonic() < deadline:
         _signal_all(signal.SIGKILL)
         time.sleep(0.05)
         _reap()
+    left = descendants()
+    if left:  # uninterruptible (in the kernel): nothing more a signal can do
+        print(f"processes {sorted(left)} did not end {GRACE_SECONDS:g} s after SIGKILL",
+              file=sys.stderr)
 
 
 def main(argv):
