@@ -102,6 +102,38 @@ class _StepOwner:
         """The data x tensor `TensorMesh` of the replicas when `tensor` > 1, else None."""
         return getattr(self, "_tensor_mesh", None)
 
+    def reduce(self, reduce_op, value, axis):
+        """`tf.distribute.Strategy.reduce`, also for batches of unequal size.
+
+        When a global batch does not split evenly over the replicas, their
+        batches differ in rows, which an elementwise reduction (`axis=None`)
+        cannot combine; Keras's `fit` makes one such reduction of its first
+        batch (to build the model). A value whose replicas hold different
+        numbers of rows is reduced over the rows they all have.
+
+        Example:
+
+        ```python
+        batch = next(iter(strategy.experimental_distribute_dataset(ds)))
+        first_rows = strategy.reduce("MEAN", batch, axis=None)
+        ```
+        """
+        if axis is None:
+            value = tf.nest.map_structure(self._common_rows, value)
+        return super().reduce(reduce_op, value, axis)
+
+    def _common_rows(self, value):
+        """A per-replica value cut to the rows every local replica has."""
+        if not isinstance(value, tf.distribute.DistributedValues):
+            return value
+        parts = self.experimental_local_results(value)
+        rows = {part.shape[0] if part.shape.rank else None for part in parts}
+        if len(rows) < 2 or None in rows:
+            return value
+        common = min(rows)
+        return self.experimental_distribute_values_from_function(
+            lambda context: parts[context.replica_id_in_sync_group][:common])
+
     def describe(self, model: keras.Model) -> str:
         """How `model`'s layers are laid out under this strategy, one per line.
 
@@ -202,11 +234,10 @@ class _StepOwner:
         leaves = [s for s in tf.nest.flatten(dataset.element_spec) if s.shape.rank]
         if leaves:
             global_batch = leaves[0].shape[0]
-            replicas = self.num_replicas_in_sync
-            if global_batch is not None and global_batch % replicas == 0:
-                check_divides(
-                    global_batch // replicas, self._config.microbatches, replicas
-                )
+            # The microbatches split a tensor group's batch (its replicas' together).
+            groups = self.num_replicas_in_sync // self._config.tensor
+            if global_batch is not None and global_batch % groups == 0:
+                check_divides(global_batch // groups, self._config.microbatches, groups)
 
 
 def _keras_step_owner(fn, names):

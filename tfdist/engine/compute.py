@@ -21,6 +21,7 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfdist.engine import microbatch
+from tfdist.engine.metrics import synced_results
 
 
 class Compute:
@@ -51,17 +52,23 @@ class Compute:
             with tf.name_scope("group_batch"):  # a tensor group shares its batch
                 data, _ = self.mesh.group_batch(data)
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        return self.gradients(x, y, sample_weight)
+        grads, results = self.gradients(x, y, sample_weight)
+        with tf.name_scope("metrics"):
+            copies = self.mesh.tensor if self.mesh is not None else 1
+            return grads, synced_results(self.model, results, copies)
 
     def split(self, x, y, sample_weight):
-        """The batch's microbatches, after checking it can be cut into them."""
+        """The batch's microbatches, after checking it can be cut into them,
+        each weighted by its share of the global batch."""
         k = self.microbatches
         if k > 1:
-            microbatch.check_divides(
-                tf.get_static_value(microbatch.batch_size_of(x)), k,
-                self.model.distribute_strategy.num_replicas_in_sync)
+            groups = self.model.distribute_strategy.num_replicas_in_sync // (
+                self.mesh.tensor if self.mesh is not None else 1)
+            microbatch.check_divides(tf.get_static_value(microbatch.batch_size_of(x)), k, groups)
             microbatch.check_mean_losses(self.model, k)
-        return microbatch.split(x, y, sample_weight, k)
+        with tf.name_scope("count"):
+            rows, replicas = microbatch.global_rows(microbatch.batch_size_of(x))
+        return microbatch.split(x, y, sample_weight, k, rows, replicas)
 
     def gradients(self, x, y, sample_weight):
         raise NotImplementedError
@@ -90,10 +97,10 @@ class LocalCompute(Compute):
 
     def __init__(self, model, microbatches: int, mesh=None, xla=False):
         super().__init__(model, microbatches, mesh)
-        self._run = self._forward_backward
+        self._runs = [self._forward_backward] * microbatches
         if xla:
-            self._run = tf.function(
-                self._forward_backward, jit_compile=True, reduce_retracing=True)
+            self._runs = [tf.function(
+                self._forward_backward, jit_compile=True, reduce_retracing=True)] * microbatches
         elif mesh is not None and microbatches > 1:
             # The replicas are traced into one graph, in which TensorFlow
             # chains every stateful op without a resource (the loss's shape
@@ -101,8 +108,13 @@ class LocalCompute(Compute):
             # for its microbatch 0's gradient all-reduce, would come before
             # replica 1's microbatch 0 and that all-reduce would never meet
             # its peer. One function call per microbatch keeps each replica's
-            # chain inside its own calls.
-            self._run = tf.function(self._forward_backward, reduce_retracing=True)
+            # chain inside its own calls; one function per microbatch gives
+            # each microbatch's tensor-group collectives their own keys, so
+            # that they meet their peers whatever order the ranks run the
+            # microbatches in (with microbatches of unequal sizes, a shared
+            # function's collectives met another microbatch's).
+            self._runs = [tf.function(self._forward_backward, reduce_retracing=True)
+                          for _ in range(microbatches)]
 
     def gradients(self, x, y, sample_weight):
         total = metrics = None
@@ -111,7 +123,8 @@ class LocalCompute(Compute):
         for i, part in enumerate(parts):
             with tf.name_scope(f"microbatch{i}"), \
                     tf.control_dependencies(_tensors(total)):
-                loss, y_pred, grads = self._run(part.x, part.y, part.sample_weight, part.share)
+                loss, y_pred, grads = self._runs[i](
+                    part.x, part.y, part.sample_weight, part.share)
                 metrics = self.loss.record(part, loss, y_pred)
                 total = microbatch.add_gradients(total, grads)
         return total, metrics

@@ -6,12 +6,16 @@ compute, microbatches flowing through stages) cut the per-replica batch the same
 way and treat each microbatch's loss the same way:
 
 - `split`: microbatch i of k is rows `[i*n//k, (i+1)*n//k)` of the batch, so
-  uneven and empty slices are fine; its `share` of the batch is its size over n.
+  uneven and empty slices are fine; its `share` is its part of the global
+  batch (its size over the global batch's, times the replicas, as Keras
+  divides each replica's loss by their number), so replicas holding
+  different numbers of examples (a global batch that does not split evenly,
+  a last partial batch) weight every example alike.
 - `MicrobatchLoss`: the loss of one microbatch as Keras's `train_step` computes
   it, the part of it whose gradient is taken (times `share`, then the
   optimizer's loss scale), and the loss tracker and compiled metrics updated
   with it. For batch-mean losses the shares make the summed gradients exactly
-  the whole batch's, and Keras's streaming metrics updated per microbatch equal
+  the global batch's, and Keras's streaming metrics updated per microbatch equal
   one update with the whole batch.
 - `add_gradients`: the running sum of the microbatches' gradients.
 """
@@ -44,18 +48,36 @@ class Microbatch:
     size: object
 
 
-def split(x, y, sample_weight, microbatches: int) -> list[Microbatch]:
-    """The batch cut into `microbatches` consecutive slices (one: itself).
+def split(x, y, sample_weight, microbatches: int, global_rows=None,
+          replicas: int = 1) -> list[Microbatch]:
+    """The batch cut into `microbatches` consecutive slices (one: itself),
+    each with its share of the global batch.
+
+    A slice of `s` rows has share `replicas * s / global_rows`: Keras divides
+    each replica's loss by the number of replicas, so summed over the replicas
+    the shares weight every example of the global batch alike, however the
+    batch was split over them (uneven or empty replica batches included).
+    `global_rows` is the global batch's row count (default: this batch's own,
+    `replicas` then being 1). With one slice and no `global_rows` the share
+    is None: the batch is the whole.
 
     Example:
 
     >>> parts = split(tf.zeros((5, 2)), tf.zeros((5,)), None, 2)
     >>> [int(p.size) for p in parts], [round(float(p.share), 1) for p in parts]
     ([2, 3], [0.4, 0.6])
+    >>> [float(p.share) for p in split(tf.zeros((3, 2)), None, None, 1, 12, 4)]
+    [1.0]
     """
     batch_size = batch_size_of(x)
-    if microbatches == 1:
+    if microbatches == 1 and global_rows is None:
         return [Microbatch(x, y, sample_weight, None, batch_size)]
+    if global_rows is None:
+        global_rows = batch_size
+    global_rows = tf.maximum(tf.cast(global_rows, tf.float32), 1.0)
+    if microbatches == 1:
+        share = tf.cast(replicas * batch_size, tf.float32) / global_rows
+        return [Microbatch(x, y, sample_weight, share, batch_size)]
     parts = []
     for i in range(microbatches):
         start = (i * batch_size) // microbatches
@@ -63,10 +85,27 @@ def split(x, y, sample_weight, microbatches: int) -> list[Microbatch]:
         x_i, y_i, sw_i = tree.map_structure(
             lambda t, start=start, stop=stop: None if t is None else t[start:stop],
             (x, y, sample_weight))
-        share = tf.cast(stop - start, tf.float32) / tf.maximum(
-            tf.cast(batch_size, tf.float32), 1.0)
+        share = tf.cast(replicas * (stop - start), tf.float32) / global_rows
         parts.append(Microbatch(x_i, y_i, sw_i, share, stop - start))
     return parts
+
+
+def global_rows(rows):
+    """The global batch's row count and the number of replicas, in replica
+    context: `(rows summed over the replicas, replicas)`, or `(None, 1)` with
+    one replica. One scalar all-reduce.
+
+    Example:
+
+    ```python
+    total, replicas = global_rows(batch_size_of(x))   # in strategy.run
+    ```
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None, 1
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(rows, tf.float32))
+    return total, context.num_replicas_in_sync
 
 
 def batch_size_of(x):

@@ -193,8 +193,15 @@ class TensorMesh:
         sizes = launcher._all_gather(tf.shape(tensors[0])[:1], None)  # (t,)
         rank = self.rank()
         own = (tf.reduce_sum(sizes[:rank]), sizes[rank])
+        # Every slice padded to the longest (at least one row: TensorFlow's
+        # gather of empty tensors crashes), gathered, then the padding dropped.
+        longest = tf.maximum(tf.reduce_max(sizes), 1)
+        rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
+                          for i in range(self.tensor)], axis=0)
+
         def gather(t):
-            gathered = launcher.all_gather(t, axis=0)
+            padding = [[0, longest - tf.shape(t)[0]]] + [[0, 0]] * (t.shape.rank - 1)
+            gathered = tf.gather(launcher._all_gather(tf.pad(t, padding), None), rows)
             gathered.set_shape([None, *t.shape[1:]])
             return gathered
 
