@@ -10,7 +10,8 @@ that package only. This check reports, as `file:line: name`, anywhere else in
   `hasattr`, `delattr` kin) where `x` is not `self` / `cls` and `_name` is not
   a name tfdist defines itself: a function or class, a `self._name =` /
   `cls._name =` attribute, a module- or class-level `_name =`, or an attribute
-  in tfdist's own `_tfdist...` namespace. Dunder names are public.
+  in tfdist's own `_tfdist...` namespace. Dunder names and named tuples'
+  `_replace`, `_asdict`, ... are public.
 
 Exits 1 if anything is found, 0 otherwise.
 
@@ -32,6 +33,8 @@ COMPAT = PACKAGE / "_compat"
 PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 OWN_NAMESPACE = "_tfdist"
 _ATTRIBUTE_FUNCTIONS = {"getattr", "setattr", "hasattr", "delattr"}
+# Named tuples' public API, underscored so as not to clash with field names.
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 
 
 def is_private(name: str) -> bool:
@@ -116,7 +119,8 @@ def _is_private_module(name: str) -> bool:
 
 
 def _is_foreign(name: str, own_names) -> bool:
-    return is_private(name) and name not in own_names and not name.startswith(OWN_NAMESPACE)
+    return (is_private(name) and name not in own_names and name not in NAMEDTUPLE_API
+            and not name.startswith(OWN_NAMESPACE))
 
 
 def main(argv) -> int:
