@@ -1,8 +1,9 @@
 """Keras optimizer internals: variables, slots, keys, and the per-call changes.
 
-The gradient all-reduce and the slot lookup are changed for the duration of one `apply` call, which the replicas of
-one step trace together (in several threads): the change is installed by the
-first replica to enter and removed by the last to leave (`_shared_change`).
+The gradient all-reduce and the slot lookup are changed for the duration of
+one `apply` call, which the replicas of one step trace together (in several
+threads): the change is installed by the first replica to enter and removed
+by the last to leave (`_shared_change`).
 """
 
 import contextlib

@@ -85,7 +85,8 @@ class _Step:
         lr = ops.cast(learning_rate, dtype)
         self.gradient = ops.cast(gradient, dtype)
         local_step = ops.cast(optimizer.iterations + 1, dtype)
-        if not callable(keras_optimizer.learning_rate_setting(optimizer)) and optimizer.relative_step:
+        schedule = callable(keras_optimizer.learning_rate_setting(optimizer))
+        if not schedule and optimizer.relative_step:
             lr = ops.minimum(lr, 1 / ops.sqrt(local_step))
         self.rho = ops.minimum(lr, 1 / ops.sqrt(local_step))
         self.beta = ops.subtract(1, ops.power(local_step, optimizer.beta_2_decay))

@@ -286,7 +286,8 @@ class ShardedUpdate:
     def _decayed(self, index, value, learning_rate):
         """`value` (a shard of variable `index`) after Keras's weight decay."""
         inner = self.inner
-        if inner.weight_decay is None or not keras_optimizer.uses_weight_decay(inner, self.variables[index]):
+        if (inner.weight_decay is None
+                or not keras_optimizer.uses_weight_decay(inner, self.variables[index])):
             return value
         lr = tf.cast(learning_rate, value.dtype)
         wd = tf.cast(inner.weight_decay, value.dtype)
