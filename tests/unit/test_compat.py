@@ -19,7 +19,8 @@ def test_target_has_the_expected_signature(patch):
 def test_install_then_uninstall_restores_the_originals():
     originals = {p: getattr(p.owner, p.attribute) for p in patches.PROCESS_WIDE}
     owned = {p: vars(p.owner).get(p.attribute) for p in patches.PROCESS_WIDE}
-    already = [p for p in patches.PROCESS_WIDE if patches.installed(p)]
+    already = {p: getattr(p.owner, p.attribute)
+               for p in patches.PROCESS_WIDE if patches.installed(p)}
     for patch in already:  # installed by an earlier test of this process
         patches.uninstall(patch)
     try:
@@ -35,8 +36,8 @@ def test_install_then_uninstall_restores_the_originals():
             if patch not in already:
                 assert getattr(patch.owner, patch.attribute) is originals[patch]
     finally:
-        for patch in already:
-            patches.install(patch, lambda original: original)
+        for patch, replacement in already.items():  # as they were
+            patches.install(patch, lambda original, replacement=replacement: replacement)
 
 
 def test_install_is_once_per_process():
