@@ -17,12 +17,12 @@ def test_target_has_the_expected_signature(patch):
 
 
 def test_install_then_uninstall_restores_the_originals():
-    originals = {p: getattr(p.owner, p.attribute) for p in patches.PROCESS_WIDE}
-    owned = {p: vars(p.owner).get(p.attribute) for p in patches.PROCESS_WIDE}
     already = {p: getattr(p.owner, p.attribute)
                for p in patches.PROCESS_WIDE if patches.installed(p)}
     for patch in already:  # installed by an earlier test of this process
         patches.uninstall(patch)
+    originals = {p: getattr(p.owner, p.attribute) for p in patches.PROCESS_WIDE}
+    owned = {p: vars(p.owner).get(p.attribute) for p in patches.PROCESS_WIDE}
     try:
         for patch in patches.PROCESS_WIDE:
             patches.install(patch, lambda original: functools.wraps(original)(
@@ -33,8 +33,7 @@ def test_install_then_uninstall_restores_the_originals():
             patches.uninstall(patch)
             assert not patches.installed(patch)
             assert vars(patch.owner).get(patch.attribute) is owned[patch]
-            if patch not in already:
-                assert getattr(patch.owner, patch.attribute) is originals[patch]
+            assert getattr(patch.owner, patch.attribute) is originals[patch]
     finally:
         for patch, replacement in already.items():  # as they were
             patches.install(patch, lambda original, replacement=replacement: replacement)
