@@ -6,7 +6,6 @@ STAMP = $(VENV)/.installed
 
 .PHONY: install demo lint test test-fast bench clean
 
-# tfdist/ joins once its remaining findings are fixed (`ruff check tfdist`).
 LINT_PATHS = tfdist conftest.py tests tools keras_examples
 
 $(STAMP): setup.cfg pyproject.toml
@@ -22,8 +21,10 @@ demo: $(STAMP)
 	@echo "tfdist demo: data-parallel training of a digits classifier on 4 virtual CPU devices"
 	$(BIN)/python keras_examples/data_parallel.py --devices=4
 
+# ruff, then no Keras / TensorFlow internals outside tfdist/_compat/.
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/python tools/check_internals.py
 
 # Every tier (tests/unit, tests/parity, tests/cluster), then the tfdist/ docstring examples.
 test: $(STAMP)

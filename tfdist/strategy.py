@@ -19,9 +19,9 @@ import weakref
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from tfdist import usage_checks
+from tfdist._compat.keras_trainer import uses_keras_train_step
 from tfdist.cluster.rendezvous import wait_for_peers
 from tfdist.config import ParallelConfig
 from tfdist.devices import check_devices
@@ -212,7 +212,7 @@ class _StepOwner:
         model = _keras_step_owner(fn, ("train_step",))
         if model is not None:
             usage_checks.check_built_in_scope(model, self)
-            if type(model).train_step is TensorFlowTrainer.train_step:
+            if uses_keras_train_step(model):
                 fn = self.train_step(model)
             else:
                 check_own_train_step(model, self._config)

@@ -8,6 +8,8 @@ checks where they first see the model and the data.
 
 import tensorflow as tf
 
+from tfdist._compat.tf_variables import distribute_strategy_of
+
 
 def check_built_in_scope(model, strategy):
     """Raises if none of `model`'s trainable variables belongs to `strategy`.
@@ -26,7 +28,7 @@ def check_built_in_scope(model, strategy):
     if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
         return  # its variables are placed on the ps tasks, not all wrapped
     variables = [getattr(v, "value", v) for v in model.trainable_variables]
-    if variables and not any(getattr(v, "_distribute_strategy", None) is strategy
+    if variables and not any(distribute_strategy_of(v) is strategy
                              for v in variables):
         raise ValueError(
             f"Model {model.name!r} was built outside `strategy.scope()`, so its "

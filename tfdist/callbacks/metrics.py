@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist._compat.keras_trainer import loss_tracker
 from tfdist.cluster.tf_config import read_tf_config
 
 
@@ -76,7 +77,7 @@ class Metrics(keras.callbacks.Callback):
         self._done += 1
 
     def on_epoch_end(self, epoch, logs=None):
-        self._epoch_examples = float(self.model._loss_tracker.count.numpy())
+        self._epoch_examples = float(loss_tracker(self.model).count.numpy())
         if self._last is not None and self._last[2] != self._done:
             self._write_rates()
 
@@ -93,7 +94,7 @@ class Metrics(keras.callbacks.Callback):
 
     def _examples(self):
         """Examples trained so far (summed over replicas by the tracker's read)."""
-        return self._earlier_epochs + float(self.model._loss_tracker.count.numpy())
+        return self._earlier_epochs + float(loss_tracker(self.model).count.numpy())
 
     def _write_static(self):
         strategy = self.model.distribute_strategy

@@ -17,9 +17,10 @@ slices of the batch (`TensorMesh.group_batch`): a group computes on the same
 examples.
 """
 
+import keras
 import tensorflow as tf
-from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfdist._compat.keras_trainer import call_has_training_arg
 from tfdist.engine import microbatch
 from tfdist.engine.metrics import synced_results
 
@@ -51,7 +52,7 @@ class Compute:
         if self.mesh is not None:
             with tf.name_scope("group_batch"):  # a tensor group shares its batch
                 data, _ = self.mesh.group_batch(data)
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         grads, results = self.gradients(x, y, sample_weight)
         with tf.name_scope("metrics"):
             copies = self.mesh.tensor if self.mesh is not None else 1
@@ -135,7 +136,7 @@ class LocalCompute(Compute):
         model = self.model
         part = microbatch.Microbatch(x, y, sample_weight, share, None)
         with tf.GradientTape() as tape, self.loss.logits():
-            if model._call_has_training_arg:
+            if call_has_training_arg(model):
                 y_pred = model(x, training=True)
             else:
                 y_pred = model(x)

@@ -24,9 +24,10 @@ import contextlib
 import dataclasses
 
 import tensorflow as tf
-from keras.src import tree
-from keras.src.losses import loss as loss_module
+from keras import tree
 
+from tfdist._compat import keras_trainer
+from tfdist._compat.keras_losses import unscale_loss_for_distribution
 from tfdist.tensor.plan import sharded_classifier
 from tfdist.tensor.softmax import sharded_logits
 
@@ -151,8 +152,7 @@ def check_mean_losses(model, microbatches: int):
     check_mean_losses(model, 2)   # ValueError for a loss with reduction="sum"
     ```
     """
-    compile_loss = getattr(model, "_compile_loss", None)
-    for entry in getattr(compile_loss, "_flat_losses", None) or []:
+    for entry in keras_trainer.compiled_losses(model) or []:
         reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
         if reduction not in MEAN_REDUCTIONS:
             raise ValueError(
@@ -199,7 +199,7 @@ class MicrobatchLoss:
     def loss(self, microbatch: Microbatch, y_pred):
         """Keras's training loss of the microbatch (mean over it, plus
         `model.losses`, scaled for distribution as Keras does)."""
-        return self.model._compute_loss(
+        return keras_trainer.compute_loss(self.model,
             x=microbatch.x, y=microbatch.y, y_pred=y_pred,
             sample_weight=microbatch.sample_weight, training=True)
 
@@ -213,10 +213,10 @@ class MicrobatchLoss:
         """Updates the loss tracker and the compiled metrics; returns the
         metric results."""
         model = self.model
-        model._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss),
+        keras_trainer.loss_tracker(model).update_state(
+            unscale_loss_for_distribution(loss),
             sample_weight=microbatch.size)
-        if self._sharded() and model._compile_metrics is not None:
+        if self._sharded() and keras_trainer.has_compiled_metrics(model):
             y_pred = self.mesh.gather_last(y_pred)  # metrics see every class
         return model.compute_metrics(microbatch.x, microbatch.y, y_pred,
                                      sample_weight=microbatch.sample_weight)

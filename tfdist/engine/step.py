@@ -27,6 +27,7 @@ The parts' ops are named `tfdist/microbatch{i}/...` (or
 import keras
 import tensorflow as tf
 
+from tfdist._compat.keras_trainer import symbolic_build
 from tfdist.config import ParallelConfig
 from tfdist.engine import build
 
@@ -82,7 +83,7 @@ class TrainStep:
         ```
         """
         with self.model.distribute_strategy.scope():
-            self.model._symbolic_build(data_batch=data)
+            symbolic_build(self.model, data)
         self.prepare()
 
     def prepare(self):

@@ -15,7 +15,7 @@ Ops are named `tfdist/apply/...` (and ZeRO's gather `tfdist/gather/...`).
 
 import tensorflow as tf
 
-from tfdist._compat.optimizer import gradients_already_reduced
+from tfdist._compat.keras_optimizer import gradients_already_reduced
 
 
 class KerasApply:

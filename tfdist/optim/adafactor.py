@@ -40,11 +40,14 @@ for variable, value in state:
 import tensorflow as tf
 from keras import ops
 
+from tfdist._compat import keras_optimizer
+
 
 def replicated_state(optimizer):
     """The variables every replica keeps whole: `r` and `c` of each variable
     (scalar placeholders for variables of rank < 2)."""
-    return [s for s in list(optimizer._r) + list(optimizer._c) if s is not None]
+    return [s for s in keras_optimizer.adafactor_row_and_column_factors(optimizer)
+            if s is not None]
 
 
 def updates(optimizer, gradients, values, layouts, indices, learning_rate):
@@ -74,7 +77,7 @@ class _Step:
 
     def __init__(self, optimizer, gradient, value, layout, index, replica, learning_rate):
         self.optimizer, self.value, self.layout = optimizer, value, layout
-        self.r, self.c, self.v = optimizer._r[index], optimizer._c[index], optimizer._v[index]
+        self.r, self.c, self.v = keras_optimizer.adafactor_factors(optimizer, index)
         self.factored = len(layout.shape) >= 2
         self.state = []  # (optimizer variable, new value)
         dtype = value.dtype
@@ -82,7 +85,8 @@ class _Step:
         lr = ops.cast(learning_rate, dtype)
         self.gradient = ops.cast(gradient, dtype)
         local_step = ops.cast(optimizer.iterations + 1, dtype)
-        if not callable(optimizer._learning_rate) and optimizer.relative_step:
+        schedule = callable(keras_optimizer.learning_rate_setting(optimizer))
+        if not schedule and optimizer.relative_step:
             lr = ops.minimum(lr, 1 / ops.sqrt(local_step))
         self.rho = ops.minimum(lr, 1 / ops.sqrt(local_step))
         self.beta = ops.subtract(1, ops.power(local_step, optimizer.beta_2_decay))

@@ -42,10 +42,14 @@ into shards (`shard_keras_variable`), so saving (`save_weights`, `save`,
 exactly as an unsharded run, and loading reshards it.
 """
 
+import functools
+
 import keras
 import tensorflow as tf
 
-from tfdist._compat.optimizer import slots_found_by
+from tfdist._compat import keras_optimizer
+from tfdist._compat.keras_optimizer import slots_found_by
+from tfdist._compat.tf_variables import storage_of
 from tfdist.optim import adafactor
 from tfdist.sharding.collectives import non_finite_count, packed_all_gather
 from tfdist.sharding.layout import MeshShardLayout
@@ -165,13 +169,13 @@ class ShardedUpdate:
         self.mesh = getattr(strategy, "tensor_mesh", None)
         tensor = self.mesh.tensor if self.mesh else 1
         self.num_shards = strategy.num_replicas_in_sync // tensor
-        self.variables = list(self.inner._trainable_variables)
+        self.variables = list(keras_optimizer.trainable_variables_of(self.inner))
         # Where each replica's state lives, and its slicing of the local part.
         storage = [MeshShardLayout(v.shape, tensor, self.num_shards, storage_layout(v))
                    for v in self.variables]
         # Layouts by optimizer index, and aligned with the model's weights.
         self._by_index = [layout.part for layout in storage]
-        index_of = self.inner._get_variable_index
+        index_of = functools.partial(keras_optimizer.variable_index, self.inner)
         self.layouts = [self._by_index[index_of(v)] for v in model.trainable_weights]
         with strategy.scope():
             for slot, index in optimizer_slots(self.inner, self.variables, for_sharding=True,
@@ -193,7 +197,7 @@ class ShardedUpdate:
     def __call__(self, shards):
         """Applies this replica's gradient `shards` (aligned with
         `model.trainable_weights`, None where a weight has no gradient)."""
-        index_of = self.inner._get_variable_index
+        index_of = functools.partial(keras_optimizer.variable_index, self.inner)
         present = [(index_of(v), g) for v, g in
                    zip(self.model.trainable_weights, shards) if g is not None]
         indices = [i for i, _ in present]
@@ -219,17 +223,17 @@ class ShardedUpdate:
                 applied = 1
             else:
                 tf.cond(finite, lambda: self._update_scaled(update),
-                        self.scaler._stateful_handle_non_finite_grads)
-                applied = tf.cast(finite, self.inner._iterations.dtype)
+                        keras_optimizer.skip_non_finite_step(self.scaler))
+                applied = tf.cast(finite, keras_optimizer.iterations_variable(self.inner).dtype)
             # After the update (which reads it), outside the cond (a merge call).
-            self.inner._iterations.assign_add(applied)
+            keras_optimizer.iterations_variable(self.inner).assign_add(applied)
         with tf.name_scope("gather"):
             updated = [self.buffers[i].value() for i in indices]
             full = packed_all_gather(updated, layouts, launcher)
             for i, value in zip(indices, full):
                 variable = self.variables[i]
                 if storage_layout(variable) is not None:
-                    variable._value.assign(value)  # this replica's slice
+                    storage_of(variable).assign(value)  # this replica's slice
                     continue  # (tensor parallelism keeps constrained weights whole)
                 variable.assign(value)
                 if variable.constraint is not None:
@@ -258,7 +262,7 @@ class ShardedUpdate:
         inner = self.inner
         if inner.loss_scale_factor is not None:
             shards = [g / inner.loss_scale_factor for g in shards]
-        shards = inner._clip_gradients(shards)  # clipvalue: elementwise
+        shards = keras_optimizer.clip_gradients(inner, shards)  # clipvalue: elementwise
         learning_rate = inner.learning_rate
         buffers = [self.buffers[i] for i in indices]
         rule = SHARDED_UPDATES.get(type(inner))
@@ -282,7 +286,8 @@ class ShardedUpdate:
     def _decayed(self, index, value, learning_rate):
         """`value` (a shard of variable `index`) after Keras's weight decay."""
         inner = self.inner
-        if inner.weight_decay is None or not inner._use_weight_decay(self.variables[index]):
+        if (inner.weight_decay is None
+                or not keras_optimizer.uses_weight_decay(inner, self.variables[index])):
             return value
         lr = tf.cast(learning_rate, value.dtype)
         wd = tf.cast(inner.weight_decay, value.dtype)

@@ -20,8 +20,10 @@ import contextlib
 import functools
 
 import tensorflow as tf
-from keras.src import tree
+from keras import tree
 
+from tfdist._compat import keras_functional
+from tfdist._compat.tf_distribute import local_replica_id
 from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
 from tfdist.pipeline.placement import place_stages
 from tfdist.pipeline.runner import StageRunner
@@ -85,7 +87,7 @@ class PipelineCompute:
             tf.distribute.get_replica_context().replica_id_in_sync_group)
         if replica is None:
             raise RuntimeError("pipeline: the replica id is not known while tracing.")
-        local = int(strategy.extended._get_local_replica_id(replica))
+        local = int(local_replica_id(strategy.extended, replica))
         mesh = getattr(strategy, "tensor_mesh", None)
         if mesh is None:
             return self._replica_actions(slices, local, mesh)
@@ -157,7 +159,7 @@ class PipelineCompute:
         tracker and the compiled metrics; otherwise metrics is None."""
         part = Microbatch(*microbatch)
         outputs = [values[id(sym)] for sym in self.graph.outputs]
-        y_pred = tree.pack_sequence_as(self.graph._outputs_struct, outputs)
+        y_pred = tree.pack_sequence_as(keras_functional.outputs_structure(self.graph), outputs)
         loss = self.loss.loss(part, y_pred)
         scaled = self.loss.target(loss, part.share)
         if not track:
@@ -166,7 +168,8 @@ class PipelineCompute:
 
     def _inputs(self, x):
         return {id(sym): value for sym, value in
-                zip(self.graph.inputs, tree.flatten(self.graph._standardize_inputs(x)))}
+                zip(self.graph.inputs,
+                    tree.flatten(keras_functional.standardize_inputs(self.graph, x)))}
 
 
 def pipeline_compute(model, strategy) -> PipelineCompute:

@@ -13,6 +13,8 @@ so saving, loading and the optimizer's bookkeeping are unchanged.
 
 import tensorflow as tf
 
+from tfdist._compat.keras_optimizer import trainable_variables_of
+from tfdist._compat.tf_variables import set_storage
 from tfdist.sharding.keys import optimizer_keys_follow
 from tfdist.sharding.slots import optimizer_slots
 
@@ -44,7 +46,7 @@ def move_variable(variable, devices, strategy):
             tf.convert_to_tensor(old), name=variable.name, dtype=old.dtype,
             trainable=old.trainable, synchronization=old.synchronization,
             aggregation=old.aggregation)
-    variable._value = new
+    set_storage(variable, new)
 
 
 def place_stages(model, stages, stage_devices, strategy):
@@ -68,7 +70,7 @@ def place_stages(model, stages, stage_devices, strategy):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             inner = getattr(optimizer, "inner_optimizer", optimizer)
-            trainable = inner._trainable_variables
+            trainable = trainable_variables_of(inner)
             for slot, index in optimizer_slots(inner, trainable):
                 if id(trainable[index]) in where:
                     move_variable(slot, where[id(trainable[index])], strategy)

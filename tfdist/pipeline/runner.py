@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
-from keras.src import tree
-from keras.src.models.functional import operation_fn
+from keras import tree
+
+from tfdist._compat.keras_functional import node_call
 
 
 @dataclasses.dataclass
@@ -62,7 +63,7 @@ def _call_layers(stage, sources):
     values = {id(sym): value for sym, value in zip(stage.inputs, sources)}
     for node in stage.nodes:
         args, kwargs = node.arguments.fill_in(values)
-        op = operation_fn(node.operation, training=True)
+        op = node_call(node.operation, training=True)
         outputs = op(*args, **kwargs)
         for sym, value in zip(node.outputs, tree.flatten(outputs)):
             values[id(sym)] = value

@@ -17,6 +17,8 @@ import warnings
 
 import keras
 
+from tfdist._compat import keras_functional
+
 
 @dataclasses.dataclass
 class Stage:
@@ -67,12 +69,12 @@ def graph_of(model):
     ```
     """
     if isinstance(model, keras.Sequential):
-        if not model.built or model._functional is None:
+        if not model.built or keras_functional.functional_graph_of(model) is None:
             raise ValueError(
                 "`pipeline` needs a Sequential model with a known input shape: "
                 "start it with `keras.Input(...)`.")
-        return model._functional
-    if isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth"):
+        return keras_functional.functional_graph_of(model)
+    if isinstance(model, keras.Model) and keras_functional.is_functional_graph(model):
         return model
     raise ValueError(
         f"`pipeline` splits Sequential and functional Keras models; "
@@ -83,8 +85,9 @@ def graph_of(model):
 def graph_nodes(graph):
     """The graph's layer-call nodes in the order Keras runs them."""
     nodes = []
-    for depth in sorted(graph._nodes_by_depth, reverse=True):
-        for node in graph._nodes_by_depth[depth]:
+    by_depth = keras_functional.nodes_by_depth(graph)
+    for depth in sorted(by_depth, reverse=True):
+        for node in by_depth[depth]:
             if node.operation is not None and not node.is_input:
                 nodes.append(node)
     return nodes
@@ -99,7 +102,7 @@ def node_cost(node):
     Example:
 
     ```python
-    node_cost(dense._inbound_nodes[0])   # Dense(64 -> 32): 2*64*32 + 32 + 32
+    node_cost(inbound_nodes(dense)[0])   # Dense(64 -> 32): 2*64*32 + 32 + 32
     ```
     """
     weights = sum(math.prod(w.shape) for w in _weights(node.operation))

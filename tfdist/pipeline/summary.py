@@ -2,9 +2,7 @@
 
 import functools
 
-import keras
-
-_installed = False
+from tfdist._compat import patches
 
 
 def install():
@@ -22,10 +20,11 @@ def install():
                       # and the schedule's grid
     ```
     """
-    global _installed
-    if _installed:
-        return
-    original = keras.Model.summary
+    patches.install(patches.MODEL_SUMMARY, _with_stages)
+
+
+def _with_stages(original):
+    """Keras's `summary`, then a pipelined model's stages."""
 
     @functools.wraps(original)
     def summary(model, *args, print_fn=None, **kwargs):
@@ -35,5 +34,4 @@ def install():
             for line in ["Pipeline stages:", *strategy.describe(model).splitlines()]:
                 (print_fn or print)(line)
 
-    keras.Model.summary = summary
-    _installed = True
+    return summary

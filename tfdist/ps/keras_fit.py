@@ -29,33 +29,34 @@ import types
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-from keras.src.utils.python_utils import pythonify_logs
 
+from tfdist._compat import keras_trainer, patches
+from tfdist._compat.tf_parameter_server import running_without_coordinator
+from tfdist._compat.tf_variables import storage_of
 from tfdist.ps.ledger import StepLedger
 
 # Steps in flight per worker before a train-function call waits for the oldest
 # (bounds how stale the per-step logs are; enough to keep every worker busy).
 _IN_FLIGHT_PER_WORKER = 4
 
-_installed = False
-
 
 def install():
-    """Wraps Keras's trainer methods for parameter-server models (once)."""
-    global _installed
-    if _installed:
-        return
-    for name, ps_version in (
-        ("fit", _fit),
-        ("make_train_function", _make_train_function),
-        ("make_test_function", _on_chief("test_function")),
-        ("make_predict_function", _on_chief("predict_function")),
-        ("_get_metrics_result_or_logs", _metrics_after_join),
+    """Wraps Keras's trainer methods for parameter-server models (once).
+
+    Example:
+
+    ```python
+    install()   # ParameterServerStrategy() does it
+    ```
+    """
+    for patch, ps_version in (
+        (patches.TRAINER_FIT, _fit),
+        (patches.TRAINER_MAKE_TRAIN_FUNCTION, _make_train_function),
+        (patches.TRAINER_MAKE_TEST_FUNCTION, _on_chief("test_function")),
+        (patches.TRAINER_MAKE_PREDICT_FUNCTION, _on_chief("predict_function")),
+        (patches.TRAINER_METRICS_RESULT, _metrics_after_join),
     ):
-        setattr(TensorFlowTrainer, name, _for_ps_models(getattr(TensorFlowTrainer, name),
-                                                       ps_version))
-    _installed = True
+        patches.install(patch, functools.partial(_for_ps_models, ps_version=ps_version))
 
 
 def _for_ps_models(original, ps_version):
@@ -148,7 +149,7 @@ class ScheduledTrainFunction:
         self._depth = _IN_FLIGHT_PER_WORKER * strategy.num_workers
         self._scheduled = 0
         steps = self._steps = model.steps_per_execution
-        if type(model).train_step is TensorFlowTrainer.train_step:
+        if keras_trainer.uses_keras_train_step(model):
             step = strategy.train_step(model)
             step.prepare()  # its parts, before the step functions are traced
             ledger = StepLedger(strategy, colocate_with=model.optimizer.iterations.value)
@@ -172,7 +173,7 @@ class ScheduledTrainFunction:
         self._worker_steps = worker_steps
 
     def __call__(self, iterator):
-        dataset = getattr(iterator, "_dataset", None)
+        dataset = keras_trainer.dataset_of(iterator)
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(
                 f"The train function of a ParameterServerStrategy model takes an "
@@ -186,7 +187,7 @@ class ScheduledTrainFunction:
         )
         with _ps_failure_explained():
             while len(self._pending) > self._depth:
-                self._latest = pythonify_logs(self._pending.popleft().fetch())
+                self._latest = keras_trainer.python_logs(self._pending.popleft().fetch())
         return self._latest
 
     def flush(self):
@@ -194,7 +195,7 @@ class ScheduledTrainFunction:
         with _ps_failure_explained():
             self._strategy.coordinator.join()
             while self._pending:
-                self._latest = pythonify_logs(self._pending.popleft().fetch())
+                self._latest = keras_trainer.python_logs(self._pending.popleft().fetch())
         return self._latest
 
 
@@ -243,12 +244,8 @@ class _ChiefFunction:
         self._extended = strategy.extended
 
     def __call__(self, *args):
-        allowed = self._extended._allow_run_without_coordinator
-        self._extended._allow_run_without_coordinator = True
-        try:
+        with running_without_coordinator(self._extended):
             return self._function(*args)
-        finally:
-            self._extended._allow_run_without_coordinator = allowed
 
 
 def make_counters_atomic(model):
@@ -277,6 +274,6 @@ def make_counters_atomic(model):
 
 
 def _atomic_update(variable, method, value):
-    tf_variable = variable._value
+    tf_variable = storage_of(variable)
     getattr(tf_variable, method)(tf.cast(value, tf_variable.dtype))
     return variable

@@ -15,11 +15,10 @@ the cluster and returns, and the script goes on to build and fit the model.
 import warnings
 import weakref
 
-import numpy as np
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.distribute import parameter_server_strategy_v2, sharded_variable
 
+from tfdist._compat import tf_parameter_server
 from tfdist._compat.tf_logging import quiet_server_logs
 from tfdist.cluster.tf_config import free_ports, read_tf_config
 from tfdist.profiling import start_profiler_server
@@ -29,48 +28,6 @@ from tfdist.strategy import _StepOwner, requested_config
 # Smallest shard a variable is split into across ps tasks (TensorFlow's
 # recommended partitioner, capped at one shard per ps task).
 _MIN_SHARD_BYTES = 256 << 10
-
-# Modes that do not exist under asynchronous parameter-server training.
-class _KerasPartitionedVariables(parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
-    """The parent's `extended`, made to serve Keras 3 partitioned variables.
-
-    - An optimizer slot of a partitioned variable is partitioned like it
-      (the parent would put a slot "colocated" with it on the chief).
-    - A partitioned variable converts to a NumPy array (Keras's weight files
-      save it whole).
-    - Keras 3 optimizers update every variable as one: a partitioned one is
-      updated where the step runs, its reads and writes going to each shard's
-      ps task.
-    """
-
-    def _create_variable(self, next_creator, **kwargs):
-        if isinstance(kwargs.get("colocate_with"), sharded_variable.ShardedVariable):
-            del kwargs["colocate_with"]
-        variable = super()._create_variable(next_creator, **kwargs)
-        if isinstance(variable, sharded_variable.ShardedVariable):
-            return PartitionedVariable(variable.variables, name=variable.name)
-        return variable
-
-    def _update(self, var, fn, args, kwargs, group):
-        if not isinstance(var, sharded_variable.ShardedVariable):
-            return super()._update(var, fn, args, kwargs, group)
-        result = fn(var, *self._select_single_value(args), **self._select_single_value(kwargs))
-        return result if group else tf.nest.map_structure(self._local_results, result)
-
-
-class PartitionedVariable(sharded_variable.ShardedVariable):
-    """A variable split along its first axis across ps tasks, as one array.
-
-    Example:
-
-    ```python
-    np.asarray(model.layers[0].embeddings)   # the whole table, from every shard
-    ```
-    """
-
-    def __array__(self, dtype=None):
-        return np.asarray(self.numpy(), dtype=dtype)
-
 
 class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterServerStrategy):
     """Asynchronous data-parallel training with parameter servers, for `model.fit`.
@@ -142,7 +99,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
             variable_partitioner=_partitioner(variable_partitioner, len(cluster["ps"])),
         )
         # Keras 3 optimizers update each variable whole, partitioned ones too.
-        self.extended.__class__ = _KerasPartitionedVariables
+        tf_parameter_server.serve_keras_variables(self)
         self._init_step_owner(config.resolve(workers))
         self._coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
         self._per_worker_iterators = weakref.WeakKeyDictionary()
@@ -152,12 +109,12 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
     @property
     def num_workers(self) -> int:
         """Worker tasks in the cluster."""
-        return self.extended._num_workers
+        return tf_parameter_server.num_workers(self.extended)
 
     @property
     def num_ps(self) -> int:
         """Ps tasks in the cluster."""
-        return self.extended._num_ps
+        return tf_parameter_server.num_ps(self.extended)
 
     @property
     def coordinator(self):

@@ -19,8 +19,9 @@ Both take an optional `launcher`: a subgroup's launcher for this replica (a
 """
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops, values_util
-from tensorflow.python.ops import gen_collective_ops
+
+from tfdist._compat import tf_collectives
+from tfdist._compat.tf_distribute import current_local_replica_id
 
 
 def _launcher():
@@ -28,12 +29,8 @@ def _launcher():
     context = tf.distribute.get_replica_context()
     if context is None:
         raise RuntimeError("tfdist collectives run in replica context (inside strategy.run).")
-    collectives = context.strategy.extended._cross_device_ops
-    if not isinstance(collectives, cross_device_ops.CollectiveAllReduce):
-        raise NotImplementedError(
-            f"tfdist's reduce-scatter needs a strategy that communicates with "
-            f"collective ops, not {type(collectives).__name__}.")
-    return collectives._launchers[values_util.get_current_replica_id_as_int()]
+    return tf_collectives.strategy_launcher(context.strategy.extended,
+                                            current_local_replica_id())
 
 
 def reduce_scatter(rows, launcher=None):
@@ -49,19 +46,8 @@ def reduce_scatter(rows, launcher=None):
     ```
     """
     launcher = launcher or _launcher()
-    options = launcher._options
-    token = launcher._get_ordering_token()
-    with tf.device(launcher._device):
-        received = gen_collective_ops.collective_all_to_all_v2(
-            rows,
-            group_size=launcher._group_size,
-            group_key=launcher._group_key,
-            instance_key=launcher._next_instance_key(),
-            ordering_token=[] if token is None else [token],
-            communication_hint=options.implementation.value,
-            timeout_seconds=options.timeout_seconds or 0,
-        )
-        return tf.reduce_sum(received, axis=0)
+    with tf.device(tf_collectives.launcher_device(launcher)):
+        return tf.reduce_sum(tf_collectives.all_to_all(launcher, rows), axis=0)
 
 
 def all_gather(row, launcher=None):
@@ -76,7 +62,8 @@ def all_gather(row, launcher=None):
     ```
     """
     launcher = launcher or _launcher()
-    return launcher._all_gather(row[tf.newaxis], launcher._options)
+    return tf_collectives.all_gather(launcher, row[tf.newaxis],
+                                     tf_collectives.launcher_options(launcher))
 
 
 def packed_reduce_scatter(grads, layouts, launcher=None):

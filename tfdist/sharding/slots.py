@@ -9,6 +9,8 @@ treats its slots the same way, and finds them here.
 
 import keras
 
+from tfdist._compat.keras_optimizer import iterations_variable, learning_rate_setting
+
 
 def optimizer_slots(optimizer, variables, for_sharding=False, replicated=()):
     """(slot, variable index) of every per-variable slot of a built Keras optimizer.
@@ -17,7 +19,7 @@ def optimizer_slots(optimizer, variables, for_sharding=False, replicated=()):
         optimizer: a built Keras optimizer (the inner one under a
             `LossScaleOptimizer`).
         variables: the variables it was built on, in its order
-            (`optimizer._trainable_variables`).
+            (`trainable_variables_of(optimizer)`).
         for_sharding: only the slots to shard like their variable: those of
             their variable's shape, outside `replicated`; and any state of the
             optimizer that is neither such a slot, `replicated`, its iteration
@@ -28,7 +30,7 @@ def optimizer_slots(optimizer, variables, for_sharding=False, replicated=()):
     Example:
 
     ```python
-    optimizer_slots(model.optimizer, model.optimizer._trainable_variables)
+    optimizer_slots(model.optimizer, trainable_variables_of(model.optimizer))
     # [(<m of kernel>, 0), (<m of bias>, 1), (<v of kernel>, 0), (<v of bias>, 1)]
     ```
     """
@@ -43,8 +45,8 @@ def optimizer_slots(optimizer, variables, for_sharding=False, replicated=()):
                     and (not for_sharding or slot.shape == variable.shape)):
                 found[id(slot)] = (slot, i)
     if for_sharding:
-        known = skip | {id(optimizer._iterations),
-                        id(getattr(optimizer, "_learning_rate", None))}
+        known = skip | {id(iterations_variable(optimizer)),
+                        id(learning_rate_setting(optimizer))}
         for variable in optimizer.variables:
             if id(variable) not in found and id(variable) not in known:
                 raise ValueError(

@@ -18,13 +18,13 @@ is unchanged.
 """
 
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib, values, values_util
-from tensorflow.python.ops import resource_variable_ops
 
+from tfdist._compat import tf_variables
+from tfdist._compat.tf_distribute import replica_id_in_sync_group
 from tfdist.sharding.layout import AxisLayout, ShardLayout
 
 
-class ShardedStorage(values.SyncOnReadVariable):
+class ShardedStorage(tf_variables.SyncOnReadVariable):
     """One shard per replica device; the full value when read across replicas.
 
     Build one with `ShardedStorage.create`.
@@ -54,13 +54,13 @@ class ShardedStorage(values.SyncOnReadVariable):
             if initial is not None:
                 initial = tf.convert_to_tensor(initial, dtype=dtype)
             for local, device in enumerate(devices or extended.worker_devices):
-                index = extended._get_replica_id_in_sync_group(local)
+                index = replica_id_in_sync_group(extended, local)
                 with tf.device(device):
                     shard = (tf.zeros(layout.shard_shape, dtype) if initial is None
                              else layout.shard(initial, index))
                     # ResourceVariable directly: the strategy's variable creator
                     # (which would mirror it) is bypassed.
-                    components.append(resource_variable_ops.ResourceVariable(
+                    components.append(tf_variables.ResourceVariable(
                         shard, trainable=trainable, name=f"{name}/shard_{index}"))
             return cls(strategy, components, layout)
 
@@ -73,9 +73,7 @@ class ShardedStorage(values.SyncOnReadVariable):
         return self._layout
 
     def _cross_replica(self):
-        with distribute_lib.enter_or_assert_strategy(self._distribute_strategy):
-            return (distribute_lib.in_cross_replica_context()
-                    and not values_util.in_replica_update_context())
+        return tf_variables.in_cross_replica_context(self._distribute_strategy)
 
     def _get_cross_replica(self):
         """The full value: every replica's shard, gathered and unpadded."""
@@ -87,7 +85,7 @@ class ShardedStorage(values.SyncOnReadVariable):
         # Other workers hold the other shards: a cross-worker gather, which
         # every worker must take part in (as in any multi-worker save).
         gathered = strategy.gather(
-            values.PerReplica(tuple(shard[tf.newaxis] for shard in shards)), axis=0)
+            tf_variables.PerReplica(tuple(shard[tf.newaxis] for shard in shards)), axis=0)
         return self._layout.unshard(gathered)
 
     def assign(self, value, use_locking=False, name=None, read_value=True):
@@ -97,7 +95,7 @@ class ShardedStorage(values.SyncOnReadVariable):
         value = tf.convert_to_tensor(value, dtype=self.dtype)
         extended = self._distribute_strategy.extended
         for local, component in enumerate(self._values):
-            index = extended._get_replica_id_in_sync_group(local)
+            index = replica_id_in_sync_group(extended, local)
             with tf.device(component.device):
                 component.assign(self._layout.shard(value, index), use_locking)
         return self if read_value else None
@@ -142,7 +140,7 @@ def shard_keras_variable(variable, layout, strategy):
     storage = ShardedStorage.create(
         strategy, layout, variable.value, name=variable.name, dtype=variable.dtype,
         trainable=variable.trainable, devices=copy_devices(variable, strategy))
-    variable._value = storage
+    tf_variables.set_storage(variable, storage)
     return storage
 
 
@@ -155,7 +153,7 @@ def storage_layout(variable):
     storage_layout(model.layers[0].kernel)   # AxisLayout under tensor parallelism
     ```
     """
-    storage = getattr(variable, "_value", None)
+    storage = tf_variables.storage_of(variable)
     return storage.layout if isinstance(storage, ShardedStorage) else None
 
 
@@ -169,7 +167,7 @@ def copy_devices(variable, strategy):
     copy_devices(model.layers[-1].kernel, strategy)   # stage devices when pipelined
     ```
     """
-    copies = getattr(variable._value, "values", ())
+    copies = getattr(tf_variables.storage_of(variable), "values", ())
     if len(copies) != len(strategy.extended.worker_devices):
         return None
     return [copy.device for copy in copies]

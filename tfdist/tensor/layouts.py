@@ -35,30 +35,11 @@ Row().apply(model.layers[1], strategy.tensor_mesh)      # (in, out) -> (in/t, ou
 
 import keras
 import tensorflow as tf
-from keras.src import backend
 
+from tfdist._compat import keras_layers
 from tfdist.sharding.layout import AxisLayout
 from tfdist.sharding.storage import shard_keras_variable
 from tfdist.tensor.softmax import logits_are_sharded
-
-
-def use_call(layer, call):
-    """Makes `call` the computation of one built layer (this object only).
-
-    Keras offers no hook to change how one built layer computes: its
-    `__call__` runs `self.call`, so an instance attribute shadows the class's
-    method for this object alone (its class, other instances, its config and
-    its weights are untouched). Every tensor layout changes a layer's call
-    here, and nowhere else.
-
-    Example:
-
-    ```python
-    own_call = type(layer).call
-    use_call(layer, lambda inputs, training=None: own_call(layer, inputs) * 2.0)
-    ```
-    """
-    layer.call = call
 
 
 class TensorLayout:
@@ -96,7 +77,7 @@ class TensorLayout:
                 return own_call(layer, *args, **kwargs)
             return self.sharded_call(layer, mesh, *args, **kwargs)
 
-        use_call(layer, call)
+        keras_layers.use_call(layer, call)
         layer._tfdist_layout = self  # what `plan` reports for an explicit layer
 
 
@@ -142,11 +123,11 @@ class Column(TensorLayout):
 
     def split(self, layer, mesh):
         """Splits the kernel along `axis` and the bias along the same output axis."""
-        kernel_axis = self.axis % len(layer._kernel.shape)
-        _split(layer._kernel, kernel_axis, mesh)
+        kernel_axis = self.axis % len(keras_layers.kernel_variable(layer).shape)
+        _split(keras_layers.kernel_variable(layer), kernel_axis, mesh)
         if layer.bias is not None:
             # The bias has the kernel's output axes (those after its input axes).
-            offset = len(layer._kernel.shape) - len(layer.bias.shape)
+            offset = len(keras_layers.kernel_variable(layer).shape) - len(layer.bias.shape)
             _split(layer.bias, kernel_axis - offset, mesh)
 
     def sharded_call(self, layer, mesh, inputs, training=None):
@@ -192,7 +173,7 @@ class Row(TensorLayout):
 
     def split(self, layer, mesh):
         """Splits the kernel along its input axis; the bias stays whole."""
-        _split(layer._kernel, 0, mesh)
+        _split(keras_layers.kernel_variable(layer), 0, mesh)
         # Its input is a slice of the features inside replicas, whole outside.
         layer.input_spec = None
 
@@ -222,7 +203,7 @@ class Vocabulary(TensorLayout):
 
     def split(self, layer, mesh):
         """Splits the table by rows."""
-        _split(layer._embeddings, 0, mesh)
+        _split(keras_layers.embeddings_variable(layer), 0, mesh)
 
     def sharded_call(self, layer, mesh, inputs):
         """This rank's rows looked up (zeros for ids it does not own), summed ("g")."""
@@ -249,9 +230,9 @@ class Heads(TensorLayout):
 
     def split(self, layer, mesh):
         """Query/key/value `Column` by heads, the output projection `Row`."""
-        for projection in (layer._query_dense, layer._key_dense, layer._value_dense):
+        for projection in keras_layers.attention_projections(layer):
             Column(axis=-2, copy_input=False).apply(projection, mesh)  # (d, heads, size)
-        Row().apply(layer._output_dense, mesh)                         # (heads, size, d)
+        Row().apply(keras_layers.attention_output_projection(layer), mesh)  # (heads, size, d)
 
     def sharded_call(self, layer, mesh, query, value, key=None, **kwargs):
         """The layer's own call, each distinct input through "f" once."""
@@ -262,7 +243,7 @@ class Heads(TensorLayout):
                 return None
             if id(x) not in copies:
                 copies[id(x)] = mesh.copy(x)
-                backend.set_keras_mask(copies[id(x)], backend.get_keras_mask(x))
+                keras_layers.copy_keras_mask(x, copies[id(x)])
             return copies[id(x)]
 
         return type(layer).call(layer, copy(query), copy(value), copy(key), **kwargs)

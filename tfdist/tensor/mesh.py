@@ -27,7 +27,9 @@ import contextlib
 import threading
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_utils, multi_worker_util, values_util
+
+from tfdist._compat import tf_collectives, tf_distribute
+from tfdist._compat.tf_collectives import group_launcher
 
 
 class TensorMesh:
@@ -59,8 +61,7 @@ class TensorMesh:
         devices = cluster_devices(extended)  # every replica's, in the cluster
         self.num_replicas = len(devices)
         self.data = self.num_replicas // tensor
-        collectives = extended._cross_device_ops
-        keys = extended._collective_keys
+        keys = tf_distribute.collective_keys(extended)
 
         def tensor_group(replica, on=devices):
             start = replica // tensor * tensor
@@ -79,20 +80,20 @@ class TensorMesh:
         self._tensor_launchers = [{}]
         self._data_launchers = {}
         for local, device in enumerate(extended.worker_devices):
-            replica = extended._get_replica_id_in_sync_group(local)
-            own = collectives._launchers[local]
-            self._tensor_launchers[0][replica] = _launcher(
+            replica = tf_distribute.replica_id_in_sync_group(extended, local)
+            own = tf_collectives.strategy_launcher(extended, local)
+            self._tensor_launchers[0][replica] = group_launcher(
                 keys, tensor_group(replica), device, own)
-            self._data_launchers[replica] = _launcher(keys, data_group(replica), device, own)
-        options = collectives._launchers[0]._options
+            self._data_launchers[replica] = group_launcher(keys, data_group(replica), device, own)
+        options = tf_collectives.launcher_options(tf_collectives.strategy_launcher(extended, 0))
         # Pipeline stages after the first run on devices of their own (one
         # host): each stage's tensor group gets launchers there, with their
         # own ordering token per device (only that stage's collectives run on it).
         for stage in range(1, len(stage_devices[0]) if stage_devices else 1):
             on_stage = [group[stage] for group in stage_devices]
             self._tensor_launchers.append({
-                replica: _launcher(keys, tensor_group(replica, on_stage), device,
-                                   options=options)
+                replica: group_launcher(keys, tensor_group(replica, on_stage), device,
+                                        options=options)
                 for replica, device in enumerate(on_stage)})
         self._stage = threading.local()
 
@@ -122,8 +123,8 @@ class TensorMesh:
         context = tf.distribute.get_replica_context()
         if context is None or context.strategy is not self.strategy:
             return None
-        local = values_util.get_current_replica_id_as_int()  # on this task
-        return self.strategy.extended._get_replica_id_in_sync_group(local)
+        local = tf_distribute.current_local_replica_id()  # on this task
+        return tf_distribute.replica_id_in_sync_group(self.strategy.extended, local)
 
     def rank(self):
         """The current replica's tensor rank (its shard index), or None outside
@@ -167,7 +168,7 @@ class TensorMesh:
 
         @tf.custom_gradient
         def gather(x):
-            stacked = launcher._all_gather(x[tf.newaxis], None)  # (t, ..., m)
+            stacked = tf_collectives.all_gather(launcher, x[tf.newaxis])  # (t, ..., m)
             last = x.shape.rank
             moved = tf.transpose(stacked, [*range(1, last), 0, last])  # (..., t, m)
             full = tf.reshape(moved, tf.concat([tf.shape(x)[:-1], [-1]], 0))
@@ -190,7 +191,7 @@ class TensorMesh:
         """
         launcher = self._tensor_launcher()
         tensors = [t for t in tf.nest.flatten(data) if t is not None]
-        sizes = launcher._all_gather(tf.shape(tensors[0])[:1], None)  # (t,)
+        sizes = tf_collectives.all_gather(launcher, tf.shape(tensors[0])[:1])  # (t,)
         rank = self.rank()
         own = (tf.reduce_sum(sizes[:rank]), sizes[rank])
         # Every slice padded to the longest (at least one row: TensorFlow's
@@ -201,7 +202,7 @@ class TensorMesh:
 
         def gather(t):
             padding = [[0, longest - tf.shape(t)[0]]] + [[0, 0]] * (t.shape.rank - 1)
-            gathered = tf.gather(launcher._all_gather(tf.pad(t, padding), None), rows)
+            gathered = tf.gather(tf_collectives.all_gather(launcher, tf.pad(t, padding)), rows)
             gathered.set_shape([None, *t.shape[1:]])
             return gathered
 
@@ -245,22 +246,12 @@ def cluster_devices(extended):
     ```
     """
     local = list(extended.worker_devices)
-    spec = getattr(extended, "_cluster_spec", None)
+    spec = tf_distribute.cluster_spec(extended)
     if not spec or not spec.jobs:
         return local
     tasks = sorted(((job, index) for job in ("chief", "worker") if job in spec.jobs
                     for index in range(spec.num_tasks(job))),
-                   key=lambda task: multi_worker_util.id_in_cluster(spec, *task))
+                   key=lambda task: tf_distribute.id_in_cluster(spec, *task))
     return [tf.DeviceSpec.from_string(device).replace(job=job, task=index).to_string()
             for job, index in tasks for device in local]
 
-
-def _launcher(keys, group, device, own=None, options=None):
-    """A launcher for `group` on `device`, ordered with the strategy's `own`
-    launcher there if given (else with an ordering token of its own)."""
-    launcher = cross_device_utils.CollectiveReplicaLauncher(
-        keys.get_group_key(group), len(group), keys, device,
-        own._options if own else options)
-    if own is not None:
-        launcher._ordering_token = own._ordering_token
-    return launcher

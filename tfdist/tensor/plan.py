@@ -20,6 +20,9 @@ import dataclasses
 
 import keras
 
+from tfdist._compat import keras_functional, keras_layers
+from tfdist._compat.keras_optimizer import trainable_variables_of
+from tfdist._compat.keras_trainer import compiled_losses
 from tfdist.sharding.keys import optimizer_keys_follow
 from tfdist.sharding.slots import optimizer_slots
 from tfdist.sharding.storage import axis_layout, shard_keras_variable
@@ -78,7 +81,7 @@ def plan(model, tensor: int, classifier: bool = False) -> list:
     for layer in _layers(model):
         if id(layer) in taken:
             continue
-        if axis_layout(_main_weight(layer)) is not None:
+        if axis_layout(keras_layers.main_variable(layer)) is not None:
             decisions.append(getattr(layer, "_tfdist_decision", None) or Decision(
                 layer, layer._tfdist_layout, f"tfdist.layers.{type(layer).__name__}"))
         elif constrained_weight(layer) is not None:
@@ -104,7 +107,7 @@ def apply(decisions, mesh):
     """Partitions the layers of a plan (layers already partitioned are kept)."""
     for decision in decisions:
         layer = decision.layer
-        if axis_layout(_main_weight(layer)) is not None:
+        if axis_layout(keras_layers.main_variable(layer)) is not None:
             continue
         decision.layout.apply(layer, mesh)
         layer._tfdist_decision = decision  # what describe reports afterwards
@@ -133,7 +136,7 @@ def describe(decisions) -> str:
 def _layers(model):
     """Every layer with weights, in order, attention sublayers left to their owner."""
     found = []
-    for layer in model._flatten_layers(include_self=False, recursive=False):
+    for layer in keras_functional.direct_sublayers(model):
         if isinstance(layer, keras.Model):
             found.extend(_layers(layer))
         elif not isinstance(layer, keras.layers.InputLayer):
@@ -141,17 +144,9 @@ def _layers(model):
     return found
 
 
-def _main_weight(layer):
-    for name in ("_kernel", "_embeddings", "_query_dense"):
-        value = getattr(layer, name, None)
-        if value is not None:
-            return value._kernel if name == "_query_dense" else value
-    return None
-
-
 def _attention(layer, tensor):
     heads = layer.num_heads
-    if getattr(layer, "_use_gate", False):
+    if keras_layers.attention_is_gated(layer):
         return Decision(layer, Replicated(), "gated attention is not split in this version")
     if heads % tensor:
         return Decision(layer, Replicated(),
@@ -171,12 +166,12 @@ def _embedding(layer, tensor):
 def _is_final(model, layer):
     """Whether `layer`'s output is the model's only output."""
     outputs = getattr(model, "outputs", None) or []
-    return (len(outputs) == 1 and len(layer._inbound_nodes) == 1
-            and layer._inbound_nodes[0].outputs[0] is outputs[0])
+    nodes = keras_functional.inbound_nodes(layer)
+    return len(outputs) == 1 and len(nodes) == 1 and nodes[0].outputs[0] is outputs[0]
 
 
 def _classifier(model, layer, tensor):
-    entries = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None)
+    entries = compiled_losses(model)
     # Before the first step the compiled loss is not built: what compile got.
     losses = [e.loss for e in entries] if entries else [getattr(model, "loss", None)]
     if len(losses) != 1 or not is_sparse_softmax_loss(
@@ -231,16 +226,17 @@ def _constrained_reason(layer):
 
 
 def _only_consumer(layer):
-    nodes = layer._outbound_nodes
-    if len(layer._inbound_nodes) != 1 or len(nodes) != 1:
+    nodes = keras_functional.outbound_nodes(layer)
+    if len(keras_functional.inbound_nodes(layer)) != 1 or len(nodes) != 1:
         return None
     return nodes[0].operation
 
 
 def _only_consumer_input(layer):
-    if len(layer._inbound_nodes) != 1:
+    nodes = keras_functional.inbound_nodes(layer)
+    if len(nodes) != 1:
         return None
-    parents = layer._inbound_nodes[0].parent_nodes
+    parents = nodes[0].parent_nodes
     return parents[0].operation if len(parents) == 1 else None
 
 
@@ -259,7 +255,7 @@ def partition_model(model, mesh):
     with optimizer_keys_follow(model):
         apply(decisions, mesh)
     if any(isinstance(d.layout, Classifier) for d in decisions):
-        entries = model._compile_loss._flat_losses
+        entries = compiled_losses(model)
         (entry,) = entries
         if not isinstance(entry.loss, ShardedSoftmaxCrossEntropy):
             entries[0] = entry._replace(loss=ShardedSoftmaxCrossEntropy(mesh, entry.loss))
@@ -267,7 +263,7 @@ def partition_model(model, mesh):
     if optimizer is None or not optimizer.built:
         return
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    variables = list(inner._trainable_variables)
+    variables = list(trainable_variables_of(inner))
     with mesh.strategy.scope():
         for slot, index in optimizer_slots(inner, variables, for_sharding=True):
             layout = axis_layout(variables[index])
@@ -285,5 +281,5 @@ def sharded_classifier(model):
                                 # Strategy(tensor=2, vocab_parallel_classifier=True)
     ```
     """
-    entries = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None) or []
+    entries = compiled_losses(model) or []
     return any(isinstance(e.loss, ShardedSoftmaxCrossEntropy) for e in entries)

@@ -21,7 +21,8 @@ import threading
 
 import keras
 import tensorflow as tf
-from keras.src.losses.losses import sparse_categorical_crossentropy
+
+from tfdist._compat.keras_losses import loss_function_kwargs
 
 _logits = threading.local()  # per replica thread: are logits left sharded?
 
@@ -113,7 +114,7 @@ def is_sparse_softmax_loss(loss):
         keras.losses.SparseCategoricalCrossentropy(from_logits=True))   # True
     ```
     """
-    kwargs = getattr(loss, "_fn_kwargs", {})
-    return (getattr(loss, "fn", None) is sparse_categorical_crossentropy
+    kwargs = loss_function_kwargs(loss)
+    return (getattr(loss, "fn", None) is keras.losses.sparse_categorical_crossentropy
             and kwargs.get("from_logits") and kwargs.get("ignore_class") is None
             and kwargs.get("axis", -1) == -1)

@@ -1,0 +1,126 @@
+"""Keras trainer internals: the compiled loss and metrics, building, the train step.
+
+Keras 3's `Trainer` keeps what `compile` set up (the loss container, its loss
+tracker, the compiled metrics) and the step machinery of its TensorFlow
+backend (`TensorFlowTrainer`) in private attributes; tfdist's step computes
+the same loss and updates the same trackers as Keras's.
+"""
+
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.utils.python_utils import pythonify_logs
+
+
+def uses_keras_train_step(model) -> bool:
+    """Whether `model`'s class runs Keras's own `train_step` (does not override it).
+
+    Example:
+
+    ```python
+    uses_keras_train_step(keras.Sequential([keras.layers.Dense(1)]))   # True
+    ```
+    """
+    return type(model).train_step is TensorFlowTrainer.train_step
+
+
+def python_logs(logs):
+    """`logs` with every tensor value made a Python number, as Keras gives
+    them to callbacks (Keras's `pythonify_logs`).
+
+    Example:
+
+    ```python
+    python_logs({"loss": tf.constant(0.5)})   # {'loss': 0.5}
+    ```
+    """
+    return pythonify_logs(logs)
+
+
+def compiled_losses(model):
+    """The compiled loss entries of `model` (its loss container's
+    `_flat_losses`, named tuples with a `loss`), or None before `compile`
+    builds them. The list itself: an entry may be replaced in place.
+
+    Example:
+
+    ```python
+    [entry.loss for entry in compiled_losses(model) or []]
+    ```
+    """
+    return getattr(getattr(model, "_compile_loss", None), "_flat_losses", None)
+
+
+def compute_loss(model, **kwargs):
+    """Keras's training loss of a batch: the compiled loss plus `model.losses`,
+    scaled for distribution (the model's `_compute_loss`, which honours an
+    overridden `compute_loss`).
+
+    Example:
+
+    ```python
+    loss = compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=None,
+                        training=True)
+    ```
+    """
+    return model._compute_loss(**kwargs)
+
+
+def loss_tracker(model):
+    """The `Mean` metric Keras's `fit` reports as "loss" (`_loss_tracker`).
+
+    Example:
+
+    ```python
+    float(loss_tracker(model).count)   # examples seen this epoch
+    ```
+    """
+    return model._loss_tracker
+
+
+def has_compiled_metrics(model) -> bool:
+    """Whether `compile` was given metrics (`_compile_metrics` is set).
+
+    Example:
+
+    ```python
+    has_compiled_metrics(model)   # True after compile(metrics=["accuracy"])
+    ```
+    """
+    return model._compile_metrics is not None
+
+
+def call_has_training_arg(model) -> bool:
+    """Whether `model.call` takes a `training` argument (Keras's
+    `_call_has_training_arg`).
+
+    Example:
+
+    ```python
+    y = model(x, training=True) if call_has_training_arg(model) else model(x)
+    ```
+    """
+    return model._call_has_training_arg
+
+
+def symbolic_build(model, data):
+    """Builds `model`, its compiled loss and metrics and its optimizer from
+    one batch spec, without running a step (Keras's `_symbolic_build`).
+
+    Example:
+
+    ```python
+    symbolic_build(model, dataset.element_spec)
+    ```
+    """
+    model._symbolic_build(data_batch=data)
+
+
+def dataset_of(iterator):
+    """The `tf.data.Dataset` a TensorFlow iterator reads, or None.
+
+    Example:
+
+    ```python
+    dataset_of(iter(tf.data.Dataset.range(3)))   # the range dataset
+    ```
+    """
+    return getattr(iterator, "_dataset", None)

@@ -1,0 +1,185 @@
+"""Every change tfdist makes to Keras and TensorFlow code it does not own.
+
+`PROCESS_WIDE` lists the class attributes tfdist replaces for the whole
+process; each is installed (once) with `install` and restored with
+`uninstall`, and nowhere else. `PER_OBJECT` lists the attributes tfdist
+changes on single objects (one layer's `call`, one optimizer's gradient
+all-reduce, one variable's storage, ...), with the function that changes them.
+Each entry names the signature its target has in the pinned Keras 3.15 /
+TensorFlow 2.20 (None for a data attribute): `tests/unit/test_compat.py`
+checks that every target still exists with that signature.
+
+Example:
+
+```python
+install(MODEL_SUMMARY, lambda original: original)   # replaces Model.summary
+uninstall(MODEL_SUMMARY)                            # Keras's own again
+```
+"""
+
+import dataclasses
+import inspect
+import threading
+
+import keras
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+from tensorflow.python.distribute import parameter_server_strategy_v2
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One changed attribute of a Keras or TensorFlow class (or of its instances).
+
+    Args:
+        owner: the class whose attribute (or whose instances' attribute) changes.
+        attribute: the attribute's name.
+        signature: `str(inspect.signature(...))` of the attribute for the
+            pinned Keras / TensorFlow, or None for a data attribute.
+        changed_by: where tfdist makes the change, and why.
+
+    Example:
+
+    ```python
+    Patch(keras.Model, "summary", "(self, line_length=None, ...)", "pipeline/summary.py")
+    ```
+    """
+
+    owner: type
+    attribute: str
+    signature: str | None
+    changed_by: str
+
+    @property
+    def target(self) -> str:
+        """`module.Class.attribute` of the patched attribute."""
+        return f"{self.owner.__module__}.{self.owner.__qualname__}.{self.attribute}"
+
+    def current_signature(self) -> str | None:
+        """The signature the target has now; None for a data attribute, which
+        must be assigned (`self.<attribute> =`) in the owner's code. Raises
+        AttributeError if the target is gone."""
+        if self.signature is not None:
+            return str(inspect.signature(getattr(self.owner, self.attribute)))
+        assignment = f"self.{self.attribute} ="
+        for cls in self.owner.__mro__[:-1]:  # not `object`
+            if assignment in inspect.getsource(cls):
+                return None
+        raise AttributeError(f"{self.target} is no longer assigned by {self.owner.__name__}.")
+
+
+_TRAINER = "tfdist/ps/keras_fit.py: fit under ParameterServerStrategy"
+
+MODEL_SUMMARY = Patch(
+    keras.Model, "summary",
+    "(self, line_length=None, positions=None, print_fn=None, expand_nested=False, "
+    "show_trainable=False, layer_range=None)",
+    "tfdist/pipeline/summary.py: a pipelined model's summary ends with its stages")
+TRAINER_FIT = Patch(
+    TensorFlowTrainer, "fit",
+    "(self, x=None, y=None, batch_size=None, epochs=1, verbose='auto', callbacks=None, "
+    "validation_split=0.0, validation_data=None, shuffle=True, class_weight=None, "
+    "sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None, "
+    "validation_batch_size=None, validation_freq=1)", _TRAINER)
+TRAINER_MAKE_TRAIN_FUNCTION = Patch(
+    TensorFlowTrainer, "make_train_function", "(self, force=False)", _TRAINER)
+TRAINER_MAKE_TEST_FUNCTION = Patch(
+    TensorFlowTrainer, "make_test_function", "(self, force=False)", _TRAINER)
+TRAINER_MAKE_PREDICT_FUNCTION = Patch(
+    TensorFlowTrainer, "make_predict_function", "(self, force=False)", _TRAINER)
+TRAINER_METRICS_RESULT = Patch(
+    TensorFlowTrainer, "_get_metrics_result_or_logs", "(self, logs)", _TRAINER)
+
+PROCESS_WIDE = (
+    MODEL_SUMMARY,
+    TRAINER_FIT,
+    TRAINER_MAKE_TRAIN_FUNCTION,
+    TRAINER_MAKE_TEST_FUNCTION,
+    TRAINER_MAKE_PREDICT_FUNCTION,
+    TRAINER_METRICS_RESULT,
+)
+
+_PS_EXTENDED = ("tfdist/_compat/tf_parameter_server.py: serve_keras_variables swaps the "
+                "class of a ParameterServerStrategy's extended")
+PER_OBJECT = (
+    Patch(parameter_server_strategy_v2.ParameterServerStrategyV2Extended,
+          "_create_variable", "(self, next_creator, **kwargs)", _PS_EXTENDED),
+    Patch(parameter_server_strategy_v2.ParameterServerStrategyV2Extended,
+          "_update", "(self, var, fn, args, kwargs, group)", _PS_EXTENDED),
+    Patch(keras.layers.Layer, "call", "(self, *args, **kwargs)",
+          "tfdist/_compat/keras_layers.py: use_call (tensor layouts) on one built layer"),
+    Patch(TFOptimizer, "_all_reduce_sum_gradients", "(self, grads_and_vars)",
+          "tfdist/_compat/keras_optimizer.py: gradients_already_reduced, for one apply"),
+    Patch(BaseOptimizer, "_var_key", "(self, variable)",
+          "tfdist/_compat/keras_optimizer.py: slots_found_by and keys_follow_storage "
+          "change `_trainable_variables_indices`, keyed by it"),
+    Patch(keras.Variable, "assign_add", "(self, value)",
+          "tfdist/ps/keras_fit.py: make_counters_atomic, on step and metric counters"),
+    Patch(keras.Variable, "assign_sub", "(self, value)",
+          "tfdist/ps/keras_fit.py: make_counters_atomic, on step and metric counters"),
+    Patch(keras.Variable, "_value", None,
+          "tfdist/_compat/tf_variables.py: set_storage moves or shards one variable"),
+    Patch(parameter_server_strategy_v2.ParameterServerStrategyV2Extended,
+          "_allow_run_without_coordinator", None,
+          "tfdist/_compat/tf_parameter_server.py: running_without_coordinator"),
+)
+
+_lock = threading.Lock()
+_originals = {}  # Patch -> (whether the owner defined it itself, its value)
+
+
+def install(patch: Patch, wrap):
+    """Replaces `patch`'s attribute by `wrap(original)`, once per process.
+
+    A second call while installed does nothing. Raises ValueError for a patch
+    not in `PROCESS_WIDE`.
+
+    Example:
+
+    ```python
+    install(MODEL_SUMMARY, lambda summary: functools.wraps(summary)(
+        lambda model, *args, **kwargs: summary(model, *args, **kwargs)))
+    ```
+    """
+    if patch not in PROCESS_WIDE:
+        raise ValueError(
+            f"`patch` must be one of patches.PROCESS_WIDE, got {patch.target}.")
+    with _lock:
+        if patch in _originals:
+            return
+        original = getattr(patch.owner, patch.attribute)
+        _originals[patch] = (patch.attribute in vars(patch.owner),
+                             vars(patch.owner).get(patch.attribute))
+        setattr(patch.owner, patch.attribute, wrap(original))
+
+
+def uninstall(patch: Patch):
+    """Restores the attribute `install` replaced (the very same object).
+
+    Example:
+
+    ```python
+    uninstall(MODEL_SUMMARY)
+    ```
+    """
+    with _lock:
+        if patch not in _originals:
+            return
+        owned, original = _originals.pop(patch)
+        if owned:
+            setattr(patch.owner, patch.attribute, original)
+        else:
+            delattr(patch.owner, patch.attribute)
+
+
+def installed(patch: Patch) -> bool:
+    """Whether `patch` is installed in this process.
+
+    Example:
+
+    ```python
+    installed(MODEL_SUMMARY)   # True once a pipelined strategy was made
+    ```
+    """
+    return patch in _originals

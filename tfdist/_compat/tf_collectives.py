@@ -1,0 +1,117 @@
+"""TensorFlow collective internals: a strategy's per-replica launchers.
+
+`MirroredStrategy` and `MultiWorkerMirroredStrategy` communicate through
+`CollectiveAllReduce`, which keeps one `CollectiveReplicaLauncher` per local
+replica (its group, device, instance keys and ordering token). tfdist issues
+its own collectives (all-to-all, subgroup all-gathers) through launchers so
+that they order with the strategy's.
+"""
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops, cross_device_utils
+from tensorflow.python.ops import gen_collective_ops
+
+
+def strategy_launcher(extended, local: int):
+    """The strategy's collective launcher of its `local`-th replica on this task.
+
+    Raises NotImplementedError for a strategy that does not communicate with
+    collective ops.
+
+    Example:
+
+    ```python
+    strategy_launcher(strategy.extended, 0)
+    ```
+    """
+    collectives = extended._cross_device_ops
+    if not isinstance(collectives, cross_device_ops.CollectiveAllReduce):
+        raise NotImplementedError(
+            f"tfdist's reduce-scatter needs a strategy that communicates with "
+            f"collective ops, not {type(collectives).__name__}.")
+    return collectives._launchers[local]
+
+
+def launcher_options(launcher):
+    """The `CommunicationOptions` a launcher runs its collectives with.
+
+    Example:
+
+    ```python
+    launcher_options(strategy_launcher(strategy.extended, 0)).timeout_seconds
+    ```
+    """
+    return launcher._options
+
+
+def group_launcher(keys, group, device, own=None, options=None):
+    """A launcher for the devices `group` on `device`, ordered with the
+    strategy's `own` launcher there if given (sharing its ordering token),
+    else with an ordering token of its own and `options`.
+
+    Example:
+
+    ```python
+    group_launcher(collective_keys(extended), devices[:2], devices[0],
+                   own=strategy_launcher(extended, 0))
+    ```
+    """
+    launcher = cross_device_utils.CollectiveReplicaLauncher(
+        keys.get_group_key(group), len(group), keys, device,
+        own._options if own else options)
+    if own is not None:
+        launcher._ordering_token = own._ordering_token
+    return launcher
+
+
+def launcher_device(launcher) -> str:
+    """The device a launcher's collectives run on.
+
+    Example:
+
+    ```python
+    with tf.device(launcher_device(launcher)):
+        total = tf.reduce_sum(all_to_all(launcher, rows), axis=0)
+    ```
+    """
+    return launcher._device
+
+
+def all_gather(launcher, tensor, options=None):
+    """`tensor` of every replica of the launcher's group, concatenated along
+    the first axis in group order (the launcher's `_all_gather`).
+
+    Example:
+
+    ```python
+    all_gather(launcher, row[tf.newaxis])   # (group size, m)
+    ```
+    """
+    return launcher._all_gather(tensor, options)
+
+
+def all_to_all(launcher, rows):
+    """Row r of `rows` (shape `(N, m)`) sent to replica r of the launcher's
+    group; returns the N rows received, row s from replica s.
+
+    TensorFlow has no public all-to-all: this issues the collective op with
+    the launcher's keys, ordering token and options.
+
+    Example:
+
+    ```python
+    received = all_to_all(launcher, tf.reshape(gradient, (4, -1)))
+    ```
+    """
+    options = launcher._options
+    token = launcher._get_ordering_token()
+    with tf.device(launcher._device):
+        return gen_collective_ops.collective_all_to_all_v2(
+            rows,
+            group_size=launcher._group_size,
+            group_key=launcher._group_key,
+            instance_key=launcher._next_instance_key(),
+            ordering_token=[] if token is None else [token],
+            communication_hint=options.implementation.value,
+            timeout_seconds=options.timeout_seconds or 0,
+        )

@@ -1,0 +1,81 @@
+"""`tf.distribute` strategy internals: replica ids, collective keys, the cluster.
+
+A strategy's `extended` knows which replica of the sync group each local
+device is and holds the collective group keys; none of it is public.
+"""
+
+from tensorflow.python.distribute import multi_worker_util, values_util
+
+
+def replica_id_in_sync_group(extended, local: int) -> int:
+    """The sync-group id (across workers) of this task's `local`-th replica.
+
+    Example:
+
+    ```python
+    replica_id_in_sync_group(strategy.extended, 0)   # 2 on the second of 2-replica workers
+    ```
+    """
+    return extended._get_replica_id_in_sync_group(local)
+
+
+def local_replica_id(extended, replica) -> int:
+    """The position on this task of the replica with sync-group id `replica`
+    (the inverse of `replica_id_in_sync_group`).
+
+    Example:
+
+    ```python
+    local_replica_id(strategy.extended, context.replica_id_in_sync_group)
+    ```
+    """
+    return extended._get_local_replica_id(replica)
+
+
+def current_local_replica_id() -> int:
+    """The position on this task of the replica running this code, as a
+    Python int (in replica context).
+
+    Example:
+
+    ```python
+    strategy.run(lambda: current_local_replica_id())   # 0, 1, ... per device
+    ```
+    """
+    return values_util.get_current_replica_id_as_int()
+
+
+def collective_keys(extended):
+    """The strategy's `CollectiveKeys`: group and instance keys of its collectives.
+
+    Example:
+
+    ```python
+    collective_keys(strategy.extended).get_group_key(devices)
+    ```
+    """
+    return extended._collective_keys
+
+
+def cluster_spec(extended):
+    """The cluster of a multi-worker strategy (a `ClusterSpec`), or None on one host.
+
+    Example:
+
+    ```python
+    cluster_spec(strategy.extended)   # None for a MirroredStrategy
+    ```
+    """
+    return getattr(extended, "_cluster_spec", None)
+
+
+def id_in_cluster(spec, job: str, index: int) -> int:
+    """The id of task `job:index` in `spec`: the chief is 0, then the workers.
+
+    Example:
+
+    ```python
+    id_in_cluster(spec, "worker", 0)   # 1 with a chief
+    ```
+    """
+    return multi_worker_util.id_in_cluster(spec, job, index)

@@ -1,0 +1,115 @@
+"""Parameter-server strategy internals: Keras 3 variables on ps tasks.
+
+`tf.distribute`'s `ParameterServerStrategyV2` creates and updates variables in
+its `extended` object, whose hooks (`_create_variable`, `_update`) and
+counters are private; tfdist's `ParameterServerStrategy` replaces that object's
+class with one that serves Keras 3 variables, and lets the chief run Keras's
+own evaluate and predict functions.
+"""
+
+import contextlib
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import parameter_server_strategy_v2, sharded_variable
+
+
+def serve_keras_variables(strategy):
+    """Makes the `extended` of a parameter-server `strategy` serve Keras 3
+    variables (`_KerasPartitionedVariables`): a per-object class swap, listed
+    in `tfdist._compat.patches`.
+
+    Example:
+
+    ```python
+    serve_keras_variables(strategy)   # right after ParameterServerStrategy.__init__
+    ```
+    """
+    strategy.extended.__class__ = _KerasPartitionedVariables
+
+
+def num_workers(extended) -> int:
+    """Worker tasks in a parameter-server strategy's cluster.
+
+    Example:
+
+    ```python
+    num_workers(strategy.extended)   # 2
+    ```
+    """
+    return extended._num_workers
+
+
+def num_ps(extended) -> int:
+    """Ps tasks in a parameter-server strategy's cluster.
+
+    Example:
+
+    ```python
+    num_ps(strategy.extended)   # 1
+    ```
+    """
+    return extended._num_ps
+
+
+@contextlib.contextmanager
+def running_without_coordinator(extended):
+    """Lets the chief run a step function itself, not through the coordinator
+    (`_allow_run_without_coordinator`), for the duration of the block.
+
+    Example:
+
+    ```python
+    with running_without_coordinator(strategy.extended):
+        logs = model.test_function(iterator)
+    ```
+    """
+    allowed = extended._allow_run_without_coordinator
+    extended._allow_run_without_coordinator = True
+    try:
+        yield
+    finally:
+        extended._allow_run_without_coordinator = allowed
+
+
+class _KerasPartitionedVariables(parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
+    """The parent's `extended`, made to serve Keras 3 partitioned variables.
+
+    - An optimizer slot of a partitioned variable is partitioned like it
+      (the parent would put a slot "colocated" with it on the chief).
+    - A partitioned variable converts to a NumPy array (Keras's weight files
+      save it whole).
+    - Keras 3 optimizers update every variable as one: a partitioned one is
+      updated where the step runs, its reads and writes going to each shard's
+      ps task.
+    """
+
+    def _create_variable(self, next_creator, **kwargs):
+        if isinstance(kwargs.get("colocate_with"), sharded_variable.ShardedVariable):
+            del kwargs["colocate_with"]
+        variable = super()._create_variable(next_creator, **kwargs)
+        if isinstance(variable, sharded_variable.ShardedVariable):
+            return PartitionedVariable(variable.variables, name=variable.name)
+        return variable
+
+    def _update(self, var, fn, args, kwargs, group):
+        if not isinstance(var, sharded_variable.ShardedVariable):
+            return super()._update(var, fn, args, kwargs, group)
+        result = fn(var, *self._select_single_value(args), **self._select_single_value(kwargs))
+        return result if group else tf.nest.map_structure(self._local_results, result)
+
+
+class PartitionedVariable(sharded_variable.ShardedVariable):
+    """A variable split along its first axis across ps tasks, as one array.
+
+    Example:
+
+    ```python
+    np.asarray(model.layers[0].embeddings)   # the whole table, from every shard
+    ```
+    """
+
+    def __array__(self, dtype=None):
+        return np.asarray(self.numpy(), dtype=dtype)
+
+
