@@ -20,9 +20,11 @@ TFDIST = [sys.executable, "-m", "tfdist.cli"]  # the `tfdist` command of this ch
 PRINT_TF_CONFIG = [sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'])"]
 
 
-def run_tfdist(*args, timeout=120):
-    """Runs the `tfdist` command with `args`; its output is captured as text."""
-    return subprocess.run([*TFDIST, *args], capture_output=True, text=True, timeout=timeout)
+def run_tfdist(*args, timeout=120, env=None):
+    """Runs the `tfdist` command with `args` (in `env`, default this process's
+    environment); its output is captured as text."""
+    return subprocess.run([*TFDIST, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
 
 
 def devices(n):

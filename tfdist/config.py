@@ -184,12 +184,8 @@ class ParallelConfig:
             raise ValueError(
                 "`stage_boundaries` and `remat` apply to pipeline stages, but "
                 "`pipeline=1`: use pipeline >= 2, or drop them.")
-        if self.stage_boundaries is not None and (
-                len(self.stage_boundaries) != self.pipeline - 1):
-            raise ValueError(
-                f"`stage_boundaries` must name {self.pipeline - 1} layer(s) for "
-                f"pipeline={self.pipeline} (the first layer of each stage after the "
-                f"first), got {list(self.stage_boundaries)!r}.")
+        if self.stage_boundaries is not None:
+            check_boundary_count(list(self.stage_boundaries), self.pipeline)
         if self.vocab_parallel_classifier and self.tensor == 1:
             raise ValueError(
                 "`vocab_parallel_classifier=True` splits the final classifier "
@@ -351,3 +347,20 @@ class ParallelConfig:
             raise ValueError(
                 f"${CONFIG_ENV} is not valid JSON ({error}): {text!r}"
             ) from error
+
+
+def check_boundary_count(boundaries, stages: int):
+    """`stage_boundaries` names one layer per stage after the first.
+
+    Example:
+
+    >>> check_boundary_count(["dense_2"], 3)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: `stage_boundaries` must name 2 layer(s) for pipeline=3 ...
+    """
+    if isinstance(boundaries, str) or len(boundaries) != stages - 1:
+        raise ValueError(
+            f"`stage_boundaries` must name {stages - 1} layer(s) for "
+            f"pipeline={stages} (the first layer of each stage after the "
+            f"first), got {boundaries!r}.")

@@ -147,30 +147,23 @@ def step_timer():
 def breakdown(sleeps, begin, end, schedule, p, m):
     """One step's sleeps against the schedule: (in order?, critical path in units,
     {part: seconds}) with the parts summing to the step time."""
-    from tfdist.pipeline.schedule import stage_orders
+    from tfdist.pipeline.schedule import Action, needs, stage_orders
 
-    orders = [[(action.kind, action.microbatch) for action in order]
-              for order in stage_orders(schedule, p, m)]
+    orders = stage_orders(schedule, p, m)
     units, ran = {}, {s: [] for s in range(p)}
     for s in range(p):
         mine = sorted((start, end_, kind) for stage, kind, start, end_ in sleeps if stage == s)
         ran[s] = [kind for _, _, kind in mine]
         for kind in "FB":
             for i, (start, end_, _) in enumerate(u for u in mine if u[2] == kind):
-                units[(s, kind, i)] = (start, end_)
-    in_order = all(ran[s] == [kind for kind, _ in orders[s]] for s in range(p))
+                units[Action(s, kind, i)] = (start, end_)
+    in_order = all(ran[s] == [action.kind for action in orders[s]] for s in range(p))
 
-    def deps(unit):
-        s, kind, i = unit
-        position = orders[s].index((kind, i))
-        found = [(s, *orders[s][position - 1])] if position else []
-        if kind == "F" and s > 0:
-            found.append((s - 1, "F", i))
-        if kind == "B":
-            found.append((s, "F", i))
-            if s < p - 1:
-                found.append((s + 1, "B", i))
-        return found
+    def deps(action):
+        """The stage's previous action, and the actions whose results it reads."""
+        position = orders[action.stage].index(action)
+        previous = [orders[action.stage][position - 1]] if position else []
+        return previous + needs(action, p)
 
     unit = max(units, key=lambda u: units[u][1])
     path = [unit]
@@ -180,8 +173,8 @@ def breakdown(sleeps, begin, end, schedule, p, m):
     path.reverse()
     delay = {"F": FLAGS.fwd_ms / 1000, "B": FLAGS.bwd_ms / 1000}
     parts = {"before_first_unit": units[path[0]][0] - begin,
-             "delays": sum(delay[u[1]] for u in path),
-             "sleep_overrun": sum(units[u][1] - units[u][0] - delay[u[1]] for u in path),
+             "delays": sum(delay[u.kind] for u in path),
+             "sleep_overrun": sum(units[u][1] - units[u][0] - delay[u.kind] for u in path),
              "gaps_between_units": sum(units[b][0] - units[a][1]
                                        for a, b in zip(path, path[1:])),
              "after_last_unit": end - units[path[-1]][1]}

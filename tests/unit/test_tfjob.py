@@ -14,7 +14,7 @@ import yaml
 from kubeflow.training import TrainingClient, models
 from kubeflow.training.utils import utils as training_utils
 
-from helpers import TFDIST
+from helpers import run_tfdist
 from tfdist.cluster.tfjob import TFJobManifest, submit, tfjob
 from tfdist.config import ParallelConfig
 
@@ -391,13 +391,8 @@ def test_submit_refuses_other_objects():
 EXAMPLES = pathlib.Path(__file__).parents[2] / "keras_examples" / "tfjob"
 
 
-def tfdist_cli(*args, env=None):
-    return subprocess.run([*TFDIST, *args], capture_output=True, text=True,
-                          timeout=120, env=env)
-
-
 def test_cli_prints_a_manifest_that_matches_the_crd(validator):
-    done = tfdist_cli("tfjob", "--name=digits", f"--image={IMAGE}", "--chief",
+    done = run_tfdist("tfjob", "--name=digits", f"--image={IMAGE}", "--chief",
                       "--workers=2", "--ps=1", "--evaluator", "--gpus-per-worker=1",
                       "--profiler-port=6009", "--microbatches=2", "--", *COMMAND)
     assert done.returncode == 0, done.stderr
@@ -416,14 +411,14 @@ def test_cli_prints_a_manifest_that_matches_the_crd(validator):
     (["--name=digits", f"--image={IMAGE}", "--workers=0"], "`workers` must be an int >= 1"),
 ])
 def test_cli_bad_input(args, message):
-    done = tfdist_cli("tfjob", *args, "--", *COMMAND)
+    done = run_tfdist("tfjob", *args, "--", *COMMAND)
     assert done.returncode == 2 and message in done.stderr
     assert done.stdout == ""
 
 
 def test_cli_submit_without_a_cluster_says_so(tmp_path):
     env = dict(os.environ, KUBECONFIG=str(tmp_path / "missing"), HOME=str(tmp_path))
-    done = tfdist_cli("tfjob", "--name=digits", f"--image={IMAGE}", "--submit", "--",
+    done = run_tfdist("tfjob", "--name=digits", f"--image={IMAGE}", "--submit", "--",
                       *COMMAND, env=env)
     assert done.returncode == 1
     assert "Cannot submit TFJob 'digits': no Kubernetes credentials" in done.stderr

@@ -139,9 +139,15 @@ def stage_orders(kind: str, stages: int, microbatches: int) -> list[list[Action]
     return SCHEDULES[kind](stages, microbatches)
 
 
-def _needs(action: Action, stages: int) -> list[Action]:
+def needs(action: Action, stages: int) -> list[Action]:
     """The actions of other stages (or of the same stage, for a backward) whose
-    results `action` reads."""
+    results `action` reads.
+
+    Example:
+
+    >>> [str(a) for a in needs(Action.parse("1B0"), 3)]
+    ['1F0', '2B0']
+    """
     s, i = action.stage, action.microbatch
     if action.kind == FORWARD:
         return [Action(s - 1, FORWARD, i)] if s > 0 else []
@@ -170,7 +176,7 @@ def clock_steps(orders: list[list[Action]]) -> list[list[Action]]:
     while remaining:
         step = [orders[s][position[s]] for s in range(stages)
                 if position[s] < len(orders[s])
-                and all(need in done for need in _needs(orders[s][position[s]], stages))]
+                and all(need in done for need in needs(orders[s][position[s]], stages))]
         if not step:
             waiting = [str(orders[s][position[s]]) for s in range(stages)
                        if position[s] < len(orders[s])]

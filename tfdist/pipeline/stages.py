@@ -18,6 +18,7 @@ import warnings
 import keras
 
 from tfdist._compat import keras_functional
+from tfdist.config import check_boundary_count
 
 
 @dataclasses.dataclass
@@ -185,11 +186,7 @@ def _balanced_starts(costs, params, stages):
 
 
 def _named_starts(nodes, boundaries, stages):
-    if isinstance(boundaries, str) or len(boundaries) != stages - 1:
-        raise ValueError(
-            f"`stage_boundaries` must name {stages - 1} layer(s) for "
-            f"pipeline={stages} (the first layer of each stage after the "
-            f"first), got {boundaries!r}.")
+    check_boundary_count(boundaries, stages)
     names = [n.operation.name for n in nodes]
     starts = [0]
     for name in boundaries:
