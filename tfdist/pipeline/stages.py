@@ -97,13 +97,14 @@ def graph_nodes(graph):
 def node_cost(node):
     """Estimated FLOPs per example of one layer call.
 
-    A weight is used once per output position (2 FLOPs per multiply-add);
+    Each weight (biases included) is used once per output position (2 FLOPs
+    per multiply-add);
     every output element costs one more operation.
 
     Example:
 
     ```python
-    node_cost(inbound_nodes(dense)[0])   # Dense(64 -> 32): 2*64*32 + 32 + 32
+    node_cost(inbound_nodes(dense)[0])   # Dense(64 -> 32): 2*(64*32 + 32) + 32
     ```
     """
     weights = sum(math.prod(w.shape) for w in _weights(node.operation))
