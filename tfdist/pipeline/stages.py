@@ -98,8 +98,7 @@ def node_cost(node):
     """Estimated FLOPs per example of one layer call.
 
     Each weight (biases included) is used once per output position (2 FLOPs
-    per multiply-add);
-    every output element costs one more operation.
+    per multiply-add); every output element costs one more operation.
 
     Example:
 
