@@ -15,6 +15,7 @@ arguments and behave as their parents everywhere except two places:
 import contextlib
 import inspect
 import itertools
+import warnings
 import weakref
 
 import keras
@@ -201,7 +202,11 @@ class _StepOwner:
         When `fn` is the bound `train_step` of a Keras model that does not
         override it, tfdist's `TrainStep` runs instead. A model that overrides
         `train_step` runs its own step (plain data parallelism), which is
-        refused if the config asks for something only tfdist's step does.
+        refused if the config asks for something only tfdist's step does; so
+        is the training function of a model that is not a Keras 3 model (a
+        tf_keras model's `fit`). Another training function of the user's own
+        runs as written, with a warning (once) when the config asks for
+        step-level options (`tfdist.usage_checks.check_run_function`).
         """
         mesh = self.tensor_mesh
         if mesh is not None:  # a tensor group evaluates and predicts one batch
@@ -216,9 +221,19 @@ class _StepOwner:
                 fn = self.train_step(model)
             else:
                 check_own_train_step(model, self._config)
+        elif not isinstance(fn, TrainStep):
+            self._notice_own_function(fn)
         if isinstance(fn, TrainStep):
             fn.prepare()  # before the replicas trace it
         return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def _notice_own_function(self, fn):
+        """Refuses a foreign model's training function under step-level
+        options; warns once of a training function of the user's own."""
+        notice = usage_checks.check_run_function(fn, self._config)
+        if notice is not None and not getattr(self, "_noticed_own_function", False):
+            self._noticed_own_function = True
+            warnings.warn(notice, stacklevel=3)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """The parent's, after checking a static batch size against the config.

@@ -6,9 +6,16 @@ bare `StopIteration` from the input pipeline); the strategies call these
 checks where they first see the model and the data.
 """
 
+import inspect
+
+import keras
 import tensorflow as tf
 
 from tfdist._compat.tf_variables import distribute_strategy_of
+from tfdist.engine.build import keras_flavour, step_level_options
+
+# Names a training function calls: a model's train step, or a tape and an optimizer.
+_TRAINING_CALLS = frozenset({"train_step", "gradient", "apply_gradients", "minimize"})
 
 
 def check_built_in_scope(model, strategy):
@@ -57,3 +64,59 @@ def check_not_empty(dataset: tf.data.Dataset):
             "evaluate on. Check the data given to `fit`/`evaluate`/`predict` (an "
             "empty array, a file pattern matching no file, `take(0)`, or a batch "
             "size larger than the data with `drop_remainder=True`).")
+
+
+def check_run_function(fn, config) -> str | None:
+    """What to tell the user about a function passed to `strategy.run` that is
+    not tfdist's step nor a Keras 3 model's own step.
+
+    Such a function runs as written: the options only tfdist's step applies
+    (`microbatches`, `zero`, `xla`, `pipeline`, `tensor`) do not reach it.
+    For the training function of a model that is not a Keras 3 model (the one
+    tf_keras's `fit` runs) this raises, before the first step. For another
+    function that trains (it calls `train_step`, `gradient`,
+    `apply_gradients` or `minimize`) it returns a notice to show once; for
+    anything else (evaluation, metrics) None.
+
+    Example:
+
+    ```python
+    notice = check_run_function(my_train_fn, ParallelConfig(data=2, zero=1))
+    ```
+    """
+    wanted = step_level_options(config)
+    function = inspect.unwrap(getattr(fn, "python_function", fn))
+    code = getattr(function, "__code__", None)
+    if code is None or not _TRAINING_CALLS & set(code.co_names):
+        return None
+    model = _foreign_model_in(function)
+    if model is not None:
+        wanted += [f"precision={config.precision!r}"] if config.precision != "float32" else []
+        if wanted:
+            raise ValueError(
+                f"{getattr(model, 'name', model)!r} is a {keras_flavour(model)} model: its "
+                f"own training step would run as plain data parallelism, without "
+                f"{', '.join(wanted)}. tfdist applies them to Keras 3 models (`import "
+                f"keras`); keep this model with `tfdist.Strategy(data=...)` alone.")
+        return None
+    if not wanted:
+        return None
+    name = getattr(function, "__qualname__", repr(fn))
+    return (
+        f"`strategy.run({name})` runs that training function as written: "
+        f"{', '.join(wanted)} apply only to tfdist's own step. In a custom loop "
+        f"run `strategy.train_step(model)` instead (it applies them; see "
+        f"`TrainStep`). Evaluation and metric functions are not affected.")
+
+
+def _foreign_model_in(function):
+    """A model that is not a Keras 3 model among `function`'s free variables."""
+    for cell in function.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+        if callable(getattr(type(value), "train_step", None)) and not isinstance(
+                value, keras.Model):
+            return value
+    return None

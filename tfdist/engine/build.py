@@ -39,6 +39,12 @@ def check_model(model, config: ParallelConfig):
     check_model(model, strategy.config)   # ValueError: "The model has no optimizer..."
     ```
     """
+    if not isinstance(model, keras.Model):
+        raise NotImplementedError(
+            f"tfdist's training step takes Keras 3 models (`import keras`), but "
+            f"{getattr(model, 'name', model)!r} is a {keras_flavour(model)} model. "
+            f"Build it with Keras 3, or train it with its own step under "
+            f"`tfdist.Strategy(data=...)` alone (plain data parallelism).")
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         raise ValueError(
@@ -80,6 +86,33 @@ def check_model(model, config: ParallelConfig):
         )
 
 
+def step_level_options(config: ParallelConfig) -> list[str]:
+    """The options of `config` that only tfdist's step applies, as `name=value`.
+
+    Example:
+
+    >>> step_level_options(ParallelConfig(data=2, microbatches=2, zero=1))
+    ['microbatches=2', 'zero=1']
+    """
+    return [f"{name}={getattr(config, name)!r}" for name, off in _STEP_LEVEL
+            if getattr(config, name) != off]
+
+
+def keras_flavour(model) -> str:
+    """"Keras 3", "tf_keras (Keras 2)", or the class of anything else.
+
+    Example:
+
+    >>> keras_flavour(keras.Sequential())
+    'Keras 3'
+    """
+    if isinstance(model, keras.Model):
+        return "Keras 3"
+    if any(cls.__module__.split(".")[0] == "tf_keras" for cls in type(model).__mro__):
+        return "tf_keras (Keras 2)"
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
 def check_own_train_step(model, config: ParallelConfig):
     """A model that overrides `train_step` runs it as written (data parallel
     with Keras's own gradient handling): every option only tfdist's step
@@ -91,8 +124,7 @@ def check_own_train_step(model, config: ParallelConfig):
     check_own_train_step(model, ParallelConfig(microbatches=2))   # ValueError
     ```
     """
-    wanted = [f"{name}={getattr(config, name)!r}" for name, off in _STEP_LEVEL
-              if getattr(config, name) != off]
+    wanted = step_level_options(config)
     if wanted:
         raise ValueError(
             f"{type(model).__name__} overrides `train_step`, so tfdist runs "
