@@ -118,3 +118,16 @@ def direct_sublayers(model):
     ```
     """
     return model._flatten_layers(include_self=False, recursive=False)
+
+
+def nested_sublayers(model):
+    """Every layer `model` tracks, nested ones included, in order (not itself:
+    Keras's `_flatten_layers(include_self=False)`).
+
+    Example:
+
+    ```python
+    nested_sublayers(model)   # the layers of its blocks too
+    ```
+    """
+    return model._flatten_layers(include_self=False)

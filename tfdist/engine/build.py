@@ -17,6 +17,7 @@ before the first step. `assemble` then picks the step's three parts (see
 import keras
 import tensorflow as tf
 
+from tfdist._compat.keras_functional import nested_sublayers
 from tfdist.config import ParallelConfig
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
 from tfdist.engine.reduce import AllReduce, DataGroupAllReduce, ShardedReduce
@@ -63,6 +64,7 @@ def check_model(model, config: ParallelConfig):
         )
     if not model.trainable_weights:
         raise ValueError("The model has no trainable weights: nothing to train.")
+    check_synchronized_batch_norm(model, config)
     if config.zero:
         check_shardable(optimizer, config.zero)
     if config.tensor > 1:  # split weights are updated shard by shard
@@ -84,6 +86,36 @@ def check_model(model, config: ParallelConfig):
             "`auto_scale_loss=True` (the default) or wrap the optimizer in "
             "`keras.optimizers.LossScaleOptimizer`."
         )
+
+
+def check_synchronized_batch_norm(model, config: ParallelConfig):
+    """`BatchNormalization(synchronized=True)` all-reduces its batch statistics
+    in the forward pass (`tf.distribute`'s replica context), which cannot run
+    inside the nested functions tfdist makes for `xla=True` (one XLA
+    computation) and for `tensor` with `microbatches` or `pipeline` (one
+    function per microbatch or replica): refused there, before the first step.
+
+    Example:
+
+    ```python
+    check_synchronized_batch_norm(model, ParallelConfig(data=2, xla=True))  # raises
+    ```
+    """
+    nested = ["xla=True"] if config.xla else []
+    if config.tensor > 1 and (config.microbatches > 1 or config.pipeline > 1):
+        nested.append(f"tensor={config.tensor} with "
+                      + ("microbatches" if config.pipeline == 1 else "pipeline"))
+    if not nested:
+        return
+    for layer in nested_sublayers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized:
+            raise NotImplementedError(
+                f"{layer.name!r} is a BatchNormalization(synchronized=True), whose "
+                f"cross-replica all-reduce of batch statistics cannot run inside the "
+                f"function tfdist traces for {' and '.join(nested)}. Use "
+                f"synchronized=False (each replica normalises with its own "
+                f"statistics; tfdist still keeps the moving statistics equal on "
+                f"every replica), or drop {' and '.join(nested)}.")
 
 
 def step_level_options(config: ParallelConfig) -> list[str]:

@@ -23,6 +23,7 @@ import tensorflow as tf
 from tfdist._compat.keras_trainer import call_has_training_arg
 from tfdist.engine import microbatch
 from tfdist.engine.metrics import synced_results
+from tfdist.engine.moving_statistics import MovingStatistics
 
 
 class Compute:
@@ -98,6 +99,7 @@ class LocalCompute(Compute):
 
     def __init__(self, model, microbatches: int, mesh=None, xla=False):
         super().__init__(model, microbatches, mesh)
+        self.moving = MovingStatistics([model])
         self._runs = [self._forward_backward] * microbatches
         if xla:
             self._runs = [tf.function(
@@ -118,16 +120,21 @@ class LocalCompute(Compute):
                           for _ in range(microbatches)]
 
     def gradients(self, x, y, sample_weight):
-        total = metrics = None
+        total = metrics = moved = None
         with tf.name_scope("split"):
             parts = self.split(x, y, sample_weight)
+        start = self.moving.start()
         for i, part in enumerate(parts):
             with tf.name_scope(f"microbatch{i}"), \
                     tf.control_dependencies(_tensors(total)):
+                self.moving.reset(start)
                 loss, y_pred, grads = self._runs[i](
                     part.x, part.y, part.sample_weight, part.share)
                 metrics = self.loss.record(part, loss, y_pred)
                 total = microbatch.add_gradients(total, grads)
+                moved = self.moving.add(moved, part.size)
+        with tf.name_scope("moving_statistics"):
+            self.moving.finish(start, moved)
         return total, metrics
 
     def _forward_backward(self, x, y, sample_weight, share):

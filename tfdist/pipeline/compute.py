@@ -90,7 +90,7 @@ class PipelineCompute:
         local = int(local_replica_id(strategy.extended, replica))
         mesh = getattr(strategy, "tensor_mesh", None)
         if mesh is None:
-            return self._replica_actions(slices, local, mesh)
+            return self._finish(*self._replica_actions(slices, local, mesh), local)
         # With tensor groups, actions all-reduce with the other replicas. The
         # replicas are traced into one graph, in which TensorFlow chains
         # every stateful op without a resource (such as a loss's shape
@@ -101,7 +101,15 @@ class PipelineCompute:
         if local not in self._per_replica:
             self._per_replica[local] = tf.function(
                 functools.partial(self._replica_actions, local=local, mesh=mesh))
-        return self._per_replica[local](slices)
+        return self._finish(*self._per_replica[local](slices), local)
+
+    def _finish(self, totals, metrics, starts, moved, local):
+        """The step's end for the stages' BatchNormalization statistics (one
+        update per step, equal on every replica: `MovingStatistics`)."""
+        for s, runner in enumerate(self.runners):
+            with tf.device(self.devices[local][s]):
+                runner.moving.finish(starts[s], moved[s])
+        return totals, metrics
 
     def _replica_actions(self, slices, local, mesh):
         # A class-split classifier gives its logit slice to the sharded loss.
@@ -118,6 +126,10 @@ class PipelineCompute:
         previous = [[] for _ in self.stages]               # stage's last action's tensors
         totals = [None] * len(self.model.trainable_weights)
         metrics = None
+        starts, moved = [], [None for _ in self.stages]   # BatchNormalization statistics
+        for s, runner in enumerate(self.runners):
+            with tf.device(devices[s]):
+                starts.append(runner.moving.start())
         for action in self.order:
             s, i = action.stage, action.microbatch
             runner = self.runners[s]
@@ -129,7 +141,9 @@ class PipelineCompute:
                     tf.device(devices[s]), tf.control_dependencies(previous[s]), \
                     mesh.stage(s) if mesh else contextlib.nullcontext():
                 if forward:
+                    runner.moving.reset(starts[s])  # every microbatch from the step's start
                     kept = runner.forward(env[i], head, remat=self.remat)
+                    moved[s] = runner.moving.add(moved[s], slices[i][4])
                     held[s][i] = kept
                     self.peak_held[s] = max(self.peak_held[s], len(held[s]))
                     env[i].update((id(sym), value) for sym, value in
@@ -149,7 +163,7 @@ class PipelineCompute:
         # reduce is then one packed all-reduce, as without stages.
         with tf.device(devices[0]):
             totals = [None if g is None else tf.identity(g) for g in totals]
-        return totals, metrics
+        return totals, metrics, starts, moved
 
     def _last_stage_loss(self, microbatch, track, values):
         """The last stage's loss of `microbatch` (its (x, y, sample_weight,

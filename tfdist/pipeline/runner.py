@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras import tree
 
 from tfdist._compat.keras_functional import node_call
+from tfdist.engine.moving_statistics import MovingStatistics
 
 
 @dataclasses.dataclass
@@ -85,6 +86,7 @@ class StageRunner:
             stage's trainable weights, in the order `backward` returns their
             gradients.
         state: the stage's non-trainable variables.
+        moving: the stage's BatchNormalization statistics (`MovingStatistics`).
 
     Example:
 
@@ -99,6 +101,7 @@ class StageRunner:
         self.stage = stage
         self.state = [v for layer in stage.layers
                       for v in getattr(layer, "non_trainable_variables", ())]
+        self.moving = MovingStatistics(stage.layers)
         index = {id(v): i for i, v in enumerate(trainable_weights)}
         self.weights = [(index[id(v)], v) for layer in stage.layers
                         for v in getattr(layer, "trainable_weights", ())]
