@@ -93,13 +93,16 @@ def test_each_stage_all_reduces_megatrons_count_on_its_own_devices():
         # Stage 0 (embedding, block 1) per microbatch: the embedding's "g" and
         # the block's 2 forward + 2 backward all-reduces; once per step, the
         # data group's packed gradient all-reduce (every stage's gradients
-        # meet on the replica's device). Stage 1 (block 2, head): the block's 4.
-        assert counts["CollectiveReduceV2", first] == microbatches * (1 + 4) + 1
+        # meet on the replica's device), and the two of a few scalars (the
+        # batch's row counts, the metric state). Stage 1 (block 2, head): the
+        # block's 4.
+        assert counts["CollectiveReduceV2", first] == microbatches * (1 + 4) + 1 + 2
         assert counts["CollectiveReduceV2", second] == microbatches * 4
-        # The tensor group's batch exchange (sizes, x, y) happens once, on stage 0.
-        assert counts["CollectiveGatherV2", first] == 1 + 2 * 2
+        # The tensor group's batch exchange happens once, on stage 0: the
+        # slices' sizes, then x and y (padded to the longest slice).
+        assert counts["CollectiveGatherV2", first] == 1 + 2
         assert counts["CollectiveGatherV2", second] == 0
-    assert sum(counts.values()) == 4 * (11 + 8 + 5)  # nothing anywhere else
+    assert sum(counts.values()) == 4 * (13 + 8 + 3)  # nothing anywhere else
 
 
 def test_class_split_classifier_in_the_last_stage_matches_one_device(reference):

@@ -27,7 +27,8 @@ class MovingStatistics:
 
     Args:
         layers: the layers whose BatchNormalization statistics to follow
-            (nested ones included), e.g. `[model]`.
+            (nested ones included), e.g. `[model]`; other operations (a
+            functional model's `x + y`) are skipped.
 
     Example:
 
@@ -43,7 +44,8 @@ class MovingStatistics:
     """
 
     def __init__(self, layers):
-        found = [sub for layer in layers for sub in [layer, *nested_sublayers(layer)]]
+        found = [sub for layer in layers if isinstance(layer, keras.layers.Layer)
+                 for sub in [layer, *nested_sublayers(layer)]]
         self.variables = [
             v for layer in found if isinstance(layer, keras.layers.BatchNormalization)
             for v in (layer.moving_mean, layer.moving_variance)]
