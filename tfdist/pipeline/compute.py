@@ -173,10 +173,11 @@ class PipelineCompute:
                     tree.flatten(keras_functional.standardize_inputs(self.graph.model, x)))}
 
 
-def pipeline_compute(model, strategy) -> PipelineCompute:
+def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:
     """Plans `model`'s stages, moves their variables onto the stages' devices,
     and returns the compute that runs them (strategy's `pipeline`,
     `stage_boundaries`, `microbatches`, `schedule`, `remat`).
+    `sequence_length` (from the first batch) sizes the stages' cost estimates.
 
     Example:
 
@@ -185,7 +186,7 @@ def pipeline_compute(model, strategy) -> PipelineCompute:
     ```
     """
     config = strategy.config
-    stages = plan_stages(model, config.pipeline, config.stage_boundaries)
+    stages = plan_stages(model, config.pipeline, config.stage_boundaries, sequence_length)
     devices = strategy.pipeline_devices
     per_stage = [[replica[s] for replica in devices] for s in range(config.pipeline)]
     place_stages(model, stages, per_stage, strategy)

@@ -5,16 +5,24 @@ The shapes are the call's own, per example (without the batch dimension),
 with every length the graph leaves unknown (`None`, usually the sequence)
 set to `sequence_length` (1 when it is not known). A multiply-add is 2 FLOPs.
 
-| kind | FLOPs per example |
-|---|---|
-| `Dense` | 2 · kernel · positions + one per output element (bias, activation) |
-| `EinsumDense` | 2 · kernel · positions, positions being the input's elements over the lengths the kernel contracts |
-| `MultiHeadAttention` | its projections, 2 · kernel · positions each, plus QKᵀ and AV: 2 · Tq · Tk · heads · (key_dim + value_dim), plus 5 per score (scale, mask, softmax) |
-| `Embedding` and any `...Embedding` layer | a lookup: one per output element |
-| `Embedding(x, reverse=True)` (a tied output projection) | a matmul: 2 · vocabulary · width per position |
-| normalization layers (`...Normalization`) | 5 per output element |
-| a layer made of sublayers (keras-hub's `TransformerDecoder`, `TransformerEncoder`, a nested model) | the sum of its sublayers', each at the call's positions and sequence length |
-| anything else | 2 · weights · positions + one per output element (a convolution's kernel is used once per output position) |
+- `Dense`: 2 · kernel · positions, plus one per output element (bias,
+  activation).
+- `EinsumDense`: 2 · kernel · positions, positions being the input's
+  elements over the lengths the kernel contracts.
+- `MultiHeadAttention`: its projections, 2 · kernel · positions each, plus
+  QKᵀ and AV, 2 · Tq · Tk · heads · (key_dim + value_dim), plus 5 per
+  score (scale, mask, softmax): the sequence-squared work.
+- `Embedding` and any layer named `...Embedding` (keras-hub's
+  `PositionEmbedding`): a lookup, one per output element.
+- `Embedding(x, reverse=True)`, a tied output projection: a matmul,
+  2 · vocabulary · width per position.
+- `LayerNormalization` and any layer named `...Normalization`: 5 per
+  output element.
+- A layer made of sublayers (keras-hub's `TransformerDecoder` and
+  `TransformerEncoder`): the sum of its sublayers', each at the call's
+  positions and sequence length.
+- Anything else: 2 · weights · positions, plus one per output element (a
+  convolution's kernel is used once per output position).
 
 Positions are the elements of an input divided by its last (feature)
 dimension: the tokens of a sequence, the pixels of an image.
@@ -24,6 +32,7 @@ import dataclasses
 import math
 
 import keras
+from keras import tree
 
 from tfdist._compat.keras_functional import direct_sublayers
 
@@ -71,6 +80,32 @@ def shapes_of(node, sequence_length=None) -> CallShapes:
     reverse = bool(node.arguments.kwargs.get("reverse", False))
     return CallShapes(tuple(known(x) for x in node.input_tensors),
                       tuple(known(x) for x in node.outputs), reverse)
+
+
+def sequence_length_of(inputs, x):
+    """The longest length a batch `x` gives to a dimension (after the batch)
+    that the model's `inputs` leave unknown; None when there is none or the
+    batch's shapes are not known either.
+
+    Example:
+
+    ```python
+    sequence_length_of(gpt2_backbone.inputs, {"token_ids": ids, "padding_mask": mask})
+    # 1024 for ids and mask of shape (8, 1024)
+    ```
+    """
+    values = tree.flatten(x)
+    if len(values) != len(inputs):
+        return None
+    lengths = []
+    for symbolic, value in zip(inputs, values):
+        value = getattr(value, "values", (value,))[0]  # one replica's, if per replica
+        shape = getattr(value, "shape", None)
+        if shape is None or len(shape) != len(symbolic.shape):
+            return None
+        lengths += [n for s, n in zip(symbolic.shape[1:], tuple(shape)[1:])
+                    if s is None and n is not None]
+    return max(lengths, default=None)
 
 
 def node_cost(node, sequence_length=None) -> float:

@@ -126,8 +126,12 @@ class LayerGraph:
                     f"stages. Call it once, or build the model without nesting it.")
             self._flattened.add(id(inner))
             args = node.arguments.args
-            passed = tree.flatten(keras_functional.standardize_inputs(
-                inner, args[0] if len(args) == 1 else list(args)))
+            passed = tree.flatten(args[0] if len(args) == 1 else list(args))
+            if len(passed) != len(inner.inputs):
+                raise ValueError(
+                    f"`pipeline`: the nested model {node.operation.name!r} is called "
+                    f"with {len(passed)} tensor(s) for its {len(inner.inputs)} "
+                    f"input(s); pass them in the structure of its inputs.")
             for x, outer in zip(inner.inputs, passed):
                 self._alias(x, outer)
             self._add(inner)

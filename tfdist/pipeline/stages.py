@@ -167,6 +167,16 @@ def _check_layers_not_shared(groups):
     for index, group in enumerate(groups):
         for node in group:
             first = owner.setdefault(id(node.operation), index)
+            opens_and_closes = (groups[0][0].operation is node.operation
+                                and groups[-1][-1] is node)
+            if first != index and opens_and_closes:
+                raise ValueError(
+                    f"Layer {node.operation.name!r} is called in stages {first} "
+                    f"and {index}; a layer's weights live on one stage. It is the "
+                    f"model's first and last layer call (such as an input embedding "
+                    f"tied to the output projection, as in keras-hub's CausalLM "
+                    f"models), so no cut into stages keeps its calls together: use "
+                    f"pipeline=1.")
             if first != index:
                 raise ValueError(
                     f"Layer {node.operation.name!r} is called in stages {first} "
