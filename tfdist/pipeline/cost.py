@@ -173,7 +173,7 @@ def attention_cost(layer, shapes):
 
 def lookup_cost(layer, shapes):
     """One per output element: a gather, not a matmul."""
-    return shapes.positions * _width(layer, shapes)
+    return sum(math.prod(shape) for shape in shapes.outputs)
 
 
 def tied_projection_cost(layer, shapes):
