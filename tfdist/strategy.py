@@ -135,11 +135,14 @@ class _StepOwner:
         return self.experimental_distribute_values_from_function(
             lambda context: parts[context.replica_id_in_sync_group][:common])
 
-    def describe(self, model: keras.Model) -> str:
+    def describe(self, model: keras.Model, sequence_length: int | None = None) -> str:
         """How `model`'s layers are laid out under this strategy, one per line.
 
         With `pipeline` > 1: each stage's devices, parameters, estimated
-        cost and layers. With `tensor` > 1: which layers are split (column /
+        cost (FLOPs per example, the model's unknown input lengths set to
+        `sequence_length` as the first batch sets them when training
+        starts; 1 when None), its ratio to the mean stage's, and its
+        layers. With `tensor` > 1: which layers are split (column /
         row-parallel Dense pairs, attention by heads, embeddings by
         vocabulary) and which stay replicated, and why. Both when both. With
         `pipeline` > 1 it ends with the schedule's grid: each stage's forward
@@ -162,7 +165,8 @@ class _StepOwner:
         parts = []
         if self._config.pipeline > 1:
             stages = pipeline_stages.plan_stages(
-                model, self._config.pipeline, self._config.stage_boundaries)
+                model, self._config.pipeline, self._config.stage_boundaries,
+                sequence_length)
             per_stage = [[group[s] for group in self.pipeline_devices]
                          for s in range(self._config.pipeline)]
             parts.append(pipeline_stages.describe(stages, per_stage))
@@ -224,7 +228,7 @@ class _StepOwner:
         elif not isinstance(fn, TrainStep):
             self._notice_own_function(fn)
         if isinstance(fn, TrainStep):
-            fn.prepare()  # before the replicas trace it
+            fn.prepare(args[0] if args else None)  # before the replicas trace it
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def _notice_own_function(self, fn):

@@ -59,6 +59,34 @@ def two_inputs(seed=0):
     return model
 
 
+def nested_backbone(seed=0):
+    """A task model calling a functional backbone (with a residual) as one
+    layer, as keras-hub's task models do: the stages cut inside it."""
+    keras.utils.set_random_seed(seed)
+    inner = keras.Input((FEATURES,), name="features")
+    h = keras.layers.Dense(32, activation="relu", name="in")(inner)
+    a = keras.layers.Dense(32, activation="tanh", name="a")(h)
+    b = keras.layers.Dense(32, activation="tanh", name="b")(a)
+    backbone = keras.Model(inner, keras.layers.Add(name="skip")([h, b]), name="backbone")
+    inputs = keras.Input((FEATURES,))
+    outputs = keras.layers.Dense(CLASSES, name="out")(backbone(inputs))
+    model = keras.Model(inputs, outputs, name="task")
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stages_cut_inside_a_nested_model_and_match_one_device(schedule):
+    reference = trained_reference(make=nested_backbone)
+    strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule=schedule,
+                               stage_boundaries=["b"], devices=devices(2))
+    result = train(strategy, make=nested_backbone)
+    assert_parity(result, reference)
+    first, second = strategy.describe(result[2]).splitlines()[:2]
+    assert "layers: in, a" in first and "layers: b, skip, out" in second
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("remat", [False, True])
 def test_residual_mlp_matches_one_device(schedule, remat):

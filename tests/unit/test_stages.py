@@ -4,7 +4,9 @@ layers; what crosses each boundary; the models and boundaries that are refused."
 import keras
 import pytest
 
-from tfdist.pipeline.stages import _balanced_starts, graph_of, node_cost, plan_stages
+from tfdist.pipeline.cost import node_cost
+from tfdist.pipeline.graph import graph_of
+from tfdist.pipeline.stages import _balanced_starts, plan_stages
 
 
 def mlp(widths=(64, 64, 64, 64), features=16):
@@ -43,10 +45,10 @@ def test_balanced_starts_minimise_the_largest_stage(costs, params, stages, start
     assert _balanced_starts(costs, params, stages) == starts
 
 
-def test_node_cost_counts_each_weight_twice_per_position_and_each_output_once():
+def test_node_cost_of_a_dense_is_its_matmul_and_one_per_output():
     model = mlp(widths=(32,), features=64)
     (node,) = model.get_layer("d0")._inbound_nodes
-    assert node_cost(node) == 2 * (64 * 32 + 32) + 32
+    assert node_cost(node) == 2 * 64 * 32 + 32
 
 
 def test_equal_layers_split_evenly_and_costs_add_up():

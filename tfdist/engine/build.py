@@ -167,8 +167,11 @@ def check_own_train_step(model, config: ParallelConfig):
     check_model(model, config)
 
 
-def assemble(model, config: ParallelConfig):
+def assemble(model, config: ParallelConfig, sequence_length=None):
     """The (compute, reduce, update) parts of `model`'s step under `config`.
+
+    `sequence_length`, when the first batch gives the lengths the model's
+    inputs leave unknown, sizes the pipeline stages' cost estimates.
 
     Readies the state they keep, in this order: pipeline stages' variables
     moved to their stages' devices, layers split over tensor groups (where
@@ -190,7 +193,8 @@ def assemble(model, config: ParallelConfig):
             "(or `model.fit`, which builds it) before running the step.")
     k = config.microbatches
     if config.pipeline > 1:
-        compute = PipelinedCompute(model, k, pipeline_compute(model, strategy), mesh)
+        compute = PipelinedCompute(model, k, pipeline_compute(model, strategy, sequence_length),
+                                   mesh)
     else:
         compute = LocalCompute(model, k, mesh, xla=config.xla)
     if mesh is not None:

@@ -30,6 +30,8 @@ import tensorflow as tf
 from tfdist._compat.keras_trainer import symbolic_build
 from tfdist.config import ParallelConfig
 from tfdist.engine import build
+from tfdist.pipeline.cost import sequence_length_of
+from tfdist.pipeline.graph import graph_of
 
 
 class TrainStep:
@@ -86,12 +88,13 @@ class TrainStep:
             symbolic_build(self.model, data)
         self.prepare()
 
-    def prepare(self):
+    def prepare(self, data=None):
         """Chooses the step's parts and readies the state they keep, before
         the step is traced: pipeline stages placed on their devices, layers
         split over tensor groups, the optimizer's state moved into shards
-        (values kept). Strategies call it when they run the step; it is
-        idempotent.
+        (values kept). Strategies call it when they run the step, with the
+        first batch (`data`), whose shapes give the sequence length the
+        pipeline stages are balanced for; it is idempotent.
 
         Example:
 
@@ -101,7 +104,12 @@ class TrainStep:
         ```
         """
         if self.compute is None:
-            self.compute, self.reduce, self.update = build.assemble(self.model, self.config)
+            length = None
+            if data is not None and self.config.pipeline > 1:
+                x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+                length = sequence_length_of(graph_of(self.model).inputs, x)
+            self.compute, self.reduce, self.update = build.assemble(
+                self.model, self.config, length)
 
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""

@@ -28,7 +28,7 @@ from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
 from tfdist.pipeline.placement import place_stages
 from tfdist.pipeline.runner import StageRunner
 from tfdist.pipeline.schedule import FORWARD, emission_order, stage_orders
-from tfdist.pipeline.stages import graph_of, plan_stages
+from tfdist.pipeline.stages import plan_stages
 
 
 def _accumulate(totals, weights, grads):
@@ -67,7 +67,7 @@ class PipelineCompute:
 
     def __init__(self, model, stages, devices, microbatches, kind, remat=False, xla=False):
         self.model = model
-        self.graph = graph_of(model)
+        self.graph = stages[0].graph
         self.stages = stages
         self.devices = devices
         self.order = emission_order(stage_orders(kind, len(stages), microbatches))
@@ -173,7 +173,8 @@ class PipelineCompute:
         tracker and the compiled metrics; otherwise metrics is None."""
         part = Microbatch(*microbatch)
         outputs = [values[id(sym)] for sym in self.graph.outputs]
-        y_pred = tree.pack_sequence_as(keras_functional.outputs_structure(self.graph), outputs)
+        structure = keras_functional.outputs_structure(self.graph.model)
+        y_pred = tree.pack_sequence_as(structure, outputs)
         loss = self.loss.loss(part, y_pred)
         scaled = self.loss.target(loss, part.share)
         if not track:
@@ -183,13 +184,14 @@ class PipelineCompute:
     def _inputs(self, x):
         return {id(sym): value for sym, value in
                 zip(self.graph.inputs,
-                    tree.flatten(keras_functional.standardize_inputs(self.graph, x)))}
+                    tree.flatten(keras_functional.standardize_inputs(self.graph.model, x)))}
 
 
-def pipeline_compute(model, strategy) -> PipelineCompute:
+def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:
     """Plans `model`'s stages, moves their variables onto the stages' devices,
     and returns the compute that runs them (strategy's `pipeline`,
     `stage_boundaries`, `microbatches`, `schedule`, `remat`).
+    `sequence_length` (from the first batch) sizes the stages' cost estimates.
 
     Example:
 
@@ -198,7 +200,7 @@ def pipeline_compute(model, strategy) -> PipelineCompute:
     ```
     """
     config = strategy.config
-    stages = plan_stages(model, config.pipeline, config.stage_boundaries)
+    stages = plan_stages(model, config.pipeline, config.stage_boundaries, sequence_length)
     devices = strategy.pipeline_devices
     per_stage = [[replica[s] for replica in devices] for s in range(config.pipeline)]
     place_stages(model, stages, per_stage, strategy)

@@ -60,14 +60,25 @@ class Activations:
 
 
 def _call_layers(stage, sources):
-    """The stage's layer calls on its input values; its output values."""
-    values = {id(sym): value for sym, value in zip(stage.inputs, sources)}
+    """The stage's layer calls on its input values; its output values.
+
+    A value is also filed under the ids of its tensor's aliases (a nested
+    model's inputs and outputs, `LayerGraph`), which its nodes' arguments use.
+    """
+    values = {}
+
+    def put(sym, value):
+        values[id(sym)] = value
+        values.update(dict.fromkeys(stage.graph.aliases(sym), value))
+
+    for sym, value in zip(stage.inputs, sources):
+        put(sym, value)
     for node in stage.nodes:
         args, kwargs = node.arguments.fill_in(values)
         op = node_call(node.operation, training=True)
         outputs = op(*args, **kwargs)
         for sym, value in zip(node.outputs, tree.flatten(outputs)):
-            values[id(sym)] = value
+            put(sym, value)
     return [values[id(sym)] for sym in stage.outputs]
 
 

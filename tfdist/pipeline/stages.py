@@ -1,9 +1,10 @@
 """Splitting a Keras model's graph into contiguous pipeline stages.
 
-A Sequential or functional model is a graph of layer calls (Keras nodes). Its
+A Sequential or functional model is a graph of layer calls (Keras nodes), a
+nested functional model's calls included (`tfdist.pipeline.graph`). Its
 nodes, in the order Keras runs them, are cut into `pipeline` contiguous runs,
-balanced by an estimate of each node's compute (FLOPs from its weights and
-output shape), with the parameter count as tie-break. A tensor may skip across
+balanced by an estimate of each node's compute (FLOPs per example,
+`tfdist.pipeline.cost`), with the parameter count as tie-break. A tensor may skip across
 stages (a residual, a second input): it is an input of every later stage that
 uses it, and its gradient flows back from each of them.
 
@@ -15,10 +16,9 @@ import dataclasses
 import math
 import warnings
 
-import keras
-
-from tfdist._compat import keras_functional
 from tfdist.config import check_boundary_count
+from tfdist.pipeline.cost import node_cost
+from tfdist.pipeline.graph import LayerGraph
 
 
 @dataclasses.dataclass
@@ -27,7 +27,8 @@ class Stage:
 
     `inputs` are the symbolic tensors it reads from the model's inputs or from
     earlier stages; `outputs` those it produces that later stages or the
-    model's outputs read.
+    model's outputs read (resolved by `graph`, the model's `LayerGraph`:
+    a nested model's input stands for what its caller passed).
 
     Example:
 
@@ -43,6 +44,7 @@ class Stage:
     outputs: list
     params: int
     cost: float
+    graph: LayerGraph = None
 
     @property
     def layers(self):
@@ -60,85 +62,41 @@ class Stage:
         return [v for layer in self.layers for v in getattr(layer, "variables", ())]
 
 
-def graph_of(model):
-    """The functional graph of a Sequential or functional model.
-
-    Example:
-
-    ```python
-    graph_of(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
-    ```
-    """
-    if isinstance(model, keras.Sequential):
-        if not model.built or keras_functional.functional_graph_of(model) is None:
-            raise ValueError(
-                "`pipeline` needs a Sequential model with a known input shape: "
-                "start it with `keras.Input(...)`.")
-        return keras_functional.functional_graph_of(model)
-    if isinstance(model, keras.Model) and keras_functional.is_functional_graph(model):
-        return model
-    raise ValueError(
-        f"`pipeline` splits Sequential and functional Keras models; "
-        f"{type(model).__name__} is a subclassed model, whose graph is not known "
-        f"before it runs. Build it with the functional API.")
-
-
-def graph_nodes(graph):
-    """The graph's layer-call nodes in the order Keras runs them."""
-    nodes = []
-    by_depth = keras_functional.nodes_by_depth(graph)
-    for depth in sorted(by_depth, reverse=True):
-        for node in by_depth[depth]:
-            if node.operation is not None and not node.is_input:
-                nodes.append(node)
-    return nodes
-
-
-def node_cost(node):
-    """Estimated FLOPs per example of one layer call.
-
-    Each weight (biases included) is used once per output position (2 FLOPs
-    per multiply-add); every output element costs one more operation.
-
-    Example:
-
-    ```python
-    node_cost(inbound_nodes(dense)[0])   # Dense(64 -> 32): 2*(64*32 + 32) + 32
-    ```
-    """
-    weights = sum(math.prod(w.shape) for w in _weights(node.operation))
-    cost = 0.0
-    for out in node.outputs:
-        shape = [d or 1 for d in out.shape[1:]]
-        elements = math.prod(shape)
-        positions = elements // shape[-1] if shape else 1
-        cost += 2 * weights * positions + elements
-    return cost
-
-
-def plan_stages(model, stages: int, boundaries=None) -> list[Stage]:
+def plan_stages(model, stages: int, boundaries=None, sequence_length=None) -> list[Stage]:
     """Cuts `model` into `stages` contiguous stages.
+
+    Nested functional models (a keras-hub task model's backbone) are cut
+    inside (`LayerGraph`).
 
     Args:
         model: a built Sequential or functional Keras model.
         stages: the number of stages (`pipeline`).
         boundaries: optional layer names, one per stage after the first,
             each the first layer of its stage, in model order.
+        sequence_length: the length of every dimension the graph leaves
+            unknown (`None`) after the batch, for the cost estimates
+            (`tfdist.pipeline.cost`); 1 when None.
 
     Example:
 
     ```python
-    for stage in plan_stages(model, 2):
+    for stage in plan_stages(gpt2_backbone, 4, sequence_length=1024):
         print(stage.index, [layer.name for layer in stage.layers], stage.cost)
     ```
     """
-    graph = graph_of(model)
-    nodes = graph_nodes(graph)
+    if sequence_length is not None and (
+            not isinstance(sequence_length, int) or isinstance(sequence_length, bool)
+            or sequence_length < 1):
+        raise ValueError(
+            f"`sequence_length` must be a positive int (the length of the "
+            f"model's unknown input dimensions), got {sequence_length!r}.")
+    graph = LayerGraph(model)
+    nodes = graph.nodes
     if len(nodes) < stages:
         raise ValueError(
             f"`pipeline={stages}` needs at least {stages} layers to split, but "
             f"{model.name!r} has {len(nodes)}: use pipeline <= {len(nodes)}.")
-    costs = [node_cost(n) for n in nodes]
+    costs = [node_cost(n, sequence_length) for n in nodes]
     params = [sum(math.prod(w.shape) for w in _weights(n.operation)) for n in nodes]
     if boundaries is None:
         starts = _balanced_starts(costs, params, stages)
@@ -149,7 +107,7 @@ def plan_stages(model, stages: int, boundaries=None) -> list[Stage]:
     _check_layers_not_shared(groups)
     result = []
     for index, (group, a, b) in enumerate(zip(groups, starts, ends)):
-        result.append(Stage(index, group, [], [], sum(params[a:b]), sum(costs[a:b])))
+        result.append(Stage(index, group, [], [], sum(params[a:b]), sum(costs[a:b]), graph))
     _connect(graph, result)
     return result
 
@@ -209,6 +167,16 @@ def _check_layers_not_shared(groups):
     for index, group in enumerate(groups):
         for node in group:
             first = owner.setdefault(id(node.operation), index)
+            opens_and_closes = (groups[0][0].operation is node.operation
+                                and groups[-1][-1] is node)
+            if first != index and opens_and_closes:
+                raise ValueError(
+                    f"Layer {node.operation.name!r} is called in stages {first} "
+                    f"and {index}; a layer's weights live on one stage. It is the "
+                    f"model's first and last layer call (such as an input embedding "
+                    f"tied to the output projection, as in keras-hub's CausalLM "
+                    f"models), so no cut into stages keeps its calls together: use "
+                    f"pipeline=1.")
             if first != index:
                 raise ValueError(
                     f"Layer {node.operation.name!r} is called in stages {first} "
@@ -227,7 +195,7 @@ def _connect(graph, stages):
         own = {id(x) for node in stage.nodes for x in node.outputs}
         seen = set()
         for node in stage.nodes:
-            for x in node.input_tensors:
+            for x in graph.input_tensors(node):
                 if id(x) not in own and id(x) not in seen:
                     seen.add(id(x))
                     stage.inputs.append(x)
@@ -243,21 +211,25 @@ def _connect(graph, stages):
 
 
 def describe(stages, devices) -> str:
-    """One line per stage: its layers, parameters, estimated cost, devices.
+    """One line per stage: its devices, parameters, estimated cost and its
+    ratio to the mean stage's, layers.
 
     Example:
 
     ```python
     print(describe(plan_stages(model, 2), [["CPU:0"], ["CPU:1"]]))
+    # stage 0  [CPU:0]  params 1,088  cost 2,112 FLOPs/example (0.98x mean)  layers: ...
     ```
     """
+    mean = sum(stage.cost for stage in stages) / len(stages)
     lines = []
     for stage, stage_devices in zip(stages, devices):
         names = ", ".join(layer.name for layer in stage.layers)
         where = ", ".join(d.split("device:")[-1] for d in stage_devices)
+        ratio = stage.cost / mean if mean else 1.0
         lines.append(
             f"stage {stage.index}  [{where}]  params {stage.params:,}  "
-            f"cost {stage.cost:,.0f} FLOPs/example  layers: {names}")
+            f"cost {stage.cost:,.0f} FLOPs/example ({ratio:.2f}x mean)  layers: {names}")
     return "\n".join(lines)
 
 

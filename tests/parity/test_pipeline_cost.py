@@ -1,0 +1,72 @@
+"""Pipeline stages of real-size keras-hub models, balanced from their configs
+(no data, no training): GPT-2 small and BERT base, each cut into 4 stages
+whose estimated costs are within 15% of the mean. Here rather than in
+tests/unit: building a 110-124 M parameter model takes about 10 s on CPU."""
+
+import re
+
+import keras_hub
+import pytest
+
+import tfdist
+from helpers import devices
+
+GPT2_SMALL = dict(vocabulary_size=50257, num_layers=12, num_heads=12, hidden_dim=768,
+                  intermediate_dim=3072, max_sequence_length=1024)
+BERT_BASE = dict(vocabulary_size=30522, num_layers=12, num_heads=12, hidden_dim=768,
+                 intermediate_dim=3072, max_sequence_length=512)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return keras_hub.models.GPT2Backbone(**GPT2_SMALL)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return keras_hub.models.BertBackbone(**BERT_BASE)
+
+
+def stage_lines(model, sequence_length, pipeline=4):
+    strategy = tfdist.Strategy(pipeline=pipeline, microbatches=pipeline,
+                               devices=devices(pipeline))
+    return strategy.describe(model, sequence_length=sequence_length).splitlines()[:pipeline]
+
+
+def ratios(lines):
+    return [float(re.search(r"\(([\d.]+)x mean\)", line).group(1)) for line in lines]
+
+
+def layers(line):
+    return line.split("layers: ")[1].split(", ")
+
+
+def test_gpt2_small_stages_are_balanced_at_sequence_1024(gpt2):
+    lines = stage_lines(gpt2, 1024)
+    assert max(ratios(lines)) <= 1.15, "\n".join(lines)
+    # The embeddings are lookups: they share stage 0 with three of the 12 blocks.
+    assert layers(lines[0])[:2] == ["token_embedding", "position_embedding"]
+    assert [sum(n.startswith("transformer_layer") for n in layers(line))
+            for line in lines] == [3, 3, 3, 3]
+
+
+def test_bert_base_stages_are_balanced_at_sequence_512(bert):
+    lines = stage_lines(bert, 512)
+    assert max(ratios(lines)) <= 1.15, "\n".join(lines)
+    assert [sum(n.startswith("transformer_layer") for n in layers(line))
+            for line in lines] == [3, 3, 3, 3]
+
+
+def test_a_task_model_is_cut_inside_its_backbone(bert):
+    classifier = keras_hub.models.BertTextClassifier(backbone=bert, num_classes=3,
+                                                     preprocessor=None)
+    lines = stage_lines(classifier, 512)
+    assert max(ratios(lines)) <= 1.15, "\n".join(lines)
+    assert layers(lines[0])[0] == "token_embedding" and layers(lines[3])[-1] == "logits"
+
+
+def test_a_tied_output_embedding_is_refused_saying_why(gpt2):
+    lm = keras_hub.models.GPT2CausalLM(backbone=gpt2, preprocessor=None)
+    with pytest.raises(ValueError, match=r"'token_embedding' is called in stages 0 and 1; "
+                                         r".*first and last layer call .*use pipeline=1"):
+        stage_lines(lm, 1024, pipeline=2)
