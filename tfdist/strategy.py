@@ -110,7 +110,8 @@ class _StepOwner:
         batches differ in rows, which an elementwise reduction (`axis=None`)
         cannot combine; Keras's `fit` makes one such reduction of its first
         batch (to build the model). A value whose replicas hold different
-        numbers of rows is reduced over the rows they all have.
+        numbers of rows is reduced over the rows they all have; one of a
+        dtype that has no sum (bool, string inputs) is the first replica's.
 
         Example:
 
@@ -124,10 +125,13 @@ class _StepOwner:
         return super().reduce(reduce_op, value, axis)
 
     def _common_rows(self, value):
-        """A per-replica value cut to the rows every local replica has."""
+        """A per-replica value cut to the rows every local replica has (a
+        bool or string one: the first replica's)."""
         if not isinstance(value, tf.distribute.DistributedValues):
             return value
         parts = self.experimental_local_results(value)
+        if parts[0].dtype in (tf.bool, tf.string):
+            return parts[0]
         rows = {part.shape[0] if part.shape.rank else None for part in parts}
         if len(rows) < 2 or None in rows:
             return value

@@ -90,3 +90,28 @@ def test_loss_scaling_skips_a_step_on_every_rank_when_one_rank_overflows(data_si
                for shard in model.layers[0].kernel.value.values)
     assert [v.numpy() for v in optimizer.dynamic_scale.value.values] == [2.0 ** 14] * n
     assert optimizer.iterations.numpy() == 1
+
+
+def make_uint8_mlp():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,), dtype="uint8")
+    x = keras.layers.Rescaling(1 / 255)(inputs)
+    x = keras.layers.Dense(32, activation="relu")(x)
+    x = keras.layers.Dense(16)(x)
+    model = keras.Model(inputs, keras.layers.Dense(4)(x))
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("label_dtype", ["uint8", "bool"])
+def test_uint8_inputs_and_small_labels_match_one_device(label_dtype):
+    # The tensor group exchanges its batch in a dtype TensorFlow's collectives
+    # gather (uint8 and bool as int64) and back.
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, size=(64, FEATURES)).astype("uint8")
+    y = (x[:, 0] > 127).astype(label_dtype)
+    reference = trained_reference(make=make_uint8_mlp, x=x, y=y, batch_size=16)
+    result = train(tfdist.Strategy(data=2, tensor=2, devices=devices(4)),
+                   make=make_uint8_mlp, x=x, y=y, batch_size=16)
+    assert_parity(result, reference, steps=4)

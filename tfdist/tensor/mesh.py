@@ -202,7 +202,9 @@ class TensorMesh:
 
         def gather(t):
             padding = [[0, longest - tf.shape(t)[0]]] + [[0, 0]] * (t.shape.rank - 1)
-            gathered = tf.gather(tf_collectives.all_gather(launcher, tf.pad(t, padding)), rows)
+            sent, received = _gatherable(t.dtype)
+            gathered = tf_collectives.all_gather(launcher, sent(tf.pad(t, padding)))
+            gathered = tf.gather(received(gathered), rows)
             gathered.set_shape([None, *t.shape[1:]])
             return gathered
 
@@ -230,6 +232,27 @@ class TensorMesh:
             return outputs
 
         return on_group_batch
+
+
+# TensorFlow's CPU collectives gather these dtypes; others travel as one of them.
+_GATHERED = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _gatherable(dtype):
+    """(to, back): functions turning a tensor of `dtype` into one TensorFlow's
+    collectives can gather, and back, losslessly (bfloat16 as float32, small
+    integers and bools as int64, uint64 bit for bit)."""
+    if dtype in _GATHERED:
+        return tf.identity, tf.identity
+    if dtype == tf.uint64:
+        return (lambda t: tf.bitcast(t, tf.int64)), (lambda t: tf.bitcast(t, dtype))
+    wide = tf.float32 if dtype == tf.bfloat16 else tf.int64
+    if dtype == tf.bfloat16 or dtype.is_integer or dtype == tf.bool:
+        return (lambda t: tf.cast(t, wide)), (lambda t: tf.cast(t, dtype))
+    raise TypeError(
+        f"With `tensor` > 1 a tensor group exchanges its batch, but an input of "
+        f"dtype {dtype.name} cannot be exchanged: use numeric or bool inputs "
+        f"(convert strings to ids in the input pipeline).")
 
 
 def cluster_devices(extended):
