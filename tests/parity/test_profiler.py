@@ -50,7 +50,7 @@ def test_trace_holds_the_step_range_and_tfdist_phases(profiled):
     assert steps == [2, 3, 4]
     phases = {e["args"]["long_name"].split("tfdist/")[1].split("/")[0]
               for e in events if "tfdist/" in e.get("args", {}).get("long_name", "")}
-    assert phases == {"split", "microbatch0", "microbatch1", "reduce", "apply"}
+    assert phases == {"split", "microbatch0", "microbatch1", "metrics", "reduce", "apply"}
     assert not list(logdir.glob(".tfdist-profile-*"))  # session dir cleaned up
 
 

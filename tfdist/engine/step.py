@@ -19,9 +19,11 @@ inside `strategy.run`), made of three parts chosen once per model by
 
 Losses, metrics and sample weights behave as in Keras's `train_step`.
 
-The parts' ops are named `tfdist/microbatch{i}/...` (or
-`tfdist/stage{s}/...` when pipelined), `tfdist/reduce/...` and
-`tfdist/apply/...`, so a profiler trace shows which part each op belongs to.
+The parts' ops are named `tfdist/split/...` (the batch cut, its rows
+counted), `tfdist/microbatch{i}/...` (or `tfdist/stage{s}/...` when
+pipelined), `tfdist/metrics/...` (results over every replica),
+`tfdist/reduce/...` and `tfdist/apply/...`, so a profiler trace shows which
+part each op belongs to.
 """
 
 import keras
