@@ -125,19 +125,19 @@ class _StepOwner:
         return super().reduce(reduce_op, value, axis)
 
     def _common_rows(self, value):
-        """A per-replica value cut to the rows every local replica has (a
-        bool or string one: the first replica's)."""
+        """A per-replica value cut to the rows every replica has (a bool or
+        string one: this process's first replica's)."""
         if not isinstance(value, tf.distribute.DistributedValues):
             return value
-        parts = self.experimental_local_results(value)
-        if parts[0].dtype in (tf.bool, tf.string):
-            return parts[0]
-        rows = {part.shape[0] if part.shape.rank else None for part in parts}
-        if len(rows) < 2 or None in rows:
+        first = self.experimental_local_results(value)[0]
+        if first.dtype in (tf.bool, tf.string):
+            return first
+        if not first.shape.rank:
             return value
-        common = min(rows)
-        return self.experimental_distribute_values_from_function(
-            lambda context: parts[context.replica_id_in_sync_group][:common])
+        # Every replica's row count (across processes too), then its common rows.
+        rows = self.gather(self.run(lambda v: tf.shape(v)[:1], args=(value,)), axis=0)
+        common = tf.reduce_min(rows)
+        return self.run(lambda v: v[:common], args=(value,))
 
     def describe(self, model: keras.Model, sequence_length: int | None = None) -> str:
         """How `model`'s layers are laid out under this strategy, one per line.

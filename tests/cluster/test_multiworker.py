@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from helpers import TFDIST, assert_parity, devices, train
+from helpers import TFDIST, assert_parity, data, devices, train, trained_reference
 from tfdist.callbacks.metrics import optimizer_state_bytes
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "multiworker_fit.py"
@@ -42,6 +42,22 @@ def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, micro
         assert worker_bytes - scalars == (local_bytes - scalars) // 2
     else:
         assert worker_bytes == local_bytes
+
+
+@pytest.mark.multiprocess
+def test_uneven_batches_across_workers_match_one_process(tmp_path):
+    # Global batch 17 = 9 + 8 rows on the two workers, and a last batch of 10.
+    out = tmp_path / "worker0.json"
+    done = subprocess.run(
+        [*TFDIST, "launch", "--workers=2", "--timeout=240", "--",
+         sys.executable, str(SCRIPT), f"--out={out}", "--examples=61", "--batch_size=17"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    workers = json.loads(out.read_text())
+    x, y = data(61)
+    reference = trained_reference(x=x, y=y, batch_size=17)
+    assert_parity((workers["losses"], [np.array(w) for w in workers["weights"]], None),
+                  reference, steps=4)
 
 
 @pytest.mark.multiprocess

@@ -14,6 +14,8 @@ import sys
 from absl import app, flags
 
 flags.DEFINE_string("out", None, "Where worker 0 writes its losses and weights.")
+flags.DEFINE_integer("examples", 640, "Examples to train on (helpers.data).")
+flags.DEFINE_integer("batch_size", 32, "Global batch size.")
 flags.DEFINE_integer("devices", 0, "Logical CPU devices of this worker (default: "
                      "one per pipeline stage).")
 FLAGS = flags.FLAGS
@@ -31,10 +33,11 @@ def main(argv):
         tfdist.use_virtual_devices(devices)
     strategy = tfdist.MultiWorkerStrategy(config=config, timeout_seconds=120)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from helpers import train
+    from helpers import data, train
     from tfdist.callbacks.metrics import optimizer_state_bytes
 
-    losses, weights, model = train(strategy)
+    x, y = data(FLAGS.examples)
+    losses, weights, model = train(strategy, x=x, y=y, batch_size=FLAGS.batch_size)
     optimizer = [v.numpy().tolist() for v in model.optimizer.variables]
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     if task["index"] == 0 and FLAGS.out:

@@ -35,7 +35,7 @@ def synced_results(model, local_results, copies: int = 1):
     if context is None or context.num_replicas_in_sync == 1:
         return local_results
     metrics = [m for m in model.metrics if _summed(m)]
-    states = [v.value for m in metrics for v in m.variables]
+    states = [tf.identity(v.value) for m in metrics for v in m.variables]  # local values
     if not states:
         return local_results
     summed = context.all_reduce(tf.distribute.ReduceOp.SUM, states)
