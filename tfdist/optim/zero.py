@@ -50,6 +50,7 @@ import tensorflow as tf
 from tfdist._compat import keras_optimizer
 from tfdist._compat.keras_optimizer import slots_found_by
 from tfdist._compat.tf_variables import storage_of
+from tfdist.engine import sparse
 from tfdist.optim import adafactor
 from tfdist.sharding.collectives import non_finite_count, packed_all_gather
 from tfdist.sharding.layout import MeshShardLayout
@@ -212,11 +213,13 @@ class ShardedUpdate:
             # One decision on every replica (of every tensor rank): the
             # shards of all replicas cover every reduced gradient.
             finite = self.scaler and tf.equal(context.all_reduce(
-                tf.distribute.ReduceOp.SUM, non_finite_count(shards)), 0.0)
+                tf.distribute.ReduceOp.SUM,
+                non_finite_count([sparse.values(g) for g in shards])), 0.0)
             for i in indices:
                 self.buffers[i].assign(self._by_index[i].shard(self.variables[i].value, replica))
             if self.scaler is not None:
-                shards = [g / self.scaler.dynamic_scale for g in shards]
+                scale = self.scaler.dynamic_scale
+                shards = [sparse.map_values(g, lambda v: v / scale) for g in shards]
             update = self._update(shards, indices)
             if self.scaler is None:
                 update()
@@ -261,12 +264,14 @@ class ShardedUpdate:
         sums) is computed now, so no collective is inside a branch."""
         inner = self.inner
         if inner.loss_scale_factor is not None:
-            shards = [g / inner.loss_scale_factor for g in shards]
+            shards = [sparse.map_values(g, lambda v: v / inner.loss_scale_factor)
+                      for g in shards]
         shards = keras_optimizer.clip_gradients(inner, shards)  # clipvalue: elementwise
         learning_rate = inner.learning_rate
         buffers = [self.buffers[i] for i in indices]
         rule = SHARDED_UPDATES.get(type(inner))
         if rule is not None:
+            shards = [tf.convert_to_tensor(g) for g in shards]  # its own sums
             values = [self._decayed(i, b.value(), learning_rate) for i, b in zip(indices, buffers)]
             state, new_values = rule.updates(inner, shards, values,
                                              [self._by_index[i] for i in indices],
