@@ -47,8 +47,15 @@ def make_embedding_model(optimizer=None, seed=0):
     return model
 
 
-def make_sgd_model():
-    return make_embedding_model(keras.optimizers.SGD(0.1, momentum=0.9))
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "adafactor": lambda: keras.optimizers.Adafactor(0.01),
+}
+# One recipe (function) per optimizer, so that references are shared.
+RECIPES = {name: (lambda make=make: make_embedding_model(make()))
+           for name, make in OPTIMIZERS.items()}
 
 
 def check(make=make_embedding_model, **config):
@@ -104,5 +111,13 @@ def test_pipeline_tensor_8_devices():
     check(data=2, pipeline=2, tensor=2, microbatches=2)
 
 
-def test_sgd_momentum_microbatches_zero():
-    check(make_sgd_model, data=2, microbatches=2, zero=1)
+@pytest.mark.parametrize("name, config", [
+    ("sgd", dict(data=4, zero=2)),
+    ("sgd_momentum", dict(data=2, microbatches=2, zero=1)),
+    ("rmsprop", dict(data=2, tensor=2, zero=2)),
+    ("adafactor", dict(data=2, microbatches=2, zero=2)),
+])
+def test_other_optimizers(name, config):
+    # Plain SGD updates the shards with scatter_sub; RMSprop squares each
+    # slice as Adam does; ZeRO's Adafactor sums each element's slices' squares.
+    check(RECIPES[name], **config)

@@ -271,7 +271,6 @@ class ShardedUpdate:
         buffers = [self.buffers[i] for i in indices]
         rule = SHARDED_UPDATES.get(type(inner))
         if rule is not None:
-            shards = [tf.convert_to_tensor(g) for g in shards]  # its own sums
             values = [self._decayed(i, b.value(), learning_rate) for i, b in zip(indices, buffers)]
             state, new_values = rule.updates(inner, shards, values,
                                              [self._by_index[i] for i in indices],
