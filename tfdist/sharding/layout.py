@@ -90,7 +90,7 @@ class ShardLayout:
         return self.rows(value)[index]
 
     def _shard_slices(self, slices, index):
-        row_size = self.size // self.shape[0] if self.shape[0] else 1
+        row_size = self.shape[1:].num_elements()  # elements per slice
         start = tf.cast(index, tf.int64) * self.shard_size
         first = tf.cast(slices.indices, tf.int64) * row_size  # each slice's first element
         near = tf.logical_and(first < start + self.shard_size, first + row_size > start)
