@@ -27,9 +27,9 @@ import dataclasses
 import tensorflow as tf
 from keras import tree
 
+from tfdist import sparse_gradients
 from tfdist._compat import keras_trainer
 from tfdist._compat.keras_losses import unscale_loss_for_distribution
-from tfdist.engine import sparse
 from tfdist.tensor.plan import sharded_classifier
 from tfdist.tensor.softmax import sharded_logits
 
@@ -225,7 +225,7 @@ class MicrobatchLoss:
 
 
 def add_gradients(total, grads):
-    """`total + grads`, element by element (`tfdist.engine.sparse.add`: None
+    """`total + grads`, element by element (`tfdist.sparse_gradients.add`: None
     meaning no gradient, the slices of sparse gradients concatenated).
 
     Example:
@@ -236,4 +236,4 @@ def add_gradients(total, grads):
     """
     if total is None:
         return list(grads)
-    return [sparse.add(a, b) for a, b in zip(total, grads)]
+    return [sparse_gradients.add(a, b) for a, b in zip(total, grads)]

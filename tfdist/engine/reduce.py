@@ -17,7 +17,7 @@ once per step, whatever the number of microbatches:
 
 Sparse gradients (`tf.IndexedSlices`, an Embedding's) are never summed: their
 slices are gathered, as `tf.distribute`'s own all-reduce does, so the
-optimizer sees the global batch's slices (`tfdist.engine.sparse`); under ZeRO
+optimizer sees the global batch's slices (`tfdist.sparse_gradients`); under ZeRO
 (either stage) each replica then keeps the parts of the slices inside its
 shard.
 
@@ -26,8 +26,8 @@ Ops are named `tfdist/reduce/...`.
 
 import tensorflow as tf
 
+from tfdist import sparse_gradients
 from tfdist._compat import tf_collectives
-from tfdist.engine import sparse
 from tfdist.sharding.collectives import non_finite_count, packed_reduce_scatter
 
 
@@ -81,16 +81,18 @@ class DataGroupAllReduce:
         present = [g for g in grads if g is not None]
         if mesh.data > 1 and present:
             present = _data_group_sum(present, mesh.data_launcher())
-        present = [sparse.map_values(g, lambda v: v * tf.cast(mesh.tensor, v.dtype))
+        present = [sparse_gradients.map_values(g, lambda v: v * tf.cast(mesh.tensor, v.dtype))
                    for g in present]
         if self.share_non_finite and present:
             # The ranks hold the gradients of different shards, so one may
-            # overflow alone: add NaN to every rank's first gradient if any
-            # rank's are not finite.
+            # overflow alone: add NaN to every rank's first dense gradient
+            # (slices may be none) if any rank's are not finite.
             count = mesh.reduce(tf.reshape(
-                non_finite_count([sparse.values(g) for g in present]), [1]))[0]
+                non_finite_count([sparse_gradients.values(g) for g in present]), [1]))[0]
             poison = tf.where(count > 0, float("nan"), 0.0)
-            present[0] = sparse.map_values(present[0], lambda v: v + tf.cast(poison, v.dtype))
+            k = next((k for k, g in enumerate(present) if not sparse_gradients.is_sparse(g)), 0)
+            present[k] = sparse_gradients.map_values(
+                present[k], lambda v: v + tf.cast(poison, v.dtype))
         reduced = iter(present)
         return [None if g is None else next(reduced) for g in grads]
 
@@ -98,9 +100,9 @@ class DataGroupAllReduce:
 def _data_group_sum(grads, launcher):
     """The sum of `grads` over a data group: dense ones in one packed
     all-reduce, the slices of sparse ones gathered (as `tf.distribute` does)."""
-    dense = [g for g in grads if not sparse.is_sparse(g)]
+    dense = [g for g in grads if not sparse_gradients.is_sparse(g)]
     summed = iter(launcher.batch_all_reduce([dense]) if dense else [])
-    return [tf_collectives.all_gather_slices(launcher, g) if sparse.is_sparse(g)
+    return [tf_collectives.all_gather_slices(launcher, g) if sparse_gradients.is_sparse(g)
             else next(summed) for g in grads]
 
 
@@ -142,7 +144,7 @@ class ShardedReduce:
         # Sparse gradients are gathered whole (their slices, as tf.distribute
         # does), and each replica keeps the parts inside its shard.
         gathered = [k for k, g in enumerate(present)
-                    if self.zero == 1 or sparse.is_sparse(g)]
+                    if self.zero == 1 or sparse_gradients.is_sparse(g)]
         scattered = [k for k in range(len(present)) if k not in gathered]
         shards = [None] * len(present)
         if gathered:

@@ -40,8 +40,8 @@ for variable, value in state:
 import tensorflow as tf
 from keras import ops
 
+from tfdist import sparse_gradients
 from tfdist._compat import keras_optimizer
-from tfdist.engine import sparse
 
 
 def replicated_state(optimizer):
@@ -84,9 +84,9 @@ class _Step:
         dtype = value.dtype
         # As Keras: learning rate, step, relative step size, beta_2.
         lr = ops.cast(learning_rate, dtype)
-        gradient = sparse.map_values(gradient, lambda g: ops.cast(g, dtype))
+        gradient = sparse_gradients.map_values(gradient, lambda g: ops.cast(g, dtype))
         self.gradient = tf.convert_to_tensor(gradient)
-        self.slices = gradient if sparse.is_sparse(gradient) else None
+        self.slices = gradient if sparse_gradients.is_sparse(gradient) else None
         local_step = ops.cast(optimizer.iterations + 1, dtype)
         schedule = callable(keras_optimizer.learning_rate_setting(optimizer))
         if not schedule and optimizer.relative_step:
@@ -99,7 +99,7 @@ class _Step:
         flat = tf.minimum(flat, layout.size - 1)
         # Keras squares a sparse gradient slice by slice: each element gets
         # the sum of its slices' squares.
-        squares = tf.convert_to_tensor(sparse.map_values(gradient, ops.square))
+        squares = tf.convert_to_tensor(sparse_gradients.map_values(gradient, ops.square))
         self.square = tf.where(
             self.valid, ops.add(squares, optimizer.epsilon_1), tf.zeros_like(self.gradient))
         if self.factored:

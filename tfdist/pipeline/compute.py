@@ -22,9 +22,9 @@ import functools
 import tensorflow as tf
 from keras import tree
 
+from tfdist import sparse_gradients
 from tfdist._compat import keras_functional
 from tfdist._compat.tf_distribute import local_replica_id
-from tfdist.engine import sparse
 from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
 from tfdist.pipeline.placement import place_stages
 from tfdist.pipeline.runner import StageRunner
@@ -34,9 +34,9 @@ from tfdist.pipeline.stages import graph_of, plan_stages
 
 def _accumulate(totals, weights, grads):
     """Adds `grads` (one per (index, variable) of `weights`) into `totals[index]`
-    (an embedding's slices are concatenated, `tfdist.engine.sparse.add`)."""
+    (an embedding's slices are concatenated, `tfdist.sparse_gradients.add`)."""
     for (index, _), grad in zip(weights, grads):
-        totals[index] = sparse.add(totals[index], grad)
+        totals[index] = sparse_gradients.add(totals[index], grad)
 
 
 class PipelineCompute:
