@@ -115,3 +115,17 @@ def all_to_all(launcher, rows):
             communication_hint=options.implementation.value,
             timeout_seconds=options.timeout_seconds or 0,
         )
+
+
+def all_gather_slices(launcher, slices):
+    """Every replica's `tf.IndexedSlices` of the launcher's group, concatenated
+    in group order (values and indices gathered, padded when their numbers of
+    slices differ): what `tf.distribute`'s all-reduce does with them.
+
+    Example:
+
+    ```python
+    gathered = all_gather_slices(mesh.data_launcher(), embedding_gradient)
+    ```
+    """
+    return launcher.all_reduce_indexed_slices(slices, launcher._options)

@@ -17,7 +17,8 @@ way and treat each microbatch's loss the same way:
   with it. For batch-mean losses the shares make the summed gradients exactly
   the global batch's, and Keras's streaming metrics updated per microbatch equal
   one update with the whole batch.
-- `add_gradients`: the running sum of the microbatches' gradients.
+- `add_gradients`: the running sum of the microbatches' gradients (sparse
+  ones concatenated: together the microbatches' slices are the batch's).
 """
 
 import contextlib
@@ -26,6 +27,7 @@ import dataclasses
 import tensorflow as tf
 from keras import tree
 
+from tfdist import sparse_gradients
 from tfdist._compat import keras_trainer
 from tfdist._compat.keras_losses import unscale_loss_for_distribution
 from tfdist.tensor.plan import sharded_classifier
@@ -223,7 +225,8 @@ class MicrobatchLoss:
 
 
 def add_gradients(total, grads):
-    """`total + grads`, element by element, None meaning no gradient.
+    """`total + grads`, element by element (`tfdist.sparse_gradients.add`: None
+    meaning no gradient, the slices of sparse gradients concatenated).
 
     Example:
 
@@ -233,13 +236,4 @@ def add_gradients(total, grads):
     """
     if total is None:
         return list(grads)
-
-    def add(a, b):
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
-
-    return [add(a, b) for a, b in zip(total, grads)]
-
+    return [sparse_gradients.add(a, b) for a, b in zip(total, grads)]

@@ -15,11 +15,19 @@ once per step, whatever the number of microbatches:
   reduced gradient, by all-reduce then slicing (`zero=1`) or by
   reduce-scatter (`zero=2`), over every replica or the data group.
 
+Sparse gradients (`tf.IndexedSlices`, an Embedding's) are never summed: their
+slices are gathered, as `tf.distribute`'s own all-reduce does, so the
+optimizer sees the global batch's slices (`tfdist.sparse_gradients`); under ZeRO
+(either stage) each replica then keeps the parts of the slices inside its
+shard.
+
 Ops are named `tfdist/reduce/...`.
 """
 
 import tensorflow as tf
 
+from tfdist import sparse_gradients
+from tfdist._compat import tf_collectives
 from tfdist.sharding.collectives import non_finite_count, packed_reduce_scatter
 
 
@@ -70,19 +78,32 @@ class DataGroupAllReduce:
 
     def __call__(self, grads):
         mesh = self.mesh
-        present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+        present = [g for g in grads if g is not None]
         if mesh.data > 1 and present:
-            present = mesh.data_launcher().batch_all_reduce([present])
-        present = [g * tf.cast(mesh.tensor, g.dtype) for g in present]
+            present = _data_group_sum(present, mesh.data_launcher())
+        present = [sparse_gradients.map_values(g, lambda v: v * tf.cast(mesh.tensor, v.dtype))
+                   for g in present]
         if self.share_non_finite and present:
             # The ranks hold the gradients of different shards, so one may
-            # overflow alone: add NaN to every rank's first gradient if any
-            # rank's are not finite.
-            count = mesh.reduce(tf.reshape(non_finite_count(present), [1]))[0]
+            # overflow alone: add NaN to every rank's first dense gradient
+            # (slices may be none) if any rank's are not finite.
+            count = mesh.reduce(tf.reshape(
+                non_finite_count([sparse_gradients.values(g) for g in present]), [1]))[0]
             poison = tf.where(count > 0, float("nan"), 0.0)
-            present[0] = present[0] + tf.cast(poison, present[0].dtype)
+            k = next((k for k, g in enumerate(present) if not sparse_gradients.is_sparse(g)), 0)
+            present[k] = sparse_gradients.map_values(
+                present[k], lambda v: v + tf.cast(poison, v.dtype))
         reduced = iter(present)
         return [None if g is None else next(reduced) for g in grads]
+
+
+def _data_group_sum(grads, launcher):
+    """The sum of `grads` over a data group: dense ones in one packed
+    all-reduce, the slices of sparse ones gathered (as `tf.distribute` does)."""
+    dense = [g for g in grads if not sparse_gradients.is_sparse(g)]
+    summed = iter(launcher.batch_all_reduce([dense]) if dense else [])
+    return [tf_collectives.all_gather_slices(launcher, g) if sparse_gradients.is_sparse(g)
+            else next(summed) for g in grads]
 
 
 class ShardedReduce:
@@ -115,19 +136,26 @@ class ShardedReduce:
         positions = [i for i, g in enumerate(grads) if g is not None]
         if not positions:
             raise ValueError("No gradients provided for any variable.")
-        present = [tf.convert_to_tensor(grads[i]) for i in positions]
+        present = [grads[i] for i in positions]
         layouts = [self.layouts[i] for i in positions]
-        if self.zero == 1:
-            context = tf.distribute.get_replica_context()
-            # This replica's shard index: its place in its data group.
-            index = context.replica_id_in_sync_group // (mesh.tensor if mesh else 1)
-            shards = [layout.shard(g, index)
-                      for layout, g in zip(layouts, self._full(present))]
-        else:
-            shards = packed_reduce_scatter(
-                present, layouts, mesh.data_launcher() if mesh else None)
-            if mesh is not None:  # see DataGroupAllReduce
-                shards = [g * tf.cast(mesh.tensor, g.dtype) for g in shards]
+        context = tf.distribute.get_replica_context()
+        # This replica's shard index: its place in its data group.
+        index = context.replica_id_in_sync_group // (mesh.tensor if mesh else 1)
+        # Sparse gradients are gathered whole (their slices, as tf.distribute
+        # does), and each replica keeps the parts inside its shard.
+        gathered = [k for k, g in enumerate(present)
+                    if self.zero == 1 or sparse_gradients.is_sparse(g)]
+        scattered = [k for k in range(len(present)) if k not in gathered]
+        shards = [None] * len(present)
+        if gathered:
+            for k, g in zip(gathered, self._full([present[k] for k in gathered])):
+                shards[k] = layouts[k].shard(g, index)
+        if scattered:
+            parts = packed_reduce_scatter([present[k] for k in scattered],
+                                          [layouts[k] for k in scattered],
+                                          mesh.data_launcher() if mesh else None)
+            for k, g in zip(scattered, parts):  # times t: see DataGroupAllReduce
+                shards[k] = g * tf.cast(mesh.tensor, g.dtype) if mesh else g
         out = [None] * len(grads)
         for i, shard in zip(positions, shards):
             out[i] = shard

@@ -40,6 +40,7 @@ for variable, value in state:
 import tensorflow as tf
 from keras import ops
 
+from tfdist import sparse_gradients
 from tfdist._compat import keras_optimizer
 
 
@@ -83,7 +84,9 @@ class _Step:
         dtype = value.dtype
         # As Keras: learning rate, step, relative step size, beta_2.
         lr = ops.cast(learning_rate, dtype)
-        self.gradient = ops.cast(gradient, dtype)
+        gradient = sparse_gradients.map_values(gradient, lambda g: ops.cast(g, dtype))
+        self.gradient = tf.convert_to_tensor(gradient)
+        self.slices = gradient if sparse_gradients.is_sparse(gradient) else None
         local_step = ops.cast(optimizer.iterations + 1, dtype)
         schedule = callable(keras_optimizer.learning_rate_setting(optimizer))
         if not schedule and optimizer.relative_step:
@@ -94,9 +97,11 @@ class _Step:
         flat = replica * layout.shard_size + tf.range(layout.shard_size)
         self.valid = flat < layout.size
         flat = tf.minimum(flat, layout.size - 1)
+        # Keras squares a sparse gradient slice by slice: each element gets
+        # the sum of its slices' squares.
+        squares = tf.convert_to_tensor(sparse_gradients.map_values(gradient, ops.square))
         self.square = tf.where(
-            self.valid, ops.add(ops.square(self.gradient), optimizer.epsilon_1),
-            tf.zeros_like(self.gradient))
+            self.valid, ops.add(squares, optimizer.epsilon_1), tf.zeros_like(self.gradient))
         if self.factored:
             rows, cols = layout.shape[-2], layout.shape[-1]
             self.row = flat // cols                                   # index into r, flat
@@ -137,7 +142,11 @@ class _Step:
         v = tf.where(self.valid, v, tf.zeros_like(v))
         self.state.append((self.v, v))
         self.u = tf.where(self.valid, ops.divide(self.gradient, ops.sqrt(v)), tf.zeros_like(v))
-        self.update_square_sum = tf.reduce_sum(tf.square(self.u))
+        if self.slices is None:
+            self.update_square_sum = tf.reduce_sum(tf.square(self.u))
+        else:  # as Keras: the squares of each slice's update
+            scale = tf.gather(ops.sqrt(v), self.slices.indices)
+            self.update_square_sum = tf.reduce_sum(tf.square(self.slices.values / scale))
         return sums
 
     def finish(self, update_square_sum):

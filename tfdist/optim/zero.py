@@ -47,6 +47,7 @@ import functools
 import keras
 import tensorflow as tf
 
+from tfdist import sparse_gradients
 from tfdist._compat import keras_optimizer
 from tfdist._compat.keras_optimizer import slots_found_by
 from tfdist._compat.tf_variables import storage_of
@@ -212,11 +213,13 @@ class ShardedUpdate:
             # One decision on every replica (of every tensor rank): the
             # shards of all replicas cover every reduced gradient.
             finite = self.scaler and tf.equal(context.all_reduce(
-                tf.distribute.ReduceOp.SUM, non_finite_count(shards)), 0.0)
+                tf.distribute.ReduceOp.SUM,
+                non_finite_count([sparse_gradients.values(g) for g in shards])), 0.0)
             for i in indices:
                 self.buffers[i].assign(self._by_index[i].shard(self.variables[i].value, replica))
             if self.scaler is not None:
-                shards = [g / self.scaler.dynamic_scale for g in shards]
+                scale = self.scaler.dynamic_scale
+                shards = [sparse_gradients.map_values(g, lambda v: v / scale) for g in shards]
             update = self._update(shards, indices)
             if self.scaler is None:
                 update()
@@ -261,7 +264,8 @@ class ShardedUpdate:
         sums) is computed now, so no collective is inside a branch."""
         inner = self.inner
         if inner.loss_scale_factor is not None:
-            shards = [g / inner.loss_scale_factor for g in shards]
+            shards = [sparse_gradients.map_values(g, lambda v: v / inner.loss_scale_factor)
+                      for g in shards]
         shards = keras_optimizer.clip_gradients(inner, shards)  # clipvalue: elementwise
         learning_rate = inner.learning_rate
         buffers = [self.buffers[i] for i in indices]

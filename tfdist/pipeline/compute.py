@@ -22,6 +22,7 @@ import functools
 import tensorflow as tf
 from keras import tree
 
+from tfdist import sparse_gradients
 from tfdist._compat import keras_functional
 from tfdist._compat.tf_distribute import local_replica_id
 from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
@@ -32,11 +33,10 @@ from tfdist.pipeline.stages import plan_stages
 
 
 def _accumulate(totals, weights, grads):
-    """Adds `grads` (one per (index, variable) of `weights`) into `totals[index]`."""
+    """Adds `grads` (one per (index, variable) of `weights`) into `totals[index]`
+    (an embedding's slices are concatenated, `tfdist.sparse_gradients.add`)."""
     for (index, _), grad in zip(weights, grads):
-        if grad is not None:
-            grad = tf.convert_to_tensor(grad)  # embeddings: IndexedSlices
-            totals[index] = grad if totals[index] is None else totals[index] + grad
+        totals[index] = sparse_gradients.add(totals[index], grad)
 
 
 class PipelineCompute:

@@ -67,8 +67,41 @@ class ShardLayout:
         return tf.reshape(flat, [self.num_shards, self.shard_size])
 
     def shard(self, value, index):
-        """Shard `index` (an int or a scalar tensor) of `value`."""
+        """Shard `index` (an int or a scalar tensor) of `value`.
+
+        For a `tf.IndexedSlices` value (slices of rows of `shape`), the
+        elements of its slices that fall in the shard, one slice per element,
+        as `tf.IndexedSlices` of shape `[shard_size]`: a row cut by a shard
+        boundary gives its part to each side, a row looked up twice stays two
+        slices (so an optimizer squaring each slice sees what it would see on
+        the whole variable).
+
+        Example:
+
+        >>> layout = ShardLayout((3, 2), num_shards=2)   # shards of 3 elements
+        >>> rows = tf.IndexedSlices(tf.constant([[1., 2.], [3., 4.]]),
+        ...                         tf.constant([1, 1]), tf.constant([3, 2]))
+        >>> part = layout.shard(rows, 1)
+        >>> part.values.numpy(), part.indices.numpy()
+        (array([2., 4.], dtype=float32), array([0, 0]))
+        """
+        if isinstance(value, tf.IndexedSlices):
+            return self._shard_slices(value, index)
         return self.rows(value)[index]
+
+    def _shard_slices(self, slices, index):
+        row_size = self.shape[1:].num_elements()  # elements per slice
+        start = tf.cast(index, tf.int64) * self.shard_size
+        first = tf.cast(slices.indices, tf.int64) * row_size  # each slice's first element
+        near = tf.logical_and(first < start + self.shard_size, first + row_size > start)
+        values = tf.reshape(tf.boolean_mask(slices.values, near), [-1])
+        positions = tf.reshape(
+            tf.boolean_mask(first, near)[:, tf.newaxis]
+            + tf.range(row_size, dtype=tf.int64)[tf.newaxis, :], [-1]) - start
+        inside = tf.logical_and(positions >= 0, positions < self.shard_size)
+        return tf.IndexedSlices(tf.boolean_mask(values, inside),
+                                tf.boolean_mask(positions, inside),
+                                tf.constant([self.shard_size], tf.int64))
 
     def unshard(self, rows):
         """The full value from all shards (`(num_shards, shard_size)` or flat)."""

@@ -20,7 +20,7 @@ is unchanged.
 import tensorflow as tf
 
 from tfdist._compat import tf_variables
-from tfdist._compat.tf_distribute import replica_id_in_sync_group
+from tfdist._compat.tf_distribute import current_local_replica_id, replica_id_in_sync_group
 from tfdist.sharding.layout import AxisLayout, ShardLayout
 
 
@@ -109,6 +109,26 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         if not self._cross_replica():
             return super().assign_sub(value, use_locking, name, read_value)
         return self.assign(self._get_cross_replica() - value, use_locking, name, read_value)
+
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        """In a replica: adds `tf.IndexedSlices` (of its shard) to its shard."""
+        return self._own_shard("scatter_add").scatter_add(sparse_delta, use_locking, name)
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        """In a replica: subtracts `tf.IndexedSlices` (of its shard) from its shard."""
+        return self._own_shard("scatter_sub").scatter_sub(sparse_delta, use_locking, name)
+
+    def scatter_update(self, sparse_delta, use_locking=False, name=None):
+        """In a replica: assigns `tf.IndexedSlices` (of its shard) to its shard."""
+        return self._own_shard("scatter_update").scatter_update(sparse_delta, use_locking, name)
+
+    def _own_shard(self, operation):
+        """The running replica's shard, for a sparse update of it."""
+        if self._cross_replica():
+            raise NotImplementedError(
+                f"`{operation}` of sharded storage runs in a replica, on its shard "
+                f"(a sparse update of the full value across replicas is not supported).")
+        return self.values[current_local_replica_id()]
 
     def _serialize_to_tensors(self):
         return {"VARIABLE_VALUE": self._get_cross_replica()}
