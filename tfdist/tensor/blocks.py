@@ -36,14 +36,21 @@ from tfdist.tensor.column_group import ColumnOfGroup, SharedInput
 from tfdist.tensor.decision import Decision
 from tfdist.tensor.layouts import Replicated, Row
 
-# Keras operations (classes of `keras.ops`) and layers that act element by
-# element on equally shaped operands.
-_ELEMENTWISE_OPERATIONS = (
-    "Add", "Subtract", "Multiply", "Divide", "Cast", "Dropout", "Relu", "Relu6",
-    "LeakyRelu", "Elu", "Selu", "Gelu", "Silu", "Mish", "Tanh", "Sigmoid",
-    "HardSigmoid", "HardSilu", "Softplus", "Softsign", "Exp", "Power", "Sqrt",
-    "Negative", "Absolute", "Square", "Maximum", "Minimum", "Erf",
+# Keras activations that act element by element (safe on a slice of features).
+_ELEMENTWISE_ACTIVATIONS = (
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu",
+    "swish", "mish", "tanh", "sigmoid", "hard_sigmoid", "hard_silu",
+    "softplus", "softsign", "exponential",
 )
+
+# Keras operations (classes of `keras.ops` and of activations, lower-cased)
+# and layers that act element by element on equally shaped operands.
+_ELEMENTWISE_OPERATIONS = frozenset((
+    "add", "subtract", "multiply", "divide", "cast", "dropout", "relu", "relu6",
+    "leakyrelu", "elu", "selu", "gelu", "silu", "mish", "tanh", "sigmoid",
+    "hardsigmoid", "hardsilu", "softplus", "softsign", "exp", "power", "sqrt",
+    "negative", "absolute", "square", "maximum", "minimum", "erf",
+))
 
 
 def activation_name(layer):
@@ -59,22 +66,26 @@ def activation_name(layer):
 
 def activation_is_elementwise(layer) -> bool:
     """Whether a Dense layer's activation acts element by element (so it
-    may act on a slice of the features): every Keras operation it performs
-    on a symbolic input is elementwise (`softmax` is not).
+    may act on a slice of the features): a Keras activation known to, or a
+    function whose Keras operations on a symbolic input all are
+    (keras-hub's `gelu_approximate`); `softmax` is not.
 
     Example:
 
     >>> activation_is_elementwise(keras.layers.Dense(4, activation="gelu"))
     True
     """
-    if layer.activation is None:
+    if activation_name(layer) in _ELEMENTWISE_ACTIVATIONS:
         return True
-    steps = keras_functional.traced_function(layer.activation, (2, layer.units))
+    try:
+        steps = keras_functional.traced_function(layer.activation, (2, layer.units))
+    except Exception:  # noqa: BLE001 - not traceable: not known to be elementwise
+        return False
     return all(_is_elementwise(step.operation) for step in steps)
 
 
 def _is_elementwise(operation):
-    return type(operation).__name__ in _ELEMENTWISE_OPERATIONS
+    return type(operation).__name__.lower() in _ELEMENTWISE_OPERATIONS
 
 
 def is_custom_layer(layer) -> bool:
