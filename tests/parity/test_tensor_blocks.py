@@ -10,6 +10,7 @@ import pytest
 import tfdist
 from helpers import assert_parity, devices, train, trained_reference
 from test_engine import executed_op_counts
+from tfdist.tensor.plan import plan
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -142,3 +143,48 @@ def test_blocks_split_by_heads_and_column_row_and_match_one_device(backbone, dat
     assert counts["CollectiveReduceV2"] == n * per_replica
     # The tensor group exchanges its batch: the slices' sizes, x's arrays and y.
     assert counts["CollectiveGatherV2"] == n * (1 + len(x) + 1)
+
+
+class Block(keras.layers.Layer):
+    """A custom MLP block: up -> (activation) -> down, optionally reading
+    the hidden features twice."""
+
+    def __init__(self, activation="relu", reuse_hidden=False, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(FF, activation=activation, name="up")
+        self.down = keras.layers.Dense(WIDTH, name="down")
+        self.reuse_hidden = reuse_hidden
+
+    def build(self, input_shape):
+        self.up.build(input_shape)
+        self.down.build((*input_shape[:-1], FF))
+
+    def call(self, x):
+        hidden = self.up(x)
+        y = self.down(hidden)
+        return y + keras.ops.mean(hidden, axis=-1, keepdims=True) if self.reuse_hidden else y
+
+
+def reasons(model, tensor):
+    return {(d.layer.name, d.layout.name, d.reason) for d in plan(model, tensor)}
+
+
+def test_describe_says_why_block_sublayers_stay_whole():
+    def custom(**kwargs):
+        inputs = keras.Input((SEQ, WIDTH))
+        return keras.Model(inputs, Block(**kwargs)(inputs))
+
+    assert {r[:2] for r in reasons(custom(), 2)} == {("up", "column"), ("down", "row")}
+    assert ("down", "replicated", "its column partner up: activation 'softmax' is not "
+            "elementwise") in reasons(custom(activation="softmax"), 2)
+    assert ("down", "replicated", "the output of up is read elsewhere too") in reasons(
+        custom(reuse_hidden=True), 2)
+    # Grouped-query attention: 2 key/value heads do not split 4 ways; the
+    # gated MLP still does.
+    found = reasons(llama(), 4)
+    why = "attention left whole: key has 2 heads, not divisible by tensor=4"
+    assert {(name, "replicated", why) for name in ("query", "key", "value",
+                                                   "attention_output")} <= found
+    assert {r[:2] for r in found if r[0].startswith("feedforward_") and "dense" in r[0]} == {
+        ("feedforward_gate_dense", "column"), ("feedforward_intermediate_dense", "column"),
+        ("feedforward_output_dense", "row")}

@@ -146,7 +146,12 @@ def block_decisions(layer, tensor, decide, arguments=None):
                 id(sub), "no Dense reads its output through elementwise operations")))
         else:
             decisions.extend(decide(sub, arguments_of.get(id(sub))))
-    order = {id(sub): i for i, sub in enumerate(keras_functional.nested_sublayers(layer))}
+    nested = keras_functional.nested_sublayers(layer)
+    inner = {id(w) for sub in nested for w in sub.weights}
+    own = [w.name for w in layer.weights if id(w) not in inner]
+    if own:
+        decisions.append(Decision(layer, Replicated(), f"its own weights {own} are not split"))
+    order = {id(sub): i for i, sub in enumerate(nested)}
     return sorted(decisions, key=lambda d: order.get(id(d.layer), -1))
 
 
@@ -243,14 +248,16 @@ def _attention_by_heads(layer, steps, tensor):
     if (len(outputs) != 1 or not projections or id(outputs[0]) not in by_layer
             or any(len(kernels[id(p)]) != 3 for p in projections)
             or len(kernels[id(outputs[0])]) != 3
+            or kernels[id(outputs[0])][0] not in {kernels[id(p)][-2] for p in projections}
             or not _reaches(projections, by_layer[id(outputs[0])], producers)):
         return None
     output = outputs[0]
     for projection in projections:
         heads = kernels[id(projection)][-2]
         if heads % tensor:
-            return _replicated_sublayers(layer, f"{projection.name} has {heads} heads, not "
-                                         f"divisible by tensor={tensor}")
+            return _replicated_sublayers(
+                layer, f"attention left whole: {projection.name} has {heads} heads, not "
+                       f"divisible by tensor={tensor}")
     shared = SharedInput()
     return [Decision(p, ColumnOfGroup(shared, axis=-2),
                      f"{kernels[id(p)][-2]} heads -> {kernels[id(p)][-2] // tensor} per device")
