@@ -19,6 +19,8 @@
   the plan says why.
 """
 
+import dataclasses
+
 import keras
 
 from tfdist._compat import keras_functional, keras_layers
@@ -90,8 +92,10 @@ def _sublayer_decisions(layer, tensor, arguments=None):
     if isinstance(layer, keras.layers.Embedding):
         return [_embedding(layer, tensor)]
     if is_custom_layer(layer):
-        return block_decisions(
+        decisions = block_decisions(
             layer, tensor, lambda sub, args: _sublayer_decisions(sub, tensor, args), arguments)
+        # Block sublayers share names ("query" in every block): their paths.
+        return [dataclasses.replace(d, name=d.layer.path) for d in decisions]
     return [Decision(layer, Replicated(), f"{type(layer).__name__} has no tensor-parallel layout")]
 
 
@@ -117,7 +121,7 @@ def describe(decisions) -> str:
     # dense_2    Dense  replicated  no Dense consumes its output alone
     ```
     """
-    rows = [(d.layer.name, type(d.layer).__name__, d.layout.name, d.reason)
+    rows = [(d.name, type(d.layer).__name__, d.layout.name, d.reason)
             for d in decisions]
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
     return "\n".join(
