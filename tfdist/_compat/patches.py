@@ -109,6 +109,9 @@ PER_OBJECT = (
           "_update", "(self, var, fn, args, kwargs, group)", _PS_EXTENDED),
     Patch(keras.layers.Layer, "call", "(self, *args, **kwargs)",
           "tfdist/_compat/keras_layers.py: use_call (tensor layouts) on one built layer"),
+    Patch(keras.layers.Layer, "compute_output_spec", "(self, *args, **kwargs)",
+          "tfdist/_compat/keras_functional.py: traced_call, on a custom layer's sublayers "
+          "while its call is traced (removed afterwards)"),
     Patch(TFOptimizer, "_all_reduce_sum_gradients", "(self, grads_and_vars)",
           "tfdist/_compat/keras_optimizer.py: gradients_already_reduced, for one apply"),
     Patch(BaseOptimizer, "_var_key", "(self, variable)",

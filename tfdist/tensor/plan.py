@@ -12,6 +12,9 @@
 - **Embedding**: split by vocabulary when `input_dim` is divisible by `tensor`.
 - A layer with a weight constraint stays replicated (a constraint such as
   `MaxNorm` acts on the whole weight).
+- **Custom layers** (Transformer blocks): their sublayers, paired from the
+  data flow of a trace of their `call` (`tfdist.tensor.blocks`): Dense
+  column groups -> row (MLPs, gated MLPs), attention layers by heads.
 - Everything else, and any of these that breaks a rule, stays replicated;
   the plan says why.
 """
@@ -26,42 +29,22 @@ from tfdist._compat.keras_trainer import compiled_losses
 from tfdist.sharding.keys import optimizer_keys_follow
 from tfdist.sharding.slots import optimizer_slots
 from tfdist.sharding.storage import axis_layout, shard_keras_variable
+from tfdist.tensor.blocks import (
+    activation_is_elementwise,
+    activation_name,
+    block_decisions,
+    is_custom_layer,
+)
+from tfdist.tensor.decision import Decision
 from tfdist.tensor.layouts import (
     Classifier,
     Column,
     Heads,
     Replicated,
     Row,
-    TensorLayout,
     Vocabulary,
 )
 from tfdist.tensor.softmax import ShardedSoftmaxCrossEntropy, is_sparse_softmax_loss
-
-# Keras activations that act element by element (safe on a slice of features).
-_ELEMENTWISE = (
-    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu",
-    "swish", "mish", "tanh", "sigmoid", "hard_sigmoid", "hard_silu",
-    "softplus", "softsign", "exponential",
-)
-
-
-@dataclasses.dataclass
-class Decision:
-    """How one layer is laid out: `layout` is a `TensorLayout` (`Column`,
-    `Row`, `Heads`, `Vocabulary`, `Classifier` or `Replicated`); `reason`
-    says why (or what it pairs with).
-
-    Example:
-
-    ```python
-    decision = Decision(layer, Column(), "paired with dense_1")
-    decision.layout.apply(decision.layer, strategy.tensor_mesh)
-    ```
-    """
-
-    layer: keras.layers.Layer
-    layout: TensorLayout
-    reason: str
 
 
 def plan(model, tensor: int, classifier: bool = False) -> list:
@@ -84,23 +67,36 @@ def plan(model, tensor: int, classifier: bool = False) -> list:
         if axis_layout(keras_layers.main_variable(layer)) is not None:
             decisions.append(getattr(layer, "_tfdist_decision", None) or Decision(
                 layer, layer._tfdist_layout, f"tfdist.layers.{type(layer).__name__}"))
-        elif constrained_weight(layer) is not None:
-            decisions.append(Decision(layer, Replicated(), _constrained_reason(layer)))
-        elif isinstance(layer, keras.layers.MultiHeadAttention):
-            decisions.append(_attention(layer, tensor))
-        elif isinstance(layer, keras.layers.Embedding):
-            decisions.append(_embedding(layer, tensor))
-        elif type(layer) is keras.layers.Dense:
+        elif type(layer) is keras.layers.Dense and constrained_weight(layer) is None:
             pair = _dense_pair(layer, tensor, taken)
             if (classifier and isinstance(pair[0].layout, Replicated)
                     and _is_final(model, layer)):
                 pair = [_classifier(model, layer, tensor)]
             decisions.extend(pair)
             taken.update(id(d.layer) for d in pair)
-        elif layer.weights:
-            decisions.append(Decision(layer, Replicated(),
-                                      f"{type(layer).__name__} has no tensor-parallel layout"))
+        else:
+            decisions.extend(_sublayer_decisions(layer, tensor))
     return decisions
+
+
+def _sublayer_decisions(layer, tensor, arguments=None):
+    """The decisions for a layer outside any functional graph's Dense pairs:
+    a constrained, attention or embedding layer, or a custom layer's sublayers
+    (traced on `arguments`, by default those of its first call)."""
+    if not layer.weights:
+        return []
+    if constrained_weight(layer) is not None:
+        return [Decision(layer, Replicated(), _constrained_reason(layer))]
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        return [_attention(layer, tensor)]
+    if isinstance(layer, keras.layers.Embedding):
+        return [_embedding(layer, tensor)]
+    if is_custom_layer(layer):
+        decisions = block_decisions(
+            layer, tensor, lambda sub, args: _sublayer_decisions(sub, tensor, args), arguments)
+        # Block sublayers share names ("query" in every block): their paths.
+        return [dataclasses.replace(d, name=d.layer.path) for d in decisions]
+    return [Decision(layer, Replicated(), f"{type(layer).__name__} has no tensor-parallel layout")]
 
 
 def apply(decisions, mesh):
@@ -125,7 +121,7 @@ def describe(decisions) -> str:
     # dense_2    Dense  replicated  no Dense consumes its output alone
     ```
     """
-    rows = [(d.layer.name, type(d.layer).__name__, d.layout.name, d.reason)
+    rows = [(d.name, type(d.layer).__name__, d.layout.name, d.reason)
             for d in decisions]
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
     return "\n".join(
@@ -204,9 +200,8 @@ def _dense_pair(layer, tensor, taken):
     if layer.units % tensor:
         return [Decision(layer, Replicated(),
                          f"units={layer.units} is not divisible by tensor={tensor}")]
-    activation = keras.activations.serialize(layer.activation)
-    name = activation if isinstance(activation, str) else str(activation)
-    if name not in _ELEMENTWISE:
+    name = activation_name(layer)
+    if not activation_is_elementwise(layer):
         return [Decision(layer, Replicated(),
                          f"activation {name!r} is not elementwise (it would act on a "
                          f"slice of the features)")]

@@ -1,0 +1,192 @@
+"""Tensor parallelism inside keras-hub Transformer blocks (custom layers that
+call their sublayers in `call`): attention split by heads and the MLP (gated
+or not) column -> row in every block, Megatron's 2 + 2 all-reduces per block,
+1/t of the blocks' weights per device, and parity with one device."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from helpers import assert_parity, devices, train, trained_reference
+from test_engine import executed_op_counts
+from tfdist.tensor.plan import plan
+
+keras_hub = pytest.importorskip("keras_hub")
+
+SEQ, WIDTH, HEADS, FF, VOCAB, BLOCKS = 8, 16, 4, 32, 24, 2
+
+
+def gpt2():
+    return keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=BLOCKS, num_heads=HEADS, hidden_dim=WIDTH,
+        intermediate_dim=FF, max_sequence_length=SEQ, dropout=0.0)
+
+
+def bert():
+    return keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB, num_layers=BLOCKS, num_heads=HEADS, hidden_dim=WIDTH,
+        intermediate_dim=FF, max_sequence_length=SEQ, dropout=0.0)
+
+
+def llama():
+    return keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB, num_layers=BLOCKS, num_query_heads=HEADS,
+        num_key_value_heads=HEADS // 2, hidden_dim=WIDTH, intermediate_dim=FF, dropout=0.0)
+
+
+BACKBONES = {"gpt2": gpt2, "bert": bert, "llama": llama}
+
+
+def make_lm(backbone, seed=0):
+    """An unchanged keras-hub backbone with a token classifier on top."""
+    keras.utils.set_random_seed(seed)
+    body = BACKBONES[backbone]()
+    features = body.output["sequence_output"] if backbone == "bert" else body.output
+    model = keras.Model(body.input, keras.layers.Dense(VOCAB)(features))
+    # SGD with momentum, as in test_tensor_transformer: Adam's first steps
+    # would turn rounding-sized gradient differences into 2 lr.
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def make_gpt2(seed=0):
+    return make_lm("gpt2", seed)
+
+
+def make_bert(seed=0):
+    return make_lm("bert", seed)
+
+
+def make_llama(seed=0):
+    return make_lm("llama", seed)
+
+
+MAKERS = {"gpt2": make_gpt2, "bert": make_bert, "llama": make_llama}
+
+# What describe says of one block's sublayers: (name, layout), in order.
+BLOCK_LAYOUTS = {
+    "gpt2": [("self_attention", "heads"), ("self_attention_layer_norm", "replicated"),
+             ("feedforward_intermediate_dense", "column"),
+             ("feedforward_output_dense", "row"), ("feedforward_layer_norm", "replicated")],
+    "bert": [("self_attention_layer", "heads"), ("self_attention_layer_norm", "replicated"),
+             ("feedforward_layer_norm", "replicated"),
+             ("feedforward_intermediate_dense", "column"),
+             ("feedforward_output_dense", "row")],
+    "llama": [("attention_output", "row"), ("value", "column"), ("key", "column"),
+              ("query", "column"), ("self_attention_layernorm", "replicated"),
+              ("feedforward_intermediate_dense", "column"),
+              ("feedforward_gate_dense", "column"), ("feedforward_output_dense", "row"),
+              ("feedforward_layernorm", "replicated")],
+}
+# Vocabulary-split embeddings (one forward all-reduce each): BERT's segment
+# embedding (2 rows) too.
+EMBEDDINGS = {"gpt2": 1, "bert": 2, "llama": 1}
+
+
+def lm_data(backbone, n=192, seed=0):
+    """Next-token data: 12 steps of 16 examples."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB, size=(n, SEQ + 1)).astype("int32")
+    tokens[:, 1::2] = (tokens[:, 0:-1:2] * 5 + 3) % VOCAB
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((n, SEQ), "int32")}
+    if backbone == "bert":
+        x["segment_ids"] = np.zeros((n, SEQ), "int32")
+    return x, tokens[:, 1:]
+
+
+def blocks(model):
+    return [layer for layer in model.layers if "transformer_layer" in layer.name]
+
+
+def projection_kernels(block):
+    """The kernels of a block's attention and MLP projections."""
+    return [layer.kernel for layer in block._flatten_layers(include_self=False)
+            if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))]
+
+
+@pytest.mark.parametrize("data_size", [1, 2])
+@pytest.mark.parametrize("backbone", ["gpt2", "bert", "llama"])
+def test_blocks_split_by_heads_and_column_row_and_match_one_device(backbone, data_size):
+    x, y = lm_data(backbone)
+    make = MAKERS[backbone]
+    reference = trained_reference(make=make, x=x, y=y, batch_size=16)
+    n = data_size * 2
+    strategy = tfdist.Strategy(data=data_size, tensor=2, devices=devices(n))
+    result = train(strategy, make=make, x=x, y=y, batch_size=16)
+    # 12 steps, fp32, dropout off: losses and final weights within 1e-4.
+    assert_parity(result, reference, steps=12)
+    model = result[2]
+
+    # Block sublayers are named by path: transformer_layer_0/self_attention/query.
+    rows = [(line.split()[0].split("/")[-1], line.split()[2])
+            for line in strategy.describe(model).splitlines()]
+    expected = BLOCK_LAYOUTS[backbone]
+    windows = [rows[i:i + len(expected)] for i in range(len(rows))]
+    assert windows.count(expected) == BLOCKS
+
+    # Every block's attention and MLP kernels: 1/2 of their bytes per device.
+    for block in blocks(model):
+        kernels = projection_kernels(block)
+        assert len(kernels) == (7 if backbone == "llama" else 6)  # q, k, v, o, MLP
+        full = sum(np.prod(k.shape) * 4 for k in kernels)
+        for device in range(n):
+            held = sum(k.value.values[device].shape.num_elements()
+                       * k.value.values[device].dtype.size for k in kernels)
+            assert held * 2 == full
+
+    # Megatron: per block, the attention's and the MLP's all-reduce forward,
+    # their inputs' gradients' backward; one forward per vocabulary-split
+    # embedding; the packed gradient all-reduce across data groups; two of a
+    # few scalars over every replica (row counts, metric state).
+    counts = executed_op_counts(model)
+    per_replica = BLOCKS * (2 + 2) + EMBEDDINGS[backbone] + (data_size > 1) + 2
+    assert counts["CollectiveReduceV2"] == n * per_replica
+    # The tensor group exchanges its batch: the slices' sizes, x's arrays and y.
+    assert counts["CollectiveGatherV2"] == n * (1 + len(x) + 1)
+
+
+class Block(keras.layers.Layer):
+    """A custom MLP block: up -> (activation) -> down, optionally reading
+    the hidden features twice."""
+
+    def __init__(self, activation="relu", reuse_hidden=False, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(FF, activation=activation, name="up")
+        self.down = keras.layers.Dense(WIDTH, name="down")
+        self.reuse_hidden = reuse_hidden
+
+    def build(self, input_shape):
+        self.up.build(input_shape)
+        self.down.build((*input_shape[:-1], FF))
+
+    def call(self, x):
+        hidden = self.up(x)
+        y = self.down(hidden)
+        return y + keras.ops.mean(hidden, axis=-1, keepdims=True) if self.reuse_hidden else y
+
+
+def reasons(model, tensor):
+    return {(d.name.split("/")[-1], d.layout.name, d.reason) for d in plan(model, tensor)}
+
+
+def test_describe_says_why_block_sublayers_stay_whole():
+    def custom(**kwargs):
+        inputs = keras.Input((SEQ, WIDTH))
+        return keras.Model(inputs, Block(**kwargs)(inputs))
+
+    assert {r[:2] for r in reasons(custom(), 2)} == {("up", "column"), ("down", "row")}
+    assert ("down", "replicated", "its column partner up: activation 'softmax' is not "
+            "elementwise") in reasons(custom(activation="softmax"), 2)
+    assert ("down", "replicated", "the output of up is read elsewhere too") in reasons(
+        custom(reuse_hidden=True), 2)
+    # Grouped-query attention: 2 key/value heads do not split 4 ways; the
+    # gated MLP still does.
+    found = reasons(llama(), 4)
+    why = "attention left whole: key has 2 heads, not divisible by tensor=4"
+    assert {(name, "replicated", why) for name in ("query", "key", "value",
+                                                   "attention_output")} <= found
+    assert {r[:2] for r in found if r[0].startswith("feedforward_") and "dense" in r[0]} == {
+        ("feedforward_gate_dense", "column"), ("feedforward_intermediate_dense", "column"),
+        ("feedforward_output_dense", "row")}

@@ -1,0 +1,278 @@
+"""Tensor plans inside custom layers (Transformer blocks), from their data flow.
+
+A custom layer (a keras-hub `TransformerDecoder`, `LlamaTransformerDecoder`,
+...) calls its sublayers inside `call`, so no functional graph shows which
+Dense feeds which. `block_decisions` traces the layer's `call` on symbolic
+tensors (`traced_call`) and reads the pairs from that data flow:
+
+- **Column group -> row**: a Dense whose input is computed only from the
+  outputs of other Dense layers, through elementwise operations only (an
+  activation, a cast, a product, dropout), is row-parallel and those Dense
+  layers column-parallel, sharing one "f" of their input: an MLP
+  (up -> down) or a gated MLP (`activation(gate) * up -> down`).
+- **Attention by heads**: a custom layer whose weights are only EinsumDense
+  projections with (d, heads, size) kernels reading its input, feeding one
+  EinsumDense with a (heads, size, d) kernel that makes its output: the
+  projections column-parallel by heads, the output row-parallel. Every
+  projection's head count must be divisible by `tensor` (grouped-query
+  attention: the key/value heads too).
+- Other sublayers are decided like top-level layers (`decide`), and each
+  weighted sublayer left whole says why.
+
+Example:
+
+```python
+decisions = block_decisions(backbone.get_layer("transformer_layer_0"), 2, decide)
+[(d.layer.name, d.layout.name) for d in decisions]
+# [('self_attention', 'heads'), ('self_attention_layer_norm', 'replicated'),
+#  ('feedforward_intermediate_dense', 'column'), ('feedforward_output_dense', 'row'), ...]
+```
+"""
+
+import keras
+
+from tfdist._compat import keras_functional, keras_layers
+from tfdist.tensor.column_group import ColumnOfGroup, SharedInput
+from tfdist.tensor.decision import Decision
+from tfdist.tensor.layouts import Replicated, Row
+
+# Keras activations that act element by element (safe on a slice of features).
+_ELEMENTWISE_ACTIVATIONS = (
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu",
+    "swish", "mish", "tanh", "sigmoid", "hard_sigmoid", "hard_silu",
+    "softplus", "softsign", "exponential",
+)
+
+# Keras operations (classes of `keras.ops` and of activations, lower-cased)
+# and layers that act element by element on equally shaped operands.
+_ELEMENTWISE_OPERATIONS = frozenset((
+    "add", "subtract", "multiply", "divide", "cast", "dropout", "relu", "relu6",
+    "leakyrelu", "elu", "selu", "gelu", "silu", "mish", "tanh", "sigmoid",
+    "hardsigmoid", "hardsilu", "softplus", "softsign", "exp", "power", "sqrt",
+    "negative", "absolute", "square", "maximum", "minimum", "erf",
+))
+
+
+def activation_name(layer):
+    """The name of a Dense layer's activation.
+
+    Example:
+
+    >>> activation_name(keras.layers.Dense(4, activation="gelu"))
+    'gelu'
+    """
+    return getattr(layer.activation, "__name__", None) or str(layer.activation)
+
+
+def activation_is_elementwise(layer) -> bool:
+    """Whether a Dense layer's activation acts element by element (so it
+    may act on a slice of the features): a Keras activation known to, or a
+    function whose Keras operations on a symbolic input all are
+    (keras-hub's `gelu_approximate`); `softmax` is not.
+
+    Example:
+
+    >>> activation_is_elementwise(keras.layers.Dense(4, activation="gelu"))
+    True
+    """
+    if activation_name(layer) in _ELEMENTWISE_ACTIVATIONS:
+        return True
+    try:
+        steps = keras_functional.traced_function(layer.activation, (2, layer.units))
+    except Exception:  # noqa: BLE001 - not traceable: not known to be elementwise
+        return False
+    return all(_is_elementwise(step.operation) for step in steps)
+
+
+def _is_elementwise(operation):
+    return type(operation).__name__.lower() in _ELEMENTWISE_OPERATIONS
+
+
+def is_custom_layer(layer) -> bool:
+    """Whether `layer` is a custom (non-Model) layer with weighted sublayers.
+
+    Example:
+
+    >>> is_custom_layer(keras.layers.Dense(4))
+    False
+    """
+    return (not isinstance(layer, keras.Model)
+            and type(layer).__module__.split(".")[0] != "keras"
+            and any(sub.weights for sub in keras_functional.nested_sublayers(layer)))
+
+
+def block_decisions(layer, tensor, decide, arguments=None):
+    """The decisions for the weighted sublayers of custom `layer`.
+
+    Args:
+        layer: a built custom layer called on symbolic inputs.
+        tensor: the tensor-group size.
+        decide: `decide(sublayer, arguments)`, the list of decisions for a
+            sublayer none of this module's rules splits (a MultiHeadAttention,
+            an Embedding, a nested custom layer called with `arguments`...).
+        arguments: the `(args, kwargs)` `layer` is called with (by default
+            those of its first call).
+
+    Example:
+
+    ```python
+    block_decisions(block, 2, decide)   # see the module's docstring
+    ```
+    """
+    try:
+        steps = keras_functional.traced_call(layer, arguments)
+    except Exception as error:  # noqa: BLE001 - any failure leaves the layer whole
+        first_line = str(error).strip().splitlines()[0]
+        return _replicated_sublayers(
+            layer, f"its call could not be traced ({type(error).__name__}: {first_line})")
+    heads = _attention_by_heads(layer, steps, tensor)
+    if heads is not None:
+        return heads
+    decisions, taken, why = [], set(), {}
+    for step in steps:
+        if type(step.operation) is keras.layers.Dense:
+            pair = _column_group(step, steps, tensor, taken)
+            if isinstance(pair, dict):
+                why.update((key, value) for key, value in pair.items() if key not in taken)
+            else:
+                decisions.extend(pair)
+                taken.update(id(d.layer) for d in pair)
+    arguments_of = {id(step.operation): step.arguments for step in steps}
+    for sub in keras_functional.direct_sublayers(layer):
+        if id(sub) in taken or not sub.weights:
+            continue
+        if type(sub) is keras.layers.Dense:
+            decisions.append(Decision(sub, Replicated(), why.get(
+                id(sub), "no Dense reads its output through elementwise operations")))
+        else:
+            decisions.extend(decide(sub, arguments_of.get(id(sub))))
+    nested = keras_functional.nested_sublayers(layer)
+    inner = {id(w) for sub in nested for w in sub.weights}
+    own = [w.name for w in layer.weights if id(w) not in inner]
+    if own:
+        decisions.append(Decision(layer, Replicated(), f"its own weights {own} are not split"))
+    order = {id(sub): i for i, sub in enumerate(nested)}
+    return sorted(decisions, key=lambda d: order.get(id(d.layer), -1))
+
+
+def _replicated_sublayers(layer, reason):
+    return [Decision(sub, Replicated(), reason)
+            for sub in keras_functional.nested_sublayers(layer)
+            if sub.weights and not keras_functional.nested_sublayers(sub)]
+
+
+def _producers(steps):
+    return {id(t): step for step in steps for t in step.outputs}
+
+
+def _consumers(steps):
+    found = {}
+    for step in steps:
+        for t in step.inputs:
+            found.setdefault(id(t), []).append(step)
+    return found
+
+
+def _calls(steps):
+    counts = {}
+    for step in steps:
+        counts[id(step.operation)] = counts.get(id(step.operation), 0) + 1
+    return counts
+
+
+def _column_group(row_step, steps, tensor, taken):
+    """[column..., row] decisions for the Dense of `row_step`, else why not:
+    {id(layer): reason} for the row and the column partner to blame."""
+    row = row_step.operation
+    producers, consumers, calls = _producers(steps), _consumers(steps), _calls(steps)
+    if calls[id(row)] != 1:
+        return {id(row): f"called {calls[id(row)]} times"}
+    columns, pending = [], list(row_step.inputs)
+    while pending:
+        tensor_ = pending.pop()
+        step = producers.get(id(tensor_))
+        if step is None:
+            return {id(row): "its input is not computed from a Dense's output"}
+        if type(step.operation) is not keras.layers.Dense and not _is_elementwise(
+                step.operation):
+            return {id(row): f"{type(step.operation).__name__} {step.operation.name!r} "
+                             f"before it is not elementwise"}
+        if len(consumers.get(id(tensor_), ())) != 1:
+            return {id(row): f"the output of {step.operation.name} is read elsewhere too"}
+        if type(step.operation) is keras.layers.Dense:
+            columns.append(step.operation)
+        else:
+            pending.extend(step.inputs)
+    for column in columns:
+        reason = _column_refusal(column, columns, calls, tensor, taken)
+        if reason:
+            return {id(row): f"its column partner {column.name}: {reason}",
+                    id(column): f"column partner of {row.name}, but {reason}"}
+    shared, names = SharedInput(), ", ".join(c.name for c in columns)
+    units = columns[0].units
+    return [Decision(c, ColumnOfGroup(shared), f"column of {row.name} ({units} -> "
+                     f"{units // tensor} units per device)") for c in columns] + [
+        Decision(row, Row(), f"sums the slices of {names} (one all-reduce)")]
+
+
+def _column_refusal(column, columns, calls, tensor, taken):
+    """Why `column` cannot be column-parallel in its group, else None."""
+    if id(column) in taken:
+        return "already paired"
+    if calls[id(column)] != 1:
+        return f"called {calls[id(column)]} times"
+    if column.units != columns[0].units:
+        return f"units={column.units} differ from {columns[0].name}'s"
+    if column.units % tensor:
+        return f"units={column.units} is not divisible by tensor={tensor}"
+    if not activation_is_elementwise(column):
+        return f"activation {activation_name(column)!r} is not elementwise"
+    if any(w.constraint is not None for w in column.trainable_weights):
+        return "a weight has a constraint, which acts on the whole weight"
+    return None
+
+
+def _attention_by_heads(layer, steps, tensor):
+    """Decisions splitting an attention-shaped custom layer by heads, else None."""
+    weighted = [sub for sub in keras_functional.nested_sublayers(layer) if sub.weights]
+    if not weighted or any(type(sub) is not keras.layers.EinsumDense for sub in weighted):
+        return None
+    if any(sum(step.operation is sub for step in steps) != 1 for sub in weighted):
+        return None
+    producers = _producers(steps)
+    by_layer = {id(step.operation): step for step in steps}
+    kernels = {id(sub): keras_layers.kernel_variable(sub).shape for sub in weighted}
+    projections = [sub for sub in weighted if id(sub) in by_layer and all(
+        id(t) not in producers for t in by_layer[id(sub)].inputs)]
+    outputs = [sub for sub in weighted if sub not in projections]
+    if (len(outputs) != 1 or not projections or id(outputs[0]) not in by_layer
+            or any(len(kernels[id(p)]) != 3 for p in projections)
+            or len(kernels[id(outputs[0])]) != 3
+            or kernels[id(outputs[0])][0] not in {kernels[id(p)][-2] for p in projections}
+            or not _reaches(projections, by_layer[id(outputs[0])], producers)):
+        return None
+    output = outputs[0]
+    for projection in projections:
+        heads = kernels[id(projection)][-2]
+        if heads % tensor:
+            return _replicated_sublayers(
+                layer, f"attention left whole: {projection.name} has {heads} heads, not "
+                       f"divisible by tensor={tensor}")
+    shared = SharedInput()
+    return [Decision(p, ColumnOfGroup(shared, axis=-2),
+                     f"{kernels[id(p)][-2]} heads -> {kernels[id(p)][-2] // tensor} per device")
+            for p in projections] + [
+        Decision(output, Row(), f"sums the heads of {', '.join(p.name for p in projections)}")]
+
+
+def _reaches(projections, output_step, producers):
+    """Whether every projection's output flows into `output_step`."""
+    found, pending, seen = set(), list(output_step.inputs), set()
+    while pending:
+        step = producers.get(id(pending.pop()))
+        if step is None or id(step) in seen:
+            continue
+        seen.add(id(step))
+        found.add(id(step.operation))
+        pending.extend(step.inputs)
+    return all(id(p) in found for p in projections)
