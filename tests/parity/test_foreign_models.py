@@ -7,6 +7,7 @@ refused before the first step; with data parallelism alone they train as under
 `strategy.run` runs as written, and the strategy says so once.
 """
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -41,12 +42,13 @@ def test_tf_keras_fit_is_refused_under_step_level_options(options, named):
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
-def test_tf_keras_fit_trains_data_parallel_like_mirrored_strategy():
+def test_tf_keras_fit_trains_data_parallel_like_one_device():
+    # tf_keras's own step under data parallelism: the mean loss's gradients
+    # summed over 2 replicas of even batches are one device's.
     x, y = data(64)
     results = []
-    for strategy in (tfdist.Strategy(data=2, devices=devices(2)),
-                     tf.distribute.MirroredStrategy(devices(2))):
-        with strategy.scope():
+    for strategy in (tfdist.Strategy(data=2, devices=devices(2)), None):
+        with strategy.scope() if strategy else contextlib.nullcontext():
             tf_keras.utils.set_random_seed(0)
             model = tf_keras_mlp()
         with warnings.catch_warnings():
@@ -54,7 +56,7 @@ def test_tf_keras_fit_trains_data_parallel_like_mirrored_strategy():
             model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
         results.append([w.numpy() for w in model.weights])
     for ours, theirs in zip(*results):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_model_garden_bert_classifier_fit_is_refused_under_zero():
