@@ -185,7 +185,7 @@ def test_vocab_parallel_classifier_metrics_and_refusals():
                      strategy.describe(model))  # before any step
     with strategy.scope():
         model = make(loss="mse")
-    assert re.search(r"Dense\s+replicated\s+a class-split classifier needs the model compiled",
+    assert re.search(r"Dense\s+replicated\s+a sharded softmax loss needs the model compiled",
                      strategy.describe(model))
     with pytest.raises(ValueError, match=r"`vocab_parallel_classifier=True` .* `tensor=1`"):
         tfdist.Strategy(vocab_parallel_classifier=True, devices=devices(2))

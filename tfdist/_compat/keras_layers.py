@@ -99,6 +99,19 @@ def copy_keras_mask(source, target):
     backend.set_keras_mask(target, backend.get_keras_mask(source))
 
 
+def set_keras_mask(target, mask):
+    """Gives the tensor `target` the Keras mask `mask` (None: none).
+
+    Example:
+
+    ```python
+    set_keras_mask(embedded, ids != 0)
+    ```
+    """
+    if mask is not None:
+        backend.set_keras_mask(target, mask)
+
+
 def use_call(layer, call):
     """Makes `call` the computation of one built layer (this object only).
 

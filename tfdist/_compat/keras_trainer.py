@@ -6,6 +6,7 @@ backend (`TensorFlowTrainer`) in private attributes; tfdist's step computes
 the same loss and updates the same trackers as Keras's.
 """
 
+import keras
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.utils.python_utils import pythonify_logs
 
@@ -77,7 +78,8 @@ def loss_tracker(model):
 
 
 def has_compiled_metrics(model) -> bool:
-    """Whether `compile` was given metrics (`_compile_metrics` is set).
+    """Whether `compile` was given metrics (`_compile_metrics`' user metrics,
+    empty lists not counted).
 
     Example:
 
@@ -85,7 +87,9 @@ def has_compiled_metrics(model) -> bool:
     has_compiled_metrics(model)   # True after compile(metrics=["accuracy"])
     ```
     """
-    return model._compile_metrics is not None
+    metrics = model._compile_metrics
+    given = [] if metrics is None else [metrics._user_metrics, metrics._user_weighted_metrics]
+    return any(m is not None for m in keras.tree.flatten(given))
 
 
 def call_has_training_arg(model) -> bool:

@@ -58,6 +58,7 @@ class TensorLayout:
     """
 
     name = None
+    sharded_loss = False  # its logits feed `ShardedSoftmaxCrossEntropy`
 
     def split(self, layer, mesh):
         """Moves `layer`'s weights into shards over `mesh`'s tensor group."""
@@ -153,6 +154,7 @@ class Classifier(Column):
     """
 
     name = "classifier"
+    sharded_loss = True
 
     def gathers(self):
         """Gathers the logits unless the loss takes them sharded."""
@@ -192,6 +194,17 @@ class Row(TensorLayout):
 class Vocabulary(TensorLayout):
     """An Embedding split by vocabulary rows.
 
+    A `keras.layers.ReversibleEmbedding` (a tied output projection, as in
+    keras-hub's causal LMs) called with `reverse=True` gives each rank the
+    logits of the rows it holds, V/t of them: gathered into the whole logits,
+    or left sharded for `ShardedSoftmaxCrossEntropy` when `sharded_loss`
+    (the model's output, `vocab_parallel_classifier=True`). An untied
+    `reverse_embeddings` (d, V) is split by its vocabulary columns alike.
+
+    Args:
+        sharded_loss: the reverse call's logits feed the sharded softmax loss
+            inside tfdist's training step.
+
     Example:
 
     ```python
@@ -201,19 +214,32 @@ class Vocabulary(TensorLayout):
 
     name = "vocabulary"
 
-    def split(self, layer, mesh):
-        """Splits the table by rows."""
-        _split(keras_layers.embeddings_variable(layer), 0, mesh)
+    def __init__(self, sharded_loss=False):
+        self.sharded_loss = sharded_loss
 
-    def sharded_call(self, layer, mesh, inputs):
-        """This rank's rows looked up (zeros for ids it does not own), summed ("g")."""
+    def split(self, layer, mesh):
+        """Splits the table by rows (an untied reverse table by columns)."""
+        _split(keras_layers.embeddings_variable(layer), 0, mesh)
+        if getattr(layer, "reverse_embeddings", None) is not None:
+            _split(layer.reverse_embeddings, 1, mesh)
+
+    def sharded_call(self, layer, mesh, inputs, reverse=False):
+        """This rank's rows looked up (zeros for ids it does not own), summed
+        ("g"); reversed, this rank's slice of the logits."""
+        if reverse:
+            logits = type(layer).call(layer, mesh.copy(inputs), reverse=True)
+            return logits if self.sharded_loss and logits_are_sharded() else (
+                mesh.gather_last(logits))
         rows = layer.input_dim // mesh.tensor
         ids = tf.cast(inputs, tf.int32) - mesh.rank() * rows
         owned = tf.logical_and(ids >= 0, ids < rows)
         found = tf.gather(tf.convert_to_tensor(layer.embeddings),
                           tf.where(owned, ids, tf.zeros_like(ids)))
         found = found * tf.cast(owned, found.dtype)[..., tf.newaxis]
-        return tf.cast(mesh.reduce(found), layer.compute_dtype)
+        result = tf.cast(mesh.reduce(found), layer.compute_dtype)
+        # ReversibleEmbedding sets its mask in its call, which this replaces.
+        keras_layers.set_keras_mask(result, keras.layers.Embedding.compute_mask(layer, inputs))
+        return result
 
 
 class Heads(TensorLayout):

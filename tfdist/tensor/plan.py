@@ -76,7 +76,9 @@ def plan(model, tensor: int, classifier: bool = False) -> list:
             taken.update(id(d.layer) for d in pair)
         else:
             decisions.extend(_sublayer_decisions(layer, tensor))
-    return decisions
+    tied = _final_reverse_embedding(model) if classifier else None
+    return [_tied_classifier(model, d) if d.layer is tied and isinstance(d.layout, Vocabulary)
+            else d for d in decisions]
 
 
 def _sublayer_decisions(layer, tensor, arguments=None):
@@ -130,14 +132,15 @@ def describe(decisions) -> str:
 
 
 def _layers(model):
-    """Every layer with weights, in order, attention sublayers left to their owner."""
+    """Every layer with weights, in order, each once (a task model calls its
+    backbone's tied embedding too), attention sublayers left to their owner."""
     found = []
     for layer in keras_functional.direct_sublayers(model):
         if isinstance(layer, keras.Model):
             found.extend(_layers(layer))
         elif not isinstance(layer, keras.layers.InputLayer):
             found.append(layer)
-    return found
+    return list({id(layer): layer for layer in found}.values())
 
 
 def _attention(layer, tensor):
@@ -155,8 +158,31 @@ def _embedding(layer, tensor):
         return Decision(layer, Replicated(),
                         f"input_dim (vocabulary)={layer.input_dim} is not divisible "
                         f"by tensor={tensor}")
+    tied = (", reverse=True gives each device its rows' logits"
+            if isinstance(layer, keras.layers.ReversibleEmbedding) else "")
     return Decision(layer, Vocabulary(),
-                    f"{layer.input_dim} rows -> {layer.input_dim // tensor} per device")
+                    f"{layer.input_dim} rows -> {layer.input_dim // tensor} per device{tied}")
+
+
+def _final_reverse_embedding(model):
+    """The ReversibleEmbedding whose reverse call gives `model`'s only output."""
+    outputs = getattr(model, "outputs", None) or []
+    for layer in _layers(model) if len(outputs) == 1 else []:
+        if isinstance(layer, keras.layers.ReversibleEmbedding) and any(
+                node.arguments.kwargs.get("reverse") and node.outputs[0] is outputs[0]
+                for node in keras_functional.inbound_nodes(layer)):
+            return layer
+    return None
+
+
+def _tied_classifier(model, decision):
+    """The decision for the tied embedding giving the model's logits, with
+    `vocab_parallel_classifier`: its logits left sharded for the loss."""
+    why = _sharded_loss_refusal(model)
+    if why:
+        return dataclasses.replace(decision, reason=f"{decision.reason}; logits gathered: {why}")
+    return Decision(decision.layer, Vocabulary(sharded_loss=True),
+                    f"{decision.reason}, sharded softmax loss")
 
 
 def _is_final(model, layer):
@@ -166,15 +192,22 @@ def _is_final(model, layer):
     return len(outputs) == 1 and len(nodes) == 1 and nodes[0].outputs[0] is outputs[0]
 
 
-def _classifier(model, layer, tensor):
+def _sharded_loss_refusal(model):
+    """Why `model`'s loss cannot take sharded logits, or None."""
     entries = compiled_losses(model)
     # Before the first step the compiled loss is not built: what compile got.
     losses = [e.loss for e in entries] if entries else [getattr(model, "loss", None)]
     if len(losses) != 1 or not is_sparse_softmax_loss(
             getattr(losses[0], "fallback", losses[0])):
-        return Decision(layer, Replicated(),
-                        "a class-split classifier needs the model compiled (and built) "
-                        "with SparseCategoricalCrossentropy(from_logits=True) alone")
+        return ("a sharded softmax loss needs the model compiled (and built) "
+                "with SparseCategoricalCrossentropy(from_logits=True) alone")
+    return None
+
+
+def _classifier(model, layer, tensor):
+    why = _sharded_loss_refusal(model)
+    if why:
+        return Decision(layer, Replicated(), why)
     if layer.units % tensor:
         return Decision(layer, Replicated(),
                         f"units (classes)={layer.units} is not divisible by tensor={tensor}")
@@ -249,7 +282,7 @@ def partition_model(model, mesh):
     decisions = plan(model, mesh.tensor, mesh.strategy.config.vocab_parallel_classifier)
     with optimizer_keys_follow(model):
         apply(decisions, mesh)
-    if any(isinstance(d.layout, Classifier) for d in decisions):
+    if any(d.layout.sharded_loss for d in decisions):
         entries = compiled_losses(model)
         (entry,) = entries
         if not isinstance(entry.loss, ShardedSoftmaxCrossEntropy):
