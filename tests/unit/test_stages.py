@@ -101,14 +101,25 @@ def test_bad_stage_counts_and_boundaries_are_refused(stages, boundaries, message
         plan_stages(model, stages, boundaries=boundaries)
 
 
-def test_a_layer_called_in_two_stages_is_refused():
+def test_a_layer_called_in_the_first_and_last_stage_is_tied():
     inputs = keras.Input((8,))
     shared = keras.layers.Dense(8, name="shared")
-    x = shared(inputs)
-    x = keras.layers.Dense(8, name="middle")(x)
+    x = keras.layers.Dense(8, name="middle0")(shared(inputs))
     model = keras.Model(inputs, shared(x))
+    first, last = plan_stages(model, 2, boundaries=["middle0"])
+    assert [layer.name for layer in first.layers] == ["shared"]
+    assert [layer.name for layer in last.layers] == ["middle0"]
+    assert [layer.name for layer in last.tied] == ["shared"] and not first.tied
+    assert (first.params, last.params) == (72, 72)  # the shared layer counted once
+
+
+def test_a_layer_called_in_two_stages_not_first_and_last_is_refused():
+    inputs = keras.Input((8,))
+    shared = keras.layers.Dense(8, name="shared")
+    x = shared(keras.layers.Dense(8, name="middle0")(shared(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(8, name="middle1")(x))
     with pytest.raises(ValueError, match=r"'shared' is called in stages 0 and 1"):
-        plan_stages(model, 2, boundaries=["middle"])
+        plan_stages(model, 3, boundaries=["middle0", "middle1"])
 
 
 class Subclassed(keras.Model):

@@ -39,6 +39,13 @@ def _accumulate(totals, weights, grads):
         totals[index] = sparse_gradients.add(totals[index], grad)
 
 
+def _meet(per_stage):
+    """Each weight's gradient summed over the stages (a tied weight has two;
+    Megatron's embedding all-reduce), per stage accumulated on its device."""
+    return [functools.reduce(sparse_gradients.add, grads, None)
+            for grads in zip(*per_stage)]
+
+
 class PipelineCompute:
     """Gradients of one replica's batch through the stages, in schedule order.
 
@@ -65,7 +72,8 @@ class PipelineCompute:
     ```
     """
 
-    def __init__(self, model, stages, devices, microbatches, kind, remat=False, xla=False):
+    def __init__(self, model, stages, devices, microbatches, kind, remat=False, xla=False,
+                 copies=None):
         self.model = model
         self.graph = stages[0].graph
         self.stages = stages
@@ -73,7 +81,8 @@ class PipelineCompute:
         self.order = emission_order(stage_orders(kind, len(stages), microbatches))
         self.remat = remat
         self.peak_held = [0] * len(stages)
-        self.runners = [StageRunner(stage, model.trainable_weights, xla=xla) for stage in stages]
+        self.runners = [StageRunner(stage, model.trainable_weights, xla=xla, copies=copies)
+                        for stage in stages]
         self.loss = MicrobatchLoss(model, getattr(model.distribute_strategy, "tensor_mesh", None))
         self._per_replica = {}  # with tensor groups: local replica -> its tf.function
 
@@ -114,22 +123,24 @@ class PipelineCompute:
     def _replica_actions(self, slices, local, mesh):
         # A class-split classifier gives its logit slice to the sharded loss.
         with self.loss.logits():
-            return self._run_actions(slices, self.devices[local], mesh)
+            return self._run_actions(slices, local, mesh)
 
-    def _run_actions(self, slices, devices, mesh):
+    def _run_actions(self, slices, local, mesh):
         """Every action of the schedule, in emission order, each on its stage's
         device after the stage's previous action."""
+        devices = self.devices[local]
         last = len(self.stages) - 1
         env = [self._inputs(x_i) for x_i, *_ in slices]   # values by id(symbolic)
         out_grads = [{} for _ in slices]                   # gradients by id(symbolic)
         held = [{} for _ in self.stages]                   # stage -> mb -> Activations
         previous = [[] for _ in self.stages]               # stage's last action's tensors
-        totals = [None] * len(self.model.trainable_weights)
+        totals = [[None] * len(self.model.trainable_weights) for _ in self.stages]
         metrics = None
         starts, moved = [], [None for _ in self.stages]   # BatchNormalization statistics
         for s, runner in enumerate(self.runners):
             with tf.device(devices[s]):
                 starts.append(runner.moving.start())
+                previous[s] = runner.refresh_copies(local)
         for action in self.order:
             s, i = action.stage, action.microbatch
             runner = self.runners[s]
@@ -156,13 +167,13 @@ class PipelineCompute:
                     if self.remat:
                         kept = runner.replay(kept, head)
                     grads = runner.backward(kept, out_grads[i])
-                    _accumulate(totals, runner.weights, grads)
+                    _accumulate(totals[s], runner.weights, grads)
                     previous[s] = [g for g in tf.nest.flatten(grads, expand_composites=True)
                                    if g is not None] or previous[s]
         # The gradients meet on the replica's own device: the data-parallel
         # reduce is then one packed all-reduce, as without stages.
         with tf.device(devices[0]):
-            totals = [None if g is None else tf.identity(g) for g in totals]
+            totals = [None if g is None else tf.identity(g) for g in _meet(totals)]
         return totals, metrics, starts, moved
 
     def _last_stage_loss(self, microbatch, track, values):
@@ -203,6 +214,13 @@ def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:
     stages = plan_stages(model, config.pipeline, config.stage_boundaries, sequence_length)
     devices = strategy.pipeline_devices
     per_stage = [[replica[s] for replica in devices] for s in range(config.pipeline)]
-    place_stages(model, stages, per_stage, strategy)
+    if stages[-1].tied and config.tensor > 1:
+        raise NotImplementedError(
+            f"Layer {stages[-1].tied[0].name!r} is called in the first and the last "
+            f"pipeline stage (a tied embedding); with `tensor={config.tensor}` its "
+            f"copy is not split in this version. Use tensor=1 with pipeline, or "
+            f"pipeline=1 with tensor.")
+    copies = place_stages(model, stages, per_stage, strategy)
     return PipelineCompute(model, stages, devices, config.microbatches,
-                           config.schedule, remat=config.remat, xla=config.xla)
+                           config.schedule, remat=config.remat, xla=config.xla,
+                           copies=copies)

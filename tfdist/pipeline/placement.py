@@ -26,13 +26,14 @@ class _OnDevices:
         self._devices = tuple(devices)
 
 
-def move_variable(variable, devices, strategy):
-    """Re-creates a Keras variable's storage mirrored on `devices`, same value.
+def mirrored_copy(variable, devices, strategy):
+    """A new TensorFlow variable mirrored on `devices` (one per replica),
+    holding the Keras `variable`'s value, of its kind.
 
     Example:
 
     ```python
-    move_variable(model.layers[1].kernel, ["/device:CPU:1", "/device:CPU:3"], strategy)
+    copy = mirrored_copy(embedding.embeddings, ["/device:CPU:1", "/device:CPU:3"], strategy)
     ```
     """
     old = variable.value
@@ -42,16 +43,29 @@ def move_variable(variable, devices, strategy):
         return next_creator(**kwargs)
 
     with strategy.scope(), tf.variable_creator_scope(on_devices):
-        new = tf.Variable(
+        return tf.Variable(
             tf.convert_to_tensor(old), name=variable.name, dtype=old.dtype,
             trainable=old.trainable, synchronization=old.synchronization,
             aggregation=old.aggregation)
-    set_storage(variable, new)
 
 
-def place_stages(model, stages, stage_devices, strategy):
+def move_variable(variable, devices, strategy):
+    """Re-creates a Keras variable's storage mirrored on `devices`, same value.
+
+    Example:
+
+    ```python
+    move_variable(model.layers[1].kernel, ["/device:CPU:1", "/device:CPU:3"], strategy)
+    ```
+    """
+    set_storage(variable, mirrored_copy(variable, devices, strategy))
+
+
+def place_stages(model, stages, stage_devices, strategy) -> dict:
     """Moves every stage's variables, and the optimizer slots of its trainable
     ones, onto that stage's devices (`stage_devices[s]`, one per replica).
+    Returns the copies of tied layers' weights on the last stage's devices,
+    by `id` of the Keras variable (the first stage holds the variable).
 
     Example:
 
@@ -61,6 +75,8 @@ def place_stages(model, stages, stage_devices, strategy):
     ```
     """
     with tf.init_scope():
+        copies = {id(v): mirrored_copy(v, stage_devices[stage.index], strategy)
+                  for stage in stages for layer in stage.tied for v in layer.trainable_weights}
         where = {}
         with optimizer_keys_follow(model):
             for stage, devices in zip(stages, stage_devices):
@@ -74,6 +90,7 @@ def place_stages(model, stages, stage_devices, strategy):
             for slot, index in optimizer_slots(inner, trainable):
                 if id(trainable[index]) in where:
                     move_variable(slot, where[id(trainable[index])], strategy)
+    return copies
 
 
 def component_devices(variable):

@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras import tree
 
 from tfdist._compat.keras_functional import node_call
+from tfdist._compat.tf_variables import set_storage
 from tfdist.engine.moving_statistics import MovingStatistics
 
 
@@ -59,12 +60,32 @@ class Activations:
     metrics: Any = None
 
 
-def _call_layers(stage, sources):
+@contextlib.contextmanager
+def _reading(copies):
+    """Inside, each Keras variable of `copies` ((variable, copy) pairs) reads
+    and is differentiated as its copy (a tied layer on the last stage)."""
+    held = [v.value for v, _ in copies]
+    for v, copy in copies:
+        set_storage(v, copy)
+    try:
+        yield
+    finally:
+        for (v, _), storage in zip(copies, held):
+            set_storage(v, storage)
+
+
+def _call_layers(stage, copies, sources):
     """The stage's layer calls on its input values; its output values.
 
     A value is also filed under the ids of its tensor's aliases (a nested
     model's inputs and outputs, `LayerGraph`), which its nodes' arguments use.
+    Tied layers compute with the stage's `copies` of their weights.
     """
+    with _reading(copies):
+        return _run_nodes(stage, sources)
+
+
+def _run_nodes(stage, sources):
     values = {}
 
     def put(sym, value):
@@ -91,11 +112,14 @@ class StageRunner:
             backward's gradients are aligned (`weights`).
         xla: compile the stage's layer calls with XLA (one computation per
             stage, replica and microbatch shape; the order stays the engine's).
+        copies: the copies of the stage's `tied` layers' weights, by `id` of
+            the Keras variable (`place_stages`).
 
     Attributes:
         weights: (index in `trainable_weights`, variable) of each of the
             stage's trainable weights, in the order `backward` returns their
-            gradients.
+            gradients; a tied weight's entry holds its copy.
+        copies: (Keras variable, copy) of each tied weight.
         state: the stage's non-trainable variables.
         moving: the stage's BatchNormalization statistics (`MovingStatistics`).
 
@@ -108,17 +132,26 @@ class StageRunner:
     ```
     """
 
-    def __init__(self, stage, trainable_weights, xla=False):
+    def __init__(self, stage, trainable_weights, xla=False, copies=None):
         self.stage = stage
         self.state = [v for layer in stage.layers
                       for v in getattr(layer, "non_trainable_variables", ())]
         self.moving = MovingStatistics(stage.layers)
         index = {id(v): i for i, v in enumerate(trainable_weights)}
+        self.copies = [(v, copies[id(v)]) for layer in stage.tied for v in layer.trainable_weights]
         self.weights = [(index[id(v)], v) for layer in stage.layers
                         for v in getattr(layer, "trainable_weights", ())]
-        self._call = functools.partial(_call_layers, stage)
+        self.weights += [(index[id(v)], copy) for v, copy in self.copies]
+        self._call = functools.partial(_call_layers, stage, self.copies)
         if xla:
             self._call = tf.function(self._call, jit_compile=True, reduce_retracing=True)
+
+    def refresh_copies(self, local: int) -> list:
+        """Sets this replica's copies of the tied weights (replica `local` on
+        this task) to the first stage's values: once per step, before the
+        stage's first action. Returns the assigns."""
+        return [copy.values[local].assign(tf.convert_to_tensor(v.value))
+                for v, copy in self.copies]
 
     def forward(self, values: dict, head: Callable | None = None,
                 remat: bool = False) -> Activations:

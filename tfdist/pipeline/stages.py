@@ -28,7 +28,10 @@ class Stage:
     `inputs` are the symbolic tensors it reads from the model's inputs or from
     earlier stages; `outputs` those it produces that later stages or the
     model's outputs read (resolved by `graph`, the model's `LayerGraph`:
-    a nested model's input stands for what its caller passed).
+    a nested model's input stands for what its caller passed). `tied` (last
+    stage only) are layers the first stage calls too, such as an input
+    embedding reused as the output projection: the first stage holds their
+    weights, the last stage computes with a copy (Megatron's tied embedding).
 
     Example:
 
@@ -45,11 +48,13 @@ class Stage:
     params: int
     cost: float
     graph: LayerGraph = None
+    tied: list = dataclasses.field(default_factory=list)
 
     @property
     def layers(self):
-        """The stage's layers, in the order it runs them (each once)."""
-        seen, layers = set(), []
+        """The stage's own layers, in the order it runs them (each once; not
+        the `tied` ones, whose weights the first stage holds)."""
+        seen, layers = {id(layer) for layer in self.tied}, []
         for node in self.nodes:
             if id(node.operation) not in seen:
                 seen.add(id(node.operation))
@@ -104,10 +109,13 @@ def plan_stages(model, stages: int, boundaries=None, sequence_length=None) -> li
         starts = _named_starts(nodes, boundaries, stages)
     ends = starts[1:] + [len(nodes)]
     groups = [nodes[a:b] for a, b in zip(starts, ends)]
-    _check_layers_not_shared(groups)
+    tied = _tied_layers(groups)
     result = []
     for index, (group, a, b) in enumerate(zip(groups, starts, ends)):
-        result.append(Stage(index, group, [], [], sum(params[a:b]), sum(costs[a:b]), graph))
+        own = [p for node, p in zip(group, params[a:b])
+               if index == 0 or node.operation not in tied]
+        result.append(Stage(index, group, [], [], sum(own), sum(costs[a:b]), graph,
+                            tied if index == stages - 1 and index else []))
     _connect(graph, result)
     return result
 
@@ -162,26 +170,29 @@ def _named_starts(nodes, boundaries, stages):
     return starts
 
 
-def _check_layers_not_shared(groups):
-    owner = {}
+def _tied_layers(groups):
+    """The layers called in the first and the last stage (tied embeddings),
+    which the last stage computes with a copy; any other layer called in
+    two stages is refused."""
+    owner, tied = {}, []
+    last = len(groups) - 1
     for index, group in enumerate(groups):
         for node in group:
-            first = owner.setdefault(id(node.operation), index)
-            opens_and_closes = (groups[0][0].operation is node.operation
-                                and groups[-1][-1] is node)
-            if first != index and opens_and_closes:
-                raise ValueError(
-                    f"Layer {node.operation.name!r} is called in stages {first} "
-                    f"and {index}; a layer's weights live on one stage. It is the "
-                    f"model's first and last layer call (such as an input embedding "
-                    f"tied to the output projection, as in keras-hub's CausalLM "
-                    f"models), so no cut into stages keeps its calls together: use "
-                    f"pipeline=1.")
-            if first != index:
-                raise ValueError(
-                    f"Layer {node.operation.name!r} is called in stages {first} "
-                    f"and {index}; a layer's weights live on one stage. Move "
-                    f"the boundary (`stage_boundaries`) so its calls share a stage.")
+            layer = node.operation
+            first = owner.setdefault(id(layer), index)
+            if first == index:
+                continue
+            if first == 0 and index == last and not getattr(layer, "non_trainable_weights", ()):
+                if layer not in tied:
+                    tied.append(layer)
+                continue
+            raise ValueError(
+                f"Layer {layer.name!r} is called in stages {first} and {index}; a "
+                f"layer's weights live on one stage (only a layer of trainable "
+                f"weights called in the first and the last stage, a tied "
+                f"embedding, gets a copy). Move the boundary (`stage_boundaries`) "
+                f"so its calls share a stage.")
+    return tied
 
 
 def _connect(graph, stages):
@@ -227,9 +238,10 @@ def describe(stages, devices) -> str:
         names = ", ".join(layer.name for layer in stage.layers)
         where = ", ".join(d.split("device:")[-1] for d in stage_devices)
         ratio = stage.cost / mean if mean else 1.0
+        tied = "".join(f"; tied: {layer.name} (a copy of stage 0's)" for layer in stage.tied)
         lines.append(
             f"stage {stage.index}  [{where}]  params {stage.params:,}  "
-            f"cost {stage.cost:,.0f} FLOPs/example ({ratio:.2f}x mean)  layers: {names}")
+            f"cost {stage.cost:,.0f} FLOPs/example ({ratio:.2f}x mean)  layers: {names}{tied}")
     return "\n".join(lines)
 
 
