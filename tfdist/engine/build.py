@@ -200,6 +200,8 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
     if mesh is not None:
         with tf.init_scope():
             partition_model(model, mesh)
+            if config.pipeline > 1:
+                compute.pipeline.split_copies()  # a tied embedding's, on the last stage
     if config.zero:
         with tf.init_scope():
             update = ShardedUpdate(model, config.zero)

@@ -112,6 +112,12 @@ class PipelineCompute:
                 functools.partial(self._replica_actions, local=local, mesh=mesh))
         return self._finish(*self._per_replica[local](slices), local)
 
+    def split_copies(self):
+        """After tensor groups split the model: splits the tied weights' copies
+        alike (`StageRunner.split_copies`)."""
+        for runner in self.runners:
+            runner.split_copies(self.model.distribute_strategy)
+
     def _finish(self, totals, metrics, starts, moved, local):
         """The step's end for the stages' BatchNormalization statistics (one
         update per step, equal on every replica: `MovingStatistics`)."""
@@ -214,12 +220,6 @@ def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:
     stages = plan_stages(model, config.pipeline, config.stage_boundaries, sequence_length)
     devices = strategy.pipeline_devices
     per_stage = [[replica[s] for replica in devices] for s in range(config.pipeline)]
-    if stages[-1].tied and config.tensor > 1:
-        raise NotImplementedError(
-            f"Layer {stages[-1].tied[0].name!r} is called in the first and the last "
-            f"pipeline stage (a tied embedding); with `tensor={config.tensor}` its "
-            f"copy is not split in this version. Use tensor=1 with pipeline, or "
-            f"pipeline=1 with tensor.")
     copies = place_stages(model, stages, per_stage, strategy)
     return PipelineCompute(model, stages, devices, config.microbatches,
                            config.schedule, remat=config.remat, xla=config.xla,

@@ -17,6 +17,7 @@ from tfdist._compat.keras_optimizer import trainable_variables_of
 from tfdist._compat.tf_variables import set_storage
 from tfdist.sharding.keys import optimizer_keys_follow
 from tfdist.sharding.slots import optimizer_slots
+from tfdist.sharding.storage import ShardedStorage, axis_layout
 
 
 class _OnDevices:
@@ -47,6 +48,25 @@ def mirrored_copy(variable, devices, strategy):
             tf.convert_to_tensor(old), name=variable.name, dtype=old.dtype,
             trainable=old.trainable, synchronization=old.synchronization,
             aggregation=old.aggregation)
+
+
+def split_like(variable, copy, strategy):
+    """`copy` (a `mirrored_copy` of `variable`), split as tensor groups split
+    `variable` since (a `ShardedStorage` of its layout on `copy`'s devices),
+    or `copy` itself when `variable` is whole.
+
+    Example:
+
+    ```python
+    copy = split_like(embedding.embeddings, copy, strategy)   # (V/t, d) per device
+    ```
+    """
+    layout = axis_layout(variable)
+    if layout is None:
+        return copy
+    return ShardedStorage.create(strategy, layout, tf.convert_to_tensor(variable.value),
+                                 name=variable.name, dtype=variable.dtype, trainable=True,
+                                 devices=[c.device for c in copy.values])
 
 
 def move_variable(variable, devices, strategy):

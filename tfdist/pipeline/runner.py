@@ -12,7 +12,6 @@ order, devices and name scopes of the actions are `PipelineCompute`'s
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ from keras import tree
 from tfdist._compat.keras_functional import node_call
 from tfdist._compat.tf_variables import set_storage
 from tfdist.engine.moving_statistics import MovingStatistics
+from tfdist.pipeline.placement import split_like
 
 
 @dataclasses.dataclass
@@ -138,13 +138,25 @@ class StageRunner:
                       for v in getattr(layer, "non_trainable_variables", ())]
         self.moving = MovingStatistics(stage.layers)
         index = {id(v): i for i, v in enumerate(trainable_weights)}
+        self._index = index
+        self._own = [(index[id(v)], v) for layer in stage.layers
+                     for v in getattr(layer, "trainable_weights", ())]
         self.copies = [(v, copies[id(v)]) for layer in stage.tied for v in layer.trainable_weights]
-        self.weights = [(index[id(v)], v) for layer in stage.layers
-                        for v in getattr(layer, "trainable_weights", ())]
-        self.weights += [(index[id(v)], copy) for v, copy in self.copies]
-        self._call = functools.partial(_call_layers, stage, self.copies)
-        if xla:
-            self._call = tf.function(self._call, jit_compile=True, reduce_retracing=True)
+
+        def call(sources):
+            return _call_layers(stage, self.copies, sources)
+
+        self._call = tf.function(call, jit_compile=True, reduce_retracing=True) if xla else call
+
+    @property
+    def weights(self):
+        """(index, variable) of the stage's trainable weights; copies for tied ones."""
+        return self._own + [(self._index[id(v)], copy) for v, copy in self.copies]
+
+    def split_copies(self, strategy):
+        """Splits the tied weights' copies as tensor groups split the weights
+        (`placement.split_like`), before the first step is traced."""
+        self.copies = [(v, split_like(v, copy, strategy)) for v, copy in self.copies]
 
     def refresh_copies(self, local: int) -> list:
         """Sets this replica's copies of the tied weights (replica `local` on
