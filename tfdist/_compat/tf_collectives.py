@@ -78,8 +78,13 @@ def launcher_device(launcher) -> str:
 
 
 def all_gather(launcher, tensor, options=None):
-    """`tensor` of every replica of the launcher's group, concatenated along
-    the first axis in group order (the launcher's `_all_gather`).
+    """`tensor` of every replica of the launcher's group (all of one shape),
+    concatenated along the first axis in group order (the launcher's
+    `_all_gather`).
+
+    TensorFlow's gather of a tensor with no elements crashes the process (an
+    empty microbatch's logits, say): unless its shape says it is not empty,
+    each replica sends its elements and one more, dropped from what it receives.
 
     Example:
 
@@ -87,7 +92,16 @@ def all_gather(launcher, tensor, options=None):
     all_gather(launcher, row[tf.newaxis])   # (group size, m)
     ```
     """
-    return launcher._all_gather(tensor, options)
+    if tensor.shape.is_fully_defined() and tensor.shape.num_elements():
+        return launcher._all_gather(tensor, options)
+    sent = tf.concat([tf.reshape(tensor, [-1]), tf.zeros([1], tensor.dtype)], 0)
+    received = tf.reshape(launcher._all_gather(sent, options), [launcher._group_size, -1])
+    shape = tf.concat([[-1], tf.shape(tensor)[1:]], 0)
+    gathered = tf.reshape(received[:, :-1], shape)
+    first = tensor.shape[0]
+    gathered.set_shape([None if first is None else first * launcher._group_size,
+                        *tensor.shape[1:]])
+    return gathered
 
 
 def all_to_all(launcher, rows):

@@ -194,9 +194,8 @@ class TensorMesh:
         sizes = tf_collectives.all_gather(launcher, tf.shape(tensors[0])[:1])  # (t,)
         rank = self.rank()
         own = (tf.reduce_sum(sizes[:rank]), sizes[rank])
-        # Every slice padded to the longest (at least one row: TensorFlow's
-        # gather of empty tensors crashes), gathered, then the padding dropped.
-        longest = tf.maximum(tf.reduce_max(sizes), 1)
+        # Every slice padded to the longest, gathered, then the padding dropped.
+        longest = tf.reduce_max(sizes)
         rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
                           for i in range(self.tensor)], axis=0)
 
