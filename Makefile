@@ -26,9 +26,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/python tools/check_internals.py
 
-# Every tier (tests/unit, tests/parity, tests/cluster), then the tfdist/ docstring examples.
+# Every tier, then the tfdist/ docstring examples. tests/cluster runs alone (its
+# multi-process jobs have deadlines); the unit and parity tiers run in two
+# processes, a file per process at a time (a file's tests share their
+# single-device references): tracing a step is mostly one core's work.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest tests/cluster
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests/unit tests/parity
 	$(BIN)/python -m pytest tfdist
 
 # The unit tier and the docstring examples: no training, about a minute.

@@ -44,6 +44,6 @@ def test_pipeline_compiles_each_stage_forward_and_backward(tmp_path):
     modules = [p.name for p in pathlib.Path(tmp_path / "xla").glob(
         "*.cpu_after_optimizations.txt")]
     # One forward and one backward computation per stage (microbatches share them).
-    assert sum("forward_function" in m for m in modules) == 2, modules
-    assert sum("backward_function" in m for m in modules) == 2, modules
+    assert sum("forward_stage_layers" in m for m in modules) == 2, modules
+    assert sum("backward_stage_layers" in m for m in modules) == 2, modules
     assert losses[-1] < losses[0]

@@ -143,10 +143,12 @@ class StageRunner:
                      for v in getattr(layer, "trainable_weights", ())]
         self.copies = [(v, copies[id(v)]) for layer in stage.tied for v in layer.trainable_weights]
 
-        def call(sources):
+        def stage_layers(sources):  # XLA's modules: a_forward_stage_layers_*, *backward*
             return _call_layers(stage, self.copies, sources)
 
-        self._call = tf.function(call, jit_compile=True, reduce_retracing=True) if xla else call
+        self._call = stage_layers
+        if xla:
+            self._call = tf.function(stage_layers, jit_compile=True, reduce_retracing=True)
 
     @property
     def weights(self):
