@@ -40,7 +40,7 @@ def test_capture_from_two_running_workers_gives_two_host_traces(tmp_path):
         assert training.wait(timeout=180), "".join(lines)[-3000:]
         done = subprocess.run(
             [*TFDIST, "profile", f"--tasks=127.0.0.1:{port},127.0.0.1:{port + 1}",
-             f"--logdir={tmp_path}", "--duration-ms=3000"],
+             f"--logdir={tmp_path}", "--duration-ms=6000"],
             capture_output=True, text=True, timeout=180)
     finally:
         launcher.send_signal(signal.SIGINT)
