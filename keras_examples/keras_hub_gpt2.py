@@ -35,6 +35,7 @@ flags.DEFINE_integer("zero", 0, "ZeRO stage (0, 1, 2) over each data group.")
 flags.DEFINE_integer("layers", 2, "Transformer blocks.")
 flags.DEFINE_integer("width", 64, "Hidden size (4 heads).")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
+flags.DEFINE_integer("examples", None, "Digits to train on (default: all 1,797).")
 flags.DEFINE_integer("batch_size", 64, "Global batch size.")
 FLAGS = flags.FLAGS
 
@@ -50,7 +51,7 @@ class EpochReport(keras.callbacks.Callback):
 
 def pixel_sequences():
     """(x, y): each digit's 64 pixels as tokens 0-16; y is x shifted by one."""
-    pixels, _ = digits.load()
+    pixels, _ = digits.load(FLAGS.examples)
     tokens = np.rint(pixels * 16).astype("int32")
     x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones_like(tokens[:, :-1])}
     return x, tokens[:, 1:]

@@ -88,3 +88,19 @@ def test_pipeline_example_places_stages_and_learns():
     sizes = dict(re.findall(r"(CPU:\d)=([\d,]+)", out))
     # data replicas hold the same stage's weights: CPU:0 == CPU:2, CPU:1 == CPU:3
     assert sizes["CPU:0"] == sizes["CPU:2"] and sizes["CPU:1"] == sizes["CPU:3"]
+
+
+def test_keras_hub_gpt2_example_splits_the_tied_embedding_over_tensor_and_stages():
+    out = run_example("keras_hub_gpt2.py", "--devices=8", "--tensor=2", "--pipeline=2",
+                      "--microbatches=2", "--layers=2", "--width=32", "--epochs=2",
+                      "--examples=512")
+    losses = [float(v) for v in re.findall(r"epoch \d: loss ([\d.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert re.search(r"^stage 1 .*; tied: token_embedding \(a copy of stage 0's\)$", out, re.M)
+    assert re.search(r"token_embedding\s+ReversibleEmbedding\s+vocabulary\s+32 rows -> 16", out)
+    assert len(re.findall(r"CachedMultiHeadAttention\s+heads", out)) == 2
+    whole = int(re.search(r"unsplit model: ([\d,]+) bytes", out)[1].replace(",", ""))
+    weights = re.search(r"weight bytes per device: (.*)", out)[1]
+    sizes = [int(v.replace(",", "")) for v in re.findall(r"CPU:\d=([\d,]+)", weights)]
+    # A stage's blocks, halved by tensor (the last stage's copy of the table too).
+    assert len(sizes) == 8 and all(size < whole / 2 for size in sizes)
