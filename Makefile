@@ -29,11 +29,14 @@ lint: $(STAMP)
 # Every tier, then the tfdist/ docstring examples. tests/cluster runs alone (its
 # multi-process jobs have deadlines); the unit and parity tiers run in two
 # processes, a file per process at a time (a file's tests share their
-# single-device references): tracing a step is mostly one core's work.
+# single-device references): tracing a step is mostly one core's work. Every
+# command runs; the target fails if any did.
 test: $(STAMP)
-	$(BIN)/python -m pytest tests/cluster
-	$(BIN)/python -m pytest -n 2 --dist loadfile tests/unit tests/parity
-	$(BIN)/python -m pytest tfdist
+	status=0; \
+	$(BIN)/python -m pytest tests/cluster || status=1; \
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests/unit tests/parity || status=1; \
+	$(BIN)/python -m pytest tfdist || status=1; \
+	exit $$status
 
 # The unit tier and the docstring examples: no training, about a minute.
 test-fast: $(STAMP)

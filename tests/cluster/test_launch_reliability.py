@@ -105,7 +105,9 @@ def test_ctrl_c_twice_stops_cleanly_with_130(launchers):
     launcher.send_signal(signal.SIGINT)
     rest, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == 130
-    assert time.monotonic() - start < 5  # killed, not the 10 s SIGTERM grace
+    # Killed, not stopped: both tasks ignore SIGTERM, so the 10 s grace would
+    # pass first (measured 0.5-5.3 s to kill, the longest on a loaded machine).
+    assert time.monotonic() - start < 8
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
     assert wait_until_gone(pids, 5) == []
 

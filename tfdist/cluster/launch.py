@@ -233,15 +233,20 @@ def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
     if main_thread:
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         signal.signal(signal.SIGTERM, _raise_terminated)
+
+    def kill_on_ctrl_c():
+        if main_thread:  # while stopping, a second Ctrl-C kills instead of raising
+            signal.signal(signal.SIGINT, lambda signum, frame: cluster.kill())
+
     try:
         return _supervise(cluster, restart_on_failure, timeout)
     except (KeyboardInterrupt, _Terminated):
+        kill_on_ctrl_c()  # before the message: the second Ctrl-C may follow it at once
         cluster.say("launch", f"interrupted: stopping every task (up to "
                               f"{_STOP_GRACE_SECONDS:g} s; Ctrl-C again kills them now)")
         return INTERRUPTED_EXIT_CODE
     finally:
-        if main_thread:  # while stopping, a second Ctrl-C kills instead of raising
-            signal.signal(signal.SIGINT, lambda signum, frame: cluster.kill())
+        kill_on_ctrl_c()
         try:
             cluster.stop()
         finally:

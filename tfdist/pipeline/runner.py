@@ -19,7 +19,7 @@ import tensorflow as tf
 from keras import tree
 
 from tfdist._compat.keras_functional import node_call
-from tfdist._compat.tf_variables import set_storage
+from tfdist._compat.tf_variables import set_storage, storage_of
 from tfdist.engine.moving_statistics import MovingStatistics
 from tfdist.pipeline.placement import split_like
 
@@ -64,7 +64,7 @@ class Activations:
 def _reading(copies):
     """Inside, each Keras variable of `copies` ((variable, copy) pairs) reads
     and is differentiated as its copy (a tied layer on the last stage)."""
-    held = [v.value for v, _ in copies]
+    held = [storage_of(v) for v, _ in copies]
     for v, copy in copies:
         set_storage(v, copy)
     try:
@@ -164,7 +164,7 @@ class StageRunner:
         """Sets this replica's copies of the tied weights (replica `local` on
         this task) to the first stage's values: once per step, before the
         stage's first action. Returns the assigns."""
-        return [copy.values[local].assign(tf.convert_to_tensor(v.value))
+        return [copy.values[local].assign(tf.convert_to_tensor(storage_of(v)))
                 for v, copy in self.copies]
 
     def forward(self, values: dict, head: Callable | None = None,
