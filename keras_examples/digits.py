@@ -14,6 +14,8 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
+from tfdist.callbacks.metrics import optimizer_state_bytes  # noqa: E402
+
 
 def run(main):
     """`absl.app.run(main)` for an example: `--help` prints the example's
@@ -100,6 +102,25 @@ def weight_bytes(model):
     return per_device
 
 
+def per_device(sizes):
+    """{device: bytes} on one line, by device: `CPU:0=1,024  CPU:1=1,024`."""
+    return "  ".join(f"{device}={size:,}" for device, size in sorted(sizes.items()))
+
+
+def print_weight_bytes(model):
+    """Prints the bytes of the model's weights each device holds."""
+    print(f"weight bytes per device: {per_device(weight_bytes(model))}")
+
+
+def print_unsplit_and_state_bytes(model):
+    """Prints the model's whole (unsplit) weight bytes and the bytes of
+    optimizer state each device holds."""
+    whole = sum(w.numpy().nbytes for w in model.weights)
+    print(f"unsplit model: {whole:,} bytes")
+    print(f"optimizer state bytes per device: "
+          f"{per_device(optimizer_state_bytes(model.optimizer))}")
+
+
 class EpochReport(keras.callbacks.Callback):
     """Prints each epoch's loss and accuracy."""
 
@@ -119,6 +140,5 @@ def train_transformer(strategy, width=64, heads=4, blocks=1, epochs=3, batch_siz
     x, y = load()
     model.fit(x.reshape(-1, 8, 8), y, batch_size=batch_size, epochs=epochs, verbose=0,
               callbacks=[EpochReport()])
-    print("weight bytes per device: " + "  ".join(
-        f"{device}={size:,}" for device, size in sorted(weight_bytes(model).items())))
+    print_weight_bytes(model)
     return model

@@ -25,7 +25,6 @@ import numpy as np
 from absl import flags
 
 import tfdist
-from tfdist.callbacks.metrics import optimizer_state_bytes
 
 flags.DEFINE_integer("devices", 4, "Logical CPU devices (data x pipeline x tensor).")
 flags.DEFINE_integer("tensor", 2, "Devices per tensor group (splits of each weight).")
@@ -70,10 +69,6 @@ def build_lm():
     return model
 
 
-def per_device(sizes):
-    return "  ".join(f"{device}={size:,}" for device, size in sorted(sizes.items()))
-
-
 def main(argv):
     del argv
     digits.quiet_logs()
@@ -87,11 +82,8 @@ def main(argv):
     model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=0,
               callbacks=[EpochReport()])
     print(strategy.describe(model))
-    whole = sum(w.numpy().nbytes for w in model.weights)
-    print(f"unsplit model: {whole:,} bytes")
-    print(f"weight bytes per device: {per_device(digits.weight_bytes(model))}")
-    state = optimizer_state_bytes(model.optimizer)
-    print(f"optimizer state bytes per device: {per_device(state)}")
+    digits.print_weight_bytes(model)
+    digits.print_unsplit_and_state_bytes(model)
 
 
 if __name__ == "__main__":

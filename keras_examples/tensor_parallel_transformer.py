@@ -20,7 +20,6 @@ import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
 from absl import flags
 
 import tfdist
-from tfdist.callbacks.metrics import optimizer_state_bytes
 
 flags.DEFINE_integer("devices", 4, "Logical CPU devices (data x pipeline x tensor).")
 flags.DEFINE_integer("tensor", 2, "Devices per tensor group (splits of each weight).")
@@ -43,11 +42,7 @@ def main(argv):
                                microbatches=FLAGS.microbatches, zero=FLAGS.zero)
     model = digits.train_transformer(strategy, FLAGS.width, FLAGS.heads, FLAGS.blocks,
                                      FLAGS.epochs, FLAGS.batch_size)
-    whole = sum(w.numpy().nbytes for w in model.weights)
-    print(f"unsplit model: {whole:,} bytes")
-    state = optimizer_state_bytes(model.optimizer)
-    print("optimizer state bytes per device: " + "  ".join(
-        f"{device}={size:,}" for device, size in sorted(state.items())))
+    digits.print_unsplit_and_state_bytes(model)
 
 
 if __name__ == "__main__":
