@@ -26,15 +26,17 @@ lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/python tools/check_internals.py
 
-# Every tier, then the tfdist/ docstring examples. tests/cluster runs alone (its
-# multi-process jobs have deadlines); the unit and parity tiers run in two
-# processes, a file per process at a time (a file's tests share their
-# single-device references): tracing a step is mostly one core's work. Every
-# command runs; the target fails if any did.
+# Every tier, then the tfdist/ docstring examples. The tests marked `alone`
+# (tests/cluster: bounds on wall time, processes killed at set moments) run
+# first, one at a time, with the machine to themselves; then every other test
+# in two processes, a file per process at a time (a file's tests share their
+# single-device references; tracing a step is mostly one core's work, and the
+# other cluster tests mostly wait on their subprocesses). Every command runs;
+# the target fails if any did.
 test: $(STAMP)
 	status=0; \
-	$(BIN)/python -m pytest tests/cluster || status=1; \
-	$(BIN)/python -m pytest -n 2 --dist loadfile tests/unit tests/parity || status=1; \
+	$(BIN)/python -m pytest -m alone tests/cluster || status=1; \
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not alone" tests || status=1; \
 	$(BIN)/python -m pytest tfdist || status=1; \
 	exit $$status
 

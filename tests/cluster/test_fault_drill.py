@@ -25,6 +25,8 @@ EPOCHS, BATCH = 5, 64
 sys.path.insert(0, EXAMPLES)
 import digits  # noqa: E402
 
+pytestmark = pytest.mark.alone
+
 
 def run_drill(logdir, zero):
     """Launches 2 workers for 5 epochs, SIGKILLs worker 1 after epoch 2; returns

@@ -7,8 +7,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from helpers import PRINT_TF_CONFIG, TFDIST, alive, run_tfdist
 from tfdist.cluster.tf_config import read_tf_config
+
+pytestmark = pytest.mark.alone
 
 # A task that serves until it is stopped, as ps servers do.
 SERVE = "import signal; signal.pause()"

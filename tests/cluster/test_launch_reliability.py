@@ -11,7 +11,7 @@ import pytest
 
 from helpers import TFDIST, alive
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 
 # A task that starts a detached process holding its output, prints both pids,
 # then serves until stopped.

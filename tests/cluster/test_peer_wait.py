@@ -10,7 +10,7 @@ import pytest
 
 from tfdist.cluster.tf_config import free_ports
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 
 CREATE_STRATEGY = ("import tfdist\n"
                    "tfdist.MultiWorkerStrategy(timeout_seconds=10)\n"

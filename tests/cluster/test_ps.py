@@ -75,6 +75,7 @@ def test_fit_places_counts_calls_back_and_saves(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.alone
 def test_async_training_reaches_synchronous_accuracy():
     budget = ["--workers=2", "--epochs=3", "--steps_per_epoch=30"]
     ps = result(run([sys.executable, str(SCRIPT), "--mode=ps", *budget]))
@@ -97,6 +98,7 @@ def test_mixed_float16_worker_steps_are_all_applied():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.alone
 def test_worker_killed_mid_epoch_loses_no_step_and_rejoins(tmp_path):
     out = run([*TFDIST, "launch", "--chief", "--workers=3", "--ps=1", "--restart-on-failure=1",
                "--timeout=240", "--", sys.executable, str(SCRIPT), "--mode=drill",
@@ -112,6 +114,7 @@ def test_worker_killed_mid_epoch_loses_no_step_and_rejoins(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.alone
 def test_ps_killed_stops_fit_clearly_and_the_restarted_job_resumes(tmp_path):
     backup = tmp_path / "backup"
     out = run([*TFDIST, "launch", "--chief", "--workers=2", "--ps=1", "--restart-on-failure=1",

@@ -14,6 +14,8 @@ from xprof.convert import raw_to_tool_data
 from helpers import TFDIST
 from tfdist.cluster.tf_config import free_ports
 
+pytestmark = pytest.mark.alone
+
 # Each launched worker trains on its own (tfdist.Strategy, 2 devices): remote
 # capture of MultiWorkerStrategy workers can crash one on this stack (README).
 TRAIN = pathlib.Path(__file__).parents[2] / "keras_examples" / "data_parallel.py"
