@@ -123,6 +123,30 @@ def assert_parity(result, reference, rtol=1e-4, atol=1e-6, steps=20):
         np.testing.assert_allclose(w, r, rtol=rtol, atol=atol)
 
 
+def layout_map(entries, shape=(1, 2), names=("batch", "model")):
+    """A `keras.distribution.LayoutMap` of `entries` ({path regex: axes})
+    over a mesh of `shape` with axes `names`."""
+    count = int(np.prod(shape))
+    mesh = keras.distribution.DeviceMesh(shape, names, [f"cpu:{i}" for i in range(count)])
+    found = keras.distribution.LayoutMap(mesh)
+    for key, axes in entries.items():
+        found[key] = axes
+    return found
+
+
+# Megatron's layouts for keras-hub's LlamaBackbone as LayoutMap entries: the
+# plan tfdist finds on its own (attention by heads, the gated MLP column ->
+# row, the untied embedding tables by vocabulary).
+LLAMA_MEGATRON_LAYOUT = {
+    "token_embedding/embeddings": ("model", None),
+    "token_embedding/reverse_embeddings": (None, "model"),
+    "transformer_layer.*self_attention.*(query|key|value).kernel": (None, "model", None),
+    "transformer_layer.*attention_output.kernel": ("model", None, None),
+    "transformer_layer.*feedforward_(intermediate|gate)_dense.kernel": (None, "model"),
+    "transformer_layer.*feedforward_output_dense.kernel": ("model", None),
+}
+
+
 def trace_events(xplane_path):
     """One host's trace-viewer events, as TensorBoard's profile plugin converts them."""
     from xprof.convert import raw_to_tool_data  # only the profiler tests pay for xprof

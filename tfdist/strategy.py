@@ -34,6 +34,7 @@ from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline import summary as pipeline_summary
 from tfdist.profiling import start_profiler_server
 from tfdist.tensor import plan as tensor_plan
+from tfdist.tensor.layout_map import check_layout_map
 from tfdist.tensor.mesh import TensorMesh
 
 # Each strategy gets its own range of collective group keys: TensorFlow's
@@ -85,7 +86,8 @@ def default_devices() -> list[str]:
 class _StepOwner:
     """What both tfdist strategies add to their `tf.distribute` parent."""
 
-    def _init_step_owner(self, config: ParallelConfig):
+    def _init_step_owner(self, config: ParallelConfig, layout_map=None):
+        self._layout_map = check_layout_map(layout_map, config.tensor)
         start_profiler_server()  # when $TFDIST_PROFILER_PORT asks for one
         if config.pipeline > 1:
             pipeline_summary.install()
@@ -97,6 +99,11 @@ class _StepOwner:
     def config(self) -> ParallelConfig:
         """The strategy's validated `ParallelConfig`."""
         return self._config
+
+    @property
+    def layout_map(self):
+        """The `keras.distribution.LayoutMap` the tensor plan follows, or None."""
+        return self._layout_map
 
     @property
     def tensor_mesh(self):
@@ -176,7 +183,8 @@ class _StepOwner:
             parts.append(pipeline_stages.describe(stages, per_stage))
         if self._config.tensor > 1 or not parts:
             parts.append(tensor_plan.describe(tensor_plan.plan(
-                model, self._config.tensor, self._config.vocab_parallel_classifier)))
+                model, self._config.tensor, self._config.vocab_parallel_classifier,
+                self._layout_map)))
         if self._config.pipeline > 1:
             config = self._config
             parts.append(f"schedule {config.schedule}, {config.microbatches} microbatches:")
@@ -306,6 +314,11 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         **fields: `data`, `pipeline`, `tensor`, `microbatches`, `zero`,
             `precision`, `xla`, `schedule`, `stage_boundaries`, `remat`,
             `vocab_parallel_classifier` (see `ParallelConfig`).
+        layout_map: with `tensor` > 1, a `keras.distribution.LayoutMap` (as
+            keras-hub's `get_layout_map` returns) the tensor plan follows;
+            what it asks that tfdist cannot run is refused before training
+            (`tfdist.tensor.layout_map`). Code, not a config field: each task
+            of a job builds it in the script it runs.
 
     Example:
 
@@ -319,10 +332,10 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
     ```
     """
 
-    def __init__(self, config=None, *, devices=None, **fields):
+    def __init__(self, config=None, *, devices=None, layout_map=None, **fields):
         devices = default_devices() if devices is None else check_devices(devices)
         config = requested_config(config, fields, "Strategy").resolve(len(devices))
-        self._init_step_owner(config)
+        self._init_step_owner(config, layout_map)
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
@@ -352,6 +365,11 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         timeout_seconds: how long any collective (gradient all-reduce,
             initial handshake) may wait for the other workers before failing
             with an error, instead of hanging.
+        layout_map: with `tensor` > 1, a `keras.distribution.LayoutMap` (as
+            keras-hub's `get_layout_map` returns) the tensor plan follows;
+            what it asks that tfdist cannot run is refused before training
+            (`tfdist.tensor.layout_map`). Code, not a config field: each task
+            of a job builds it in the script it runs.
         **fields: the `ParallelConfig` fields.
 
     Example:
@@ -367,13 +385,14 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
     """
 
     def __init__(self, config=None, *, cluster_resolver=None,
-                 timeout_seconds: float = 300.0, **fields):
+                 timeout_seconds: float = 300.0, layout_map=None, **fields):
         if not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0:
             raise ValueError(
                 f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}."
             )
         # fails before connecting:
         config = requested_config(config, fields, "MultiWorkerStrategy")
+        check_layout_map(layout_map, config.tensor)
         wait_for_peers(timeout_seconds, cluster_resolver)  # TF's own wait has no deadline
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
@@ -387,7 +406,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         self.pipeline_devices = _stages_on_each_worker(
             self.extended.worker_devices, config.pipeline)
         config = config.resolve(self.num_replicas_in_sync * config.pipeline)
-        self._init_step_owner(config)
+        self._init_step_owner(config, layout_map)
         if config.tensor > 1:
             self._tensor_mesh = TensorMesh(self, config.tensor)
 

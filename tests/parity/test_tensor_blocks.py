@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 import tfdist
-from helpers import assert_parity, devices, train, trained_reference
+from helpers import (
+    LLAMA_MEGATRON_LAYOUT,
+    assert_parity,
+    devices,
+    layout_map,
+    train,
+    trained_reference,
+)
 from test_engine import executed_op_counts
 from tfdist.tensor.plan import plan
 
@@ -150,6 +157,36 @@ def test_blocks_split_by_heads_and_column_row_and_match_one_device(backbone, dat
     # in each of its two branches, equal counts or padded).
     sparse = (data_size > 1) * 5 * EMBEDDINGS[backbone]
     assert counts["CollectiveGatherV2"] == n * (1 + len(x) + 1 + sparse)
+
+
+def test_llama_trained_from_a_layout_map_of_the_same_plan_is_identical():
+    x, y = lm_data("llama")
+    own = train(tfdist.Strategy(tensor=2, devices=devices(2)), make=make_llama, x=x, y=y,
+                batch_size=16)
+    strategy = tfdist.Strategy(tensor=2, devices=devices(2),
+                               layout_map=layout_map(LLAMA_MEGATRON_LAYOUT))
+    mapped = train(strategy, make=make_llama, x=x, y=y, batch_size=16)
+    # The same layouts, line by line (the head's name differs: a second model).
+    assert [line.split()[1:3] for line in strategy.describe(mapped[2]).splitlines()] == [
+        line.split()[1:3] for line in strategy.describe(own[2]).splitlines()]
+    np.testing.assert_array_equal(mapped[0], own[0])
+    for a, b in zip(mapped[1], own[1]):
+        np.testing.assert_array_equal(a, b)
+    # The map is what fit follows: without its MLP entries, the MLPs stay whole.
+    attention_only = {key: axes for key, axes in LLAMA_MEGATRON_LAYOUT.items()
+                      if "feedforward" not in key}
+    strategy = tfdist.Strategy(tensor=2, devices=devices(2),
+                               layout_map=layout_map(attention_only))
+    with strategy.scope():
+        model = make_llama()
+    model.fit({k: v[:16] for k, v in x.items()}, y[:16], batch_size=16, verbose=0)
+    for block in blocks(model):
+        for layer in block._flatten_layers(include_self=False):
+            if layer.name.startswith("feedforward_") and layer.weights:
+                kernel = layer.weights[0]
+                assert all(v.shape == kernel.shape for v in kernel.value.values), layer.path
+        query = block._self_attention_layer._query_dense.kernel
+        assert [v.shape for v in query.value.values] == [(WIDTH, HEADS // 2, WIDTH // HEADS)] * 2
 
 
 class Block(keras.layers.Layer):

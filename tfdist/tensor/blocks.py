@@ -211,8 +211,8 @@ def _column_group(row_step, steps, tensor, taken):
     shared, names = SharedInput(), ", ".join(c.name for c in columns)
     units = columns[0].units
     return [Decision(c, ColumnOfGroup(shared), f"column of {row.name} ({units} -> "
-                     f"{units // tensor} units per device)") for c in columns] + [
-        Decision(row, Row(), f"sums the slices of {names} (one all-reduce)")]
+                     f"{units // tensor} units per device)", group=shared) for c in columns] + [
+        Decision(row, Row(), f"sums the slices of {names} (one all-reduce)", group=shared)]
 
 
 def _column_refusal(column, columns, calls, tensor, taken):
@@ -260,9 +260,11 @@ def _attention_by_heads(layer, steps, tensor):
                        f"divisible by tensor={tensor}")
     shared = SharedInput()
     return [Decision(p, ColumnOfGroup(shared, axis=-2),
-                     f"{kernels[id(p)][-2]} heads -> {kernels[id(p)][-2] // tensor} per device")
+                     f"{kernels[id(p)][-2]} heads -> {kernels[id(p)][-2] // tensor} per device",
+                     group=shared)
             for p in projections] + [
-        Decision(output, Row(), f"sums the heads of {', '.join(p.name for p in projections)}")]
+        Decision(output, Row(), f"sums the heads of {', '.join(p.name for p in projections)}",
+                 group=shared)]
 
 
 def _reaches(projections, output_step, producers):

@@ -12,7 +12,9 @@ class Decision:
     """How one layer is laid out: `layout` is a `TensorLayout` (`Column`,
     `Row`, `Heads`, `Vocabulary`, `Classifier` or `Replicated`); `reason`
     says why (or what it pairs with); `name` is what `describe` calls the
-    layer (its path inside a custom layer; by default its name).
+    layer (its path inside a custom layer; by default its name); decisions
+    with the same `group` (a column-parallel group and its row layer) are
+    split together or not at all.
 
     Example:
 
@@ -27,6 +29,7 @@ class Decision:
     layout: TensorLayout
     reason: str
     name: str = ""
+    group: object = None
 
     def __post_init__(self):
         self.name = self.name or self.layer.name

@@ -46,7 +46,8 @@ class TensorLayout:
     """How a built layer is split over a tensor group, and how it then computes.
 
     Subclasses set `name` (what `describe` prints) and implement
-    `split(layer, mesh)` and `sharded_call(layer, mesh, *args, **kwargs)`.
+    `weight_axes(layer)` (which weights are split, along which axis: `split`
+    splits them) and `sharded_call(layer, mesh, *args, **kwargs)`.
 
     Example:
 
@@ -60,9 +61,15 @@ class TensorLayout:
     name = None
     sharded_loss = False  # its logits feed `ShardedSoftmaxCrossEntropy`
 
+    def weight_axes(self, layer):
+        """[(weight, axis)]: each weight of `layer` this layout splits, and
+        the axis it splits it along (weights not listed stay whole)."""
+        raise NotImplementedError
+
     def split(self, layer, mesh):
         """Moves `layer`'s weights into shards over `mesh`'s tensor group."""
-        raise NotImplementedError
+        for variable, axis in self.weight_axes(layer):
+            _split(variable, axis, mesh)
 
     def sharded_call(self, layer, mesh, *args, **kwargs):
         """What `layer` computes on its shards inside a replica of `mesh`."""
@@ -94,6 +101,10 @@ class Replicated(TensorLayout):
 
     name = "replicated"
 
+    def weight_axes(self, layer):
+        """None: every weight stays whole."""
+        return []
+
     def apply(self, layer, mesh):
         """Leaves `layer` as it is."""
 
@@ -122,14 +133,15 @@ class Column(TensorLayout):
         self.copy_input = copy_input
         self.gather_output = gather_output
 
-    def split(self, layer, mesh):
-        """Splits the kernel along `axis` and the bias along the same output axis."""
-        kernel_axis = self.axis % len(keras_layers.kernel_variable(layer).shape)
-        _split(keras_layers.kernel_variable(layer), kernel_axis, mesh)
-        if layer.bias is not None:
-            # The bias has the kernel's output axes (those after its input axes).
-            offset = len(keras_layers.kernel_variable(layer).shape) - len(layer.bias.shape)
-            _split(layer.bias, kernel_axis - offset, mesh)
+    def weight_axes(self, layer):
+        """The kernel along `axis`, the bias along the same output axis."""
+        kernel = keras_layers.kernel_variable(layer)
+        kernel_axis = self.axis % len(kernel.shape)
+        if layer.bias is None:
+            return [(kernel, kernel_axis)]
+        # The bias has the kernel's output axes (those after its input axes).
+        return [(kernel, kernel_axis),
+                (layer.bias, kernel_axis - (len(kernel.shape) - len(layer.bias.shape)))]
 
     def sharded_call(self, layer, mesh, inputs, training=None):
         """This rank's slice of the output (all of it with `gather_output`)."""
@@ -173,9 +185,13 @@ class Row(TensorLayout):
 
     name = "row"
 
+    def weight_axes(self, layer):
+        """The kernel along its input axis; the bias stays whole."""
+        return [(keras_layers.kernel_variable(layer), 0)]
+
     def split(self, layer, mesh):
-        """Splits the kernel along its input axis; the bias stays whole."""
-        _split(keras_layers.kernel_variable(layer), 0, mesh)
+        """Splits the kernel by input features."""
+        super().split(layer, mesh)
         # Its input is a slice of the features inside replicas, whole outside.
         layer.input_spec = None
 
@@ -217,11 +233,12 @@ class Vocabulary(TensorLayout):
     def __init__(self, sharded_loss=False):
         self.sharded_loss = sharded_loss
 
-    def split(self, layer, mesh):
-        """Splits the table by rows (an untied reverse table by columns)."""
-        _split(keras_layers.embeddings_variable(layer), 0, mesh)
+    def weight_axes(self, layer):
+        """The table by rows (an untied reverse table by columns)."""
+        axes = [(keras_layers.embeddings_variable(layer), 0)]
         if getattr(layer, "reverse_embeddings", None) is not None:
-            _split(layer.reverse_embeddings, 1, mesh)
+            axes.append((layer.reverse_embeddings, 1))
+        return axes
 
     def sharded_call(self, layer, mesh, inputs, reverse=False):
         """This rank's rows looked up (zeros for ids it does not own), summed
@@ -253,6 +270,12 @@ class Heads(TensorLayout):
     """
 
     name = "heads"
+
+    def weight_axes(self, layer):
+        """Query/key/value by heads (their `Column`), the output's by heads (`Row`)."""
+        return [*(pair for projection in keras_layers.attention_projections(layer)
+                  for pair in Column(axis=-2).weight_axes(projection)),
+                *Row().weight_axes(keras_layers.attention_output_projection(layer))]
 
     def split(self, layer, mesh):
         """Query/key/value `Column` by heads, the output projection `Row`."""

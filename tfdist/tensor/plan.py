@@ -36,6 +36,7 @@ from tfdist.tensor.blocks import (
     is_custom_layer,
 )
 from tfdist.tensor.decision import Decision
+from tfdist.tensor.layout_map import follow_layout_map
 from tfdist.tensor.layouts import (
     Classifier,
     Column,
@@ -47,11 +48,12 @@ from tfdist.tensor.layouts import (
 from tfdist.tensor.softmax import ShardedSoftmaxCrossEntropy, is_sparse_softmax_loss
 
 
-def plan(model, tensor: int, classifier: bool = False) -> list:
+def plan(model, tensor: int, classifier: bool = False, layout_map=None) -> list:
     """The layout of every layer of `model` with weights, for tensor groups of
     `tensor` devices. With `classifier`, the model's final Dense (if not
     already the row half of a pair) is split by classes, with a sharded
-    softmax loss.
+    softmax loss. With a `keras.distribution.LayoutMap`, the plan it asks
+    for (`tfdist.tensor.layout_map`).
 
     Example:
 
@@ -77,8 +79,9 @@ def plan(model, tensor: int, classifier: bool = False) -> list:
         else:
             decisions.extend(_sublayer_decisions(layer, tensor))
     tied = _final_reverse_embedding(model) if classifier else None
-    return [_tied_classifier(model, d) if d.layer is tied and isinstance(d.layout, Vocabulary)
-            else d for d in decisions]
+    decisions = [_tied_classifier(model, d) if d.layer is tied and isinstance(
+        d.layout, Vocabulary) else d for d in decisions]
+    return decisions if layout_map is None else follow_layout_map(decisions, layout_map)
 
 
 def _sublayer_decisions(layer, tensor, arguments=None):
@@ -238,9 +241,10 @@ def _dense_pair(layer, tensor, taken):
         return [Decision(layer, Replicated(),
                          f"activation {name!r} is not elementwise (it would act on a "
                          f"slice of the features)")]
+    pair = object()
     return [Decision(layer, Column(), f"paired with {consumer.name} "
-                     f"({layer.units} -> {layer.units // tensor} units per device)"),
-            Decision(consumer, Row(), f"paired with {layer.name}")]
+                     f"({layer.units} -> {layer.units // tensor} units per device)", group=pair),
+            Decision(consumer, Row(), f"paired with {layer.name}", group=pair)]
 
 
 def constrained_weight(layer):
@@ -279,7 +283,8 @@ def partition_model(model, mesh):
     model.layers[0].kernel.value.values   # one (in, out/t) shard per device
     ```
     """
-    decisions = plan(model, mesh.tensor, mesh.strategy.config.vocab_parallel_classifier)
+    decisions = plan(model, mesh.tensor, mesh.strategy.config.vocab_parallel_classifier,
+                     mesh.strategy.layout_map)
     with optimizer_keys_follow(model):
         apply(decisions, mesh)
     if any(d.layout.sharded_loss for d in decisions):
