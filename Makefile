@@ -31,12 +31,14 @@ lint: $(STAMP)
 # first, one at a time, with the machine to themselves; then every other test
 # in two processes, a file per process at a time (a file's tests share their
 # single-device references; tracing a step is mostly one core's work, and the
-# other cluster tests mostly wait on their subprocesses). Every command runs;
-# the target fails if any did.
+# other cluster tests mostly wait on their subprocesses): the parity tier's
+# long files first, the unit tier's short ones last, to fill the end. Every
+# command runs; the target fails if any did.
 test: $(STAMP)
 	status=0; \
 	$(BIN)/python -m pytest -m alone tests/cluster || status=1; \
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not alone" tests || status=1; \
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not alone" \
+		tests/parity tests/cluster tests/unit || status=1; \
 	$(BIN)/python -m pytest tfdist || status=1; \
 	exit $$status
 

@@ -3,6 +3,8 @@ call their sublayers in `call`): attention split by heads and the MLP (gated
 or not) column -> row in every block, Megatron's 2 + 2 all-reduces per block,
 1/t of the blocks' weights per device, and parity with one device."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -157,6 +159,22 @@ def test_blocks_split_by_heads_and_column_row_and_match_one_device(backbone, dat
     # in each of its two branches, equal counts or padded).
     sparse = (data_size > 1) * 5 * EMBEDDINGS[backbone]
     assert counts["CollectiveGatherV2"] == n * (1 + len(x) + 1 + sparse)
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+@pytest.mark.parametrize("backbone", ["gpt2", "bert", "llama"])
+def test_backbone_in_pipeline_stages_matches_one_device(backbone, tensor):
+    """Stages cut inside the backbone (a nested functional model), 1F1B over
+    2 microbatches; with tensor=2 each stage's blocks split over its devices."""
+    x, y = lm_data(backbone)
+    make = MAKERS[backbone]
+    reference = trained_reference(make=make, x=x, y=y, batch_size=16)
+    strategy = tfdist.Strategy(pipeline=2, tensor=tensor, microbatches=2, schedule="1f1b",
+                               devices=devices(2 * tensor))
+    result = train(strategy, make=make, x=x, y=y, batch_size=16)
+    assert_parity(result, reference, steps=12)
+    described = strategy.describe(result[2])
+    assert re.search(r"^stage 1 .*transformer_layer_1", described, re.M), described
 
 
 def test_llama_trained_from_a_layout_map_of_the_same_plan_is_identical():

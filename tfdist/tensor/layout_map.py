@@ -15,9 +15,9 @@ projections) are split together or not at all; a bias follows its kernel
 (put on the tensor axis, it must be where the plan splits it). Anything
 else is refused, before training, naming the weight and the layout tfdist
 can run instead: another axis (keras-hub's Llama map splits query/key/value
-along the hidden axis, which Megatron's layouts do not run), a weight the plan keeps whole, or a weight on the data axis (tfdist
-keeps weights whole over data replicas; `zero=1` or `2` shards optimizer
-state).
+along the hidden axis, which Megatron's layouts do not run), a weight the
+plan keeps whole, or a weight on the data axis (tfdist keeps weights whole
+over data replicas; `zero=1` or `2` shards optimizer state).
 """
 
 import dataclasses
