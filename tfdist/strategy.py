@@ -141,6 +141,9 @@ class _StepOwner:
             return first
         if not first.shape.rank:
             return value
+        return tf.function(self._cut_to_common_rows)(value)  # run eagerly, TF warns
+
+    def _cut_to_common_rows(self, value):
         # Every replica's row count (across processes too), then its common rows.
         rows = self.gather(self.run(lambda v: tf.shape(v)[:1], args=(value,)), axis=0)
         common = tf.reduce_min(rows)

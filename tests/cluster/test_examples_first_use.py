@@ -43,6 +43,8 @@ def test_demo_says_what_it_does_and_ends_with_a_summary():
     assert "\nDone: 2 devices (CPU:0, CPU:1)\n  mode: data parallel x2, microbatches=1, " \
            "precision=float32, xla=False\n" in done.stdout
     assert f"  final accuracy: {accuracy}\nNext: keras_examples/" in done.stdout
+    # tfdist runs nothing per replica eagerly (TensorFlow would warn of its cost).
+    assert "eagerly" not in done.stderr, done.stderr
 
 
 def test_zero_example_prints_the_unsharded_bytes_and_the_ratio():

@@ -122,7 +122,9 @@ def test_ps_killed_stops_fit_clearly_and_the_restarted_job_resumes(tmp_path):
                f"--pid_dir={tmp_path}", "--epochs=4", "--steps_per_epoch=40", "--kill_at=60",
                "--kill_task=ps-0", f"--backup_dir={backup}"])
     assert "killing ps-0" in out
-    assert "RuntimeError: A parameter server task became unreachable during fit" in out
+    errors = "\n".join(line for line in out.splitlines()
+                       if line.startswith("[chief:0]") and "Error" in line)
+    assert "RuntimeError: A parameter server task became unreachable during fit" in out, errors
     assert "[launch] chief:0 exited with code 1: restart 1 of 1" in out
     # The restarted chief resumed from the epoch-1 backup and finished the job.
     r = result(out)

@@ -12,6 +12,7 @@ import contextlib
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import parameter_server_strategy_v2, sharded_variable
+from tensorflow.python.distribute.coordinator import cluster_coordinator
 
 
 def serve_keras_variables(strategy):
@@ -26,6 +27,24 @@ def serve_keras_variables(strategy):
     ```
     """
     strategy.extended.__class__ = _KerasPartitionedVariables
+
+
+def is_ps_failure(error) -> bool:
+    """Whether `error`, raised to the chief during training, means a lost
+    parameter server: one TensorFlow's coordinator counts as a ps failure (an
+    unreachable task, or one restarted on the same address), or a variable
+    looked up on a ps that no longer holds it (a restarted one holds none).
+
+    Example:
+
+    ```python
+    is_ps_failure(error)   # True: "Unable to find the relevant tensor remote_handle" from /job:ps
+    ```
+    """
+    if cluster_coordinator._is_ps_failure(error):
+        return True
+    return isinstance(error, (tf.errors.NotFoundError, tf.errors.FailedPreconditionError)) and (
+        cluster_coordinator._RPC_ERROR_FROM_PS in str(error))
 
 
 def num_workers(extended) -> int:

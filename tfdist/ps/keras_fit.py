@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat import keras_trainer, patches
-from tfdist._compat.tf_parameter_server import running_without_coordinator
+from tfdist._compat.tf_parameter_server import is_ps_failure, running_without_coordinator
 from tfdist._compat.tf_variables import storage_of
 from tfdist.ps.ledger import StepLedger
 
@@ -202,10 +202,14 @@ class ScheduledTrainFunction:
 @contextlib.contextmanager
 def _ps_failure_explained():
     """The coordinator retries steps of failed workers itself; what reaches
-    the chief as "unavailable" is a lost parameter server."""
+    the chief as "unavailable", or as a ps failure by TensorFlow's own
+    reckoning (a ps restarted on its address before the coordinator noticed),
+    is a lost parameter server."""
     try:
         yield
-    except tf.errors.UnavailableError as e:
+    except Exception as e:  # the coordinator also wraps errors (ClosureInputError)
+        if not (isinstance(e, tf.errors.UnavailableError) or is_ps_failure(e)):
+            raise
         detail = (str(e).strip() or type(e).__name__).splitlines()[0]
         raise RuntimeError(
             f"A parameter server task became unreachable during fit ({detail}). "
