@@ -122,11 +122,11 @@ def print_unsplit_and_state_bytes(model):
 
 
 class EpochReport(keras.callbacks.Callback):
-    """Prints each epoch's loss and accuracy."""
+    """Prints each epoch's loss, and its accuracy when the model reports one."""
 
     def on_epoch_end(self, epoch, logs=None):
-        print(f"epoch {epoch + 1}: loss {logs['loss']:.4f}  accuracy "
-              f"{logs['accuracy']:.4f}", flush=True)
+        accuracy = f"  accuracy {logs['accuracy']:.4f}" if "accuracy" in logs else ""
+        print(f"epoch {epoch + 1}: loss {logs['loss']:.4f}{accuracy}", flush=True)
 
 
 def train_transformer(strategy, width=64, heads=4, blocks=1, epochs=3, batch_size=64):

@@ -41,13 +41,6 @@ FLAGS = flags.FLAGS
 VOCABULARY = 32  # pixel intensities 0-16, padded to a size tensor groups divide
 
 
-class EpochReport(keras.callbacks.Callback):
-    """Prints each epoch's loss."""
-
-    def on_epoch_end(self, epoch, logs=None):
-        print(f"epoch {epoch + 1}: loss {logs['loss']:.4f}", flush=True)
-
-
 def pixel_sequences():
     """(x, y): each digit's 64 pixels as tokens 0-16; y is x shifted by one."""
     pixels, _ = digits.load(FLAGS.examples)
@@ -80,7 +73,7 @@ def main(argv):
         model = build_lm()
     x, y = pixel_sequences()
     model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=0,
-              callbacks=[EpochReport()])
+              callbacks=[digits.EpochReport()])
     print(strategy.describe(model))
     digits.print_weight_bytes(model)
     digits.print_unsplit_and_state_bytes(model)

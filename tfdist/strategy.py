@@ -141,7 +141,8 @@ class _StepOwner:
             return first
         if not first.shape.rank:
             return value
-        return tf.function(self._cut_to_common_rows)(value)  # run eagerly, TF warns
+        # In a tf.function: strategy.run eagerly makes TensorFlow warn of its overhead.
+        return tf.function(self._cut_to_common_rows)(value)
 
     def _cut_to_common_rows(self, value):
         # Every replica's row count (across processes too), then its common rows.

@@ -114,7 +114,8 @@ def _own_weights(decisions):
 def _follows(decision, weights, asked, tensor_axis):
     """Whether `layout_map` splits `decision`'s layer (its `weights`) as
     planned (False: it keeps the layer whole); a `ValueError` if neither."""
-    planned = {id(w): axis for w, axis in decision.layout.weight_axes(decision.layer)}
+    axes = decision.layout.weight_axes(decision.layer)
+    planned = {id(w): axis for w, axis in axes}
     wanted = {id(w): asked(w) for w in weights}
     main = [w for w in weights if id(w) in planned and w.name != "bias"]
     split = any(wanted[id(w)] is not None for w in main)
@@ -123,19 +124,18 @@ def _follows(decision, weights, asked, tensor_axis):
         if wanted[id(weight)] == expected or (wanted[id(weight)] is None
                                               and weight.name == "bias"):
             continue  # as planned, or a bias left to follow its kernel
-        raise ValueError(_refusal(decision, weight, wanted[id(weight)], planned, tensor_axis))
+        raise ValueError(_refusal(decision, weight, wanted[id(weight)], axes, tensor_axis))
     return split
 
 
-def _refusal(decision, weight, axis, planned, tensor_axis):
+def _refusal(decision, weight, axis, axes, tensor_axis):
     where = (f"`layout_map` puts weight {weight.path!r} {tuple(weight.shape)} "
              f"on the tensor axis {tensor_axis!r} along axis {axis}" if axis is not None
              else f"`layout_map` keeps weight {weight.path!r} whole")
-    if not planned:
+    if not axes:
         return (f"{where}, but tfdist keeps {decision.name} ({type(decision.layer).__name__}) "
                 f"whole: {decision.reason}. Map it to None on every axis.")
-    runs = ", ".join(f"{w.path!r} on axis {a}" for w, a in
-                     decision.layout.weight_axes(decision.layer))
+    runs = ", ".join(f"{w.path!r} on axis {a}" for w, a in axes)
     return (f"{where}; tfdist splits {decision.name} ({type(decision.layer).__name__}) "
             f"as {decision.layout.name} only: {runs} (or every weight whole).")
 

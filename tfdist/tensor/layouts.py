@@ -271,17 +271,22 @@ class Heads(TensorLayout):
 
     name = "heads"
 
+    @staticmethod
+    def _parts(layer):
+        """[(sublayer, its layout)]: query/key/value (d, heads, size) by
+        heads as `Column`s, the output projection (heads, size, d) as `Row`."""
+        return [*((p, Column(axis=-2, copy_input=False))
+                  for p in keras_layers.attention_projections(layer)),
+                (keras_layers.attention_output_projection(layer), Row())]
+
     def weight_axes(self, layer):
         """Query/key/value by heads (their `Column`), the output's by heads (`Row`)."""
-        return [*(pair for projection in keras_layers.attention_projections(layer)
-                  for pair in Column(axis=-2).weight_axes(projection)),
-                *Row().weight_axes(keras_layers.attention_output_projection(layer))]
+        return [pair for part, layout in self._parts(layer) for pair in layout.weight_axes(part)]
 
     def split(self, layer, mesh):
         """Query/key/value `Column` by heads, the output projection `Row`."""
-        for projection in keras_layers.attention_projections(layer):
-            Column(axis=-2, copy_input=False).apply(projection, mesh)  # (d, heads, size)
-        Row().apply(keras_layers.attention_output_projection(layer), mesh)  # (heads, size, d)
+        for part, layout in self._parts(layer):
+            layout.apply(part, mesh)
 
     def sharded_call(self, layer, mesh, query, value, key=None, **kwargs):
         """The layer's own call, each distinct input through "f" once."""
