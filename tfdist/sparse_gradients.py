@@ -15,6 +15,14 @@ must see the whole batch's slices, so tfdist never sums them:
   leaving its indices.
 - `values`: the tensor holding a gradient's numbers (checks of finiteness).
 
+One kind of lookup is the exception: a lookup whose indices do not depend on
+the batch (the position embedding of keras-io's `TokenAndPositionEmbedding`,
+an Embedding of `arange(length)`) gives one device one slice per position,
+summed over the batch, while every replica and microbatch has the same
+positions again. `sum_fixed_lookups` makes such a gradient dense where it is
+computed, so the parts add up to one device's sum (exact when the fixed
+indices are distinct, as a range's are).
+
 Across replicas the slices are gathered, not summed (`tf.distribute`'s
 all-reduce does this; `tfdist.engine.reduce.DataGroupAllReduce` too), and ZeRO
 gives each replica the parts of the slices inside its element shard
@@ -29,6 +37,10 @@ array([3, 3, 0], dtype=int32)
 """
 
 import tensorflow as tf
+
+# Ops a fixed lookup's indices may come from: constants, and the shapes of
+# tensors (a sequence length, a table's size: the same in every part).
+_FIXED_SOURCES = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank"})
 
 
 def is_sparse(gradient) -> bool:
@@ -90,3 +102,42 @@ def values(gradient):
     TensorShape([1, 2])
     """
     return gradient.values if is_sparse(gradient) else gradient
+
+
+def sum_fixed_lookups(gradients: list) -> list:
+    """`gradients` with each `IndexedSlices` whose indices do not depend on the
+    batch made dense (its duplicate rows summed); the others unchanged.
+
+    Indices are fixed when every op they are computed from is stateless and
+    starts from constants and shapes: a lookup of `arange(length)`, not of
+    token ids, a random draw or a variable's value. Eager tensors (no graph
+    to read) are left as they are.
+
+    Example:
+
+    >>> words, positions = tf.Variable(tf.ones((4, 2))), tf.Variable(tf.ones((2, 2)))
+    >>> @tf.function
+    ... def grads(tokens):
+    ...     with tf.GradientTape() as tape:
+    ...         y = tf.gather(words, tokens) + tf.gather(positions, tf.range(2))
+    ...     return sum_fixed_lookups(tape.gradient(y, [words, positions]))
+    >>> [is_sparse(g) for g in grads(tf.constant([3, 3]))]
+    [True, False]
+    """
+    return [tf.convert_to_tensor(g) if is_sparse(g) and _is_fixed(g.indices) else g
+            for g in gradients]
+
+
+def _is_fixed(indices) -> bool:
+    if not hasattr(indices, "graph") or tf.executing_eagerly():
+        return False
+    pending, seen = [indices.op], set()
+    while pending:
+        op = pending.pop()
+        if op.name in seen or op.type in _FIXED_SOURCES:
+            continue
+        seen.add(op.name)
+        if op.op_def.is_stateful or not op.inputs:
+            return False  # a placeholder (the batch, a variable), a draw, a read
+        pending.extend(t.op for t in op.inputs)
+    return True

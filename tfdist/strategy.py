@@ -15,6 +15,7 @@ arguments and behave as their parents everywhere except two places:
 import contextlib
 import inspect
 import itertools
+import sys
 import warnings
 import weakref
 
@@ -197,7 +198,8 @@ class _StepOwner:
         return "\n".join(parts)
 
     def scope(self):
-        """The parent's scope, with the Keras dtype policy of `precision` set.
+        """The parent's scope, with the Keras dtype policy of `precision` set
+        (and tf_keras's, when tf_keras is imported).
 
         Build and compile the model inside it: its layers then compute in
         `precision`, and under "mixed_float16" `compile` wraps the optimizer
@@ -293,13 +295,21 @@ def _keras_predict_step(fn):
 
 @contextlib.contextmanager
 def _precision_scope(strategy_scope, precision):
-    previous = keras.config.dtype_policy()
+    """Keras's dtype policy set to `precision` inside `strategy_scope`; also
+    tf_keras's when it is imported (a Model Garden model built inside)."""
+    tf_keras = sys.modules.get("tf_keras")
+    policies = [(keras.config.dtype_policy(), keras.config.set_dtype_policy)]
+    if tf_keras is not None:
+        policies.append((tf_keras.mixed_precision.global_policy(),
+                         tf_keras.mixed_precision.set_global_policy))
     with strategy_scope:
-        keras.config.set_dtype_policy(precision)
+        for _, set_policy in policies:
+            set_policy(precision)
         try:
             yield
         finally:
-            keras.config.set_dtype_policy(previous)
+            for previous, set_policy in policies:
+                set_policy(previous)
 
 
 class Strategy(_StepOwner, tf.distribute.MirroredStrategy):

@@ -97,7 +97,9 @@ def check_run_function(fn, config) -> str | None:
                 f"{getattr(model, 'name', model)!r} is a {keras_flavour(model)} model: its "
                 f"own training step would run as plain data parallelism, without "
                 f"{', '.join(wanted)}. tfdist applies them to Keras 3 models (`import "
-                f"keras`); keep this model with `tfdist.Strategy(data=...)` alone.")
+                f"keras`) and, in a custom loop such as orbit's, to tf_keras models "
+                f"through `strategy.train_step(model)`; or keep this model's own step "
+                f"with `tfdist.Strategy(data=...)` alone.")
         return None
     if not wanted:
         return None

@@ -94,7 +94,7 @@ def has_compiled_metrics(model) -> bool:
 
 def call_has_training_arg(model) -> bool:
     """Whether `model.call` takes a `training` argument (Keras's
-    `_call_has_training_arg`).
+    `_call_has_training_arg`; a tf_keras model takes it in any case).
 
     Example:
 
@@ -102,7 +102,7 @@ def call_has_training_arg(model) -> bool:
     y = model(x, training=True) if call_has_training_arg(model) else model(x)
     ```
     """
-    return model._call_has_training_arg
+    return getattr(model, "_call_has_training_arg", True)
 
 
 def symbolic_build(model, data):

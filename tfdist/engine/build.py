@@ -12,6 +12,9 @@ before the first step. `assemble` then picks the step's three parts (see
 | `tensor` > 1        | `LocalCompute`     | `DataGroupAllReduce` | `KerasApply`   |
 | `pipeline` > 1      | `PipelinedCompute` | (as above)           | (as above)     |
 | `zero` > 0          | (as above)         | `ShardedReduce`      | `ShardedUpdate`|
+| a tf_keras model    | `LocalCompute`     | `AllReduce`          | `TfKerasApply` |
+
+(a tf_keras model's microbatch loss is `TfKerasLoss`: `tfdist.engine.tf_keras`).
 """
 
 import keras
@@ -21,6 +24,7 @@ from tfdist._compat.keras_functional import nested_sublayers
 from tfdist.config import ParallelConfig
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
 from tfdist.engine.reduce import AllReduce, DataGroupAllReduce, ShardedReduce
+from tfdist.engine.tf_keras import TfKerasApply, TfKerasLoss, check_tf_keras_model, is_tf_keras
 from tfdist.engine.update import KerasApply
 from tfdist.optim.zero import ShardedUpdate, check_shardable
 from tfdist.pipeline.compute import pipeline_compute
@@ -40,9 +44,12 @@ def check_model(model, config: ParallelConfig):
     check_model(model, strategy.config)   # ValueError: "The model has no optimizer..."
     ```
     """
+    if is_tf_keras(model):
+        check_tf_keras_model(model, config)
+        return
     if not isinstance(model, keras.Model):
         raise NotImplementedError(
-            f"tfdist's training step takes Keras 3 models (`import keras`), but "
+            f"tfdist's training step takes Keras 3 and tf_keras models, but "
             f"{getattr(model, 'name', model)!r} is a {keras_flavour(model)} model. "
             f"Build it with Keras 3, or train it with its own step under "
             f"`tfdist.Strategy(data=...)` alone (plain data parallelism).")
@@ -140,7 +147,7 @@ def keras_flavour(model) -> str:
     """
     if isinstance(model, keras.Model):
         return "Keras 3"
-    if any(cls.__module__.split(".")[0] == "tf_keras" for cls in type(model).__mro__):
+    if is_tf_keras(model):
         return "tf_keras (Keras 2)"
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
@@ -184,6 +191,9 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
     compute, reduce, update = assemble(model, strategy.config)
     ```
     """
+    if is_tf_keras(model):
+        return (LocalCompute(model, config.microbatches, xla=config.xla, loss=TfKerasLoss(model)),
+                AllReduce(), TfKerasApply(model))
     strategy = model.distribute_strategy
     mesh = getattr(strategy, "tensor_mesh", None)
     optimizer = model.optimizer

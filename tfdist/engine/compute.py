@@ -20,6 +20,7 @@ examples.
 import keras
 import tensorflow as tf
 
+from tfdist import sparse_gradients
 from tfdist._compat.keras_trainer import call_has_training_arg
 from tfdist.engine import microbatch
 from tfdist.engine.metrics import synced_results
@@ -35,6 +36,8 @@ class Compute:
         model: the compiled Keras model.
         microbatches: microbatches per replica batch.
         mesh: the strategy's `TensorMesh`, or None.
+        loss: the per-microbatch loss (default: `MicrobatchLoss(model, mesh)`;
+            a tf_keras model's: `tfdist.engine.tf_keras.TfKerasLoss`).
 
     Example:
 
@@ -43,11 +46,11 @@ class Compute:
     ```
     """
 
-    def __init__(self, model, microbatches: int, mesh=None):
+    def __init__(self, model, microbatches: int, mesh=None, loss=None):
         self.model = model
         self.microbatches = microbatches
         self.mesh = mesh
-        self.loss = microbatch.MicrobatchLoss(model, mesh)
+        self.loss = loss or microbatch.MicrobatchLoss(model, mesh)
 
     def __call__(self, data):
         if self.mesh is not None:
@@ -88,6 +91,7 @@ class LocalCompute(Compute):
         microbatches: microbatches per replica batch.
         mesh: the strategy's `TensorMesh`, or None.
         xla: compile each microbatch's forward and backward with XLA.
+        loss: the per-microbatch loss (as `Compute`'s).
 
     Example:
 
@@ -97,8 +101,8 @@ class LocalCompute(Compute):
     ```
     """
 
-    def __init__(self, model, microbatches: int, mesh=None, xla=False):
-        super().__init__(model, microbatches, mesh)
+    def __init__(self, model, microbatches: int, mesh=None, xla=False, loss=None):
+        super().__init__(model, microbatches, mesh, loss)
         self.moving = MovingStatistics([model])
         self._runs = [self._forward_backward] * microbatches
         if xla:
@@ -184,16 +188,17 @@ def _gradients(tape, target, variables):
 
     A variable a parameter-server strategy partitioned (a `ShardedVariable`)
     is differentiated through its shards; its gradient is their concatenation,
-    for the optimizer to apply to the whole variable.
+    for the optimizer to apply to the whole variable. A lookup of fixed
+    indices (positions) gets a dense gradient (`sparse_gradients.sum_fixed_lookups`).
     """
     sources = [getattr(v.value, "variables", None) or v for v in variables]
     grads = tape.gradient(target, sources)
-    return [
+    return sparse_gradients.sum_fixed_lookups([
         tf.concat([tf.convert_to_tensor(g) for g in grad], axis=0)
         if isinstance(source, list) and grad[0] is not None else
         (None if isinstance(source, list) else grad)
         for source, grad in zip(sources, grads)
-    ]
+    ])
 
 
 def _tensors(grads):

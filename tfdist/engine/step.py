@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tfdist._compat.keras_trainer import symbolic_build
 from tfdist.config import ParallelConfig
-from tfdist.engine import build
+from tfdist.engine import build, tf_keras
 from tfdist.pipeline.cost import sequence_length_of
 from tfdist.pipeline.graph import graph_of
 
@@ -45,7 +45,8 @@ class TrainStep:
     `strategy.run`.
 
     Args:
-        model: a compiled `keras.Model` built under the strategy's scope.
+        model: a compiled `keras.Model` (or tf_keras model:
+            `tfdist.engine.tf_keras`) built under the strategy's scope.
         config: the strategy's `ParallelConfig`.
 
     Example:
@@ -87,7 +88,10 @@ class TrainStep:
         ```
         """
         with self.model.distribute_strategy.scope():
-            symbolic_build(self.model, data)
+            if tf_keras.is_tf_keras(self.model):
+                tf_keras.build(self.model, data)
+            else:
+                symbolic_build(self.model, data)
         self.prepare()
 
     def prepare(self, data=None):

@@ -18,6 +18,7 @@ from typing import Any
 import tensorflow as tf
 from keras import tree
 
+from tfdist import sparse_gradients
 from tfdist._compat.keras_functional import node_call
 from tfdist._compat.tf_variables import set_storage, storage_of
 from tfdist.engine.moving_statistics import MovingStatistics
@@ -197,7 +198,8 @@ class StageRunner:
         return replayed
 
     def backward(self, activations: Activations, out_grads: dict) -> list:
-        """Gradients of the stage's weights (aligned with `weights`); adds
+        """Gradients of the stage's weights (aligned with `weights`; a fixed
+        lookup's dense, `sparse_gradients.sum_fixed_lookups`); adds
         those of its inputs to `out_grads` (by `id` of symbolic tensor), which
         holds the gradients of its outputs."""
         stage = self.stage
@@ -226,7 +228,7 @@ class StageRunner:
                     grad = tf.convert_to_tensor(grad)
                     known = out_grads.get(id(sym))
                     out_grads[id(sym)] = grad if known is None else known + grad
-        return grads[len(floating):]
+        return sparse_gradients.sum_fixed_lookups(grads[len(floating):])
 
     def _record(self, values, head, record):
         """Runs the stage (and `head`) on `values`, under a tape if `record`."""

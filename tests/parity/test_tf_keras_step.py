@@ -1,0 +1,135 @@
+"""tfdist's step for tf_keras (Keras 2) models in a custom loop: a Model Garden
+`BertClassifier` trained by an orbit `StandardTrainer` running
+`strategy.train_step(model)`, against tf_keras's own step on one device with
+the same weights and data order."""
+
+import contextlib
+
+import numpy as np
+import orbit
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tfdist
+from helpers import devices
+
+STEPS, BATCH, SEQUENCE = 10, 16, 16
+
+
+def bert_classifier():
+    from official.nlp.modeling import models, networks
+
+    encoder = networks.BertEncoder(vocab_size=100, hidden_size=32, num_layers=2,
+                                   num_attention_heads=2, max_sequence_length=SEQUENCE,
+                                   inner_dim=64, dropout_rate=0.0, attention_dropout_rate=0.0)
+    model = models.BertClassifier(encoder, num_classes=3, dropout_rate=0.0)
+    model.compile(optimizer=tf_keras.optimizers.Adam(1e-2),
+                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=[tf_keras.metrics.SparseCategoricalAccuracy("accuracy")])
+    return model
+
+
+def dataset():
+    rng = np.random.default_rng(0)
+    n = STEPS * BATCH
+    x = {"input_word_ids": rng.integers(0, 100, (n, SEQUENCE)).astype("int32"),
+         "input_mask": np.ones((n, SEQUENCE), "int32"),
+         "input_type_ids": (rng.random((n, SEQUENCE)) < 0.5).astype("int32")}
+    return tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 3, n))).batch(
+        BATCH, drop_remainder=True)
+
+
+@contextlib.contextmanager
+def tf_keras_policy(name):
+    previous = tf_keras.mixed_precision.global_policy()
+    tf_keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        tf_keras.mixed_precision.set_global_policy(previous)
+
+
+def train(strategy, initial, precision="float32"):
+    """(per-step losses, final weights) of `STEPS` orbit steps: tfdist's step
+    under `strategy`, or tf_keras's own `train_step` on one device (None)."""
+    with (strategy.scope() if strategy else tf_keras_policy(precision)):
+        model = bert_classifier()
+    model.set_weights(initial)
+    data = dataset()
+    if strategy:
+        step = strategy.train_step(model)
+        step.build(data.element_spec)
+        data = strategy.experimental_distribute_dataset(data)
+    else:
+        strategy = tf.distribute.get_strategy()
+        step = model.train_step
+
+    class Trainer(orbit.StandardTrainer):
+        def train_loop_begin(self):
+            model.reset_metrics()
+
+        def train_step(self, iterator):
+            strategy.run(step, args=(next(iterator),))
+
+        def train_loop_end(self):
+            return {k: tf.convert_to_tensor(v) for k, v in model.get_metrics_result().items()}
+
+    losses = []
+    orbit.Controller(strategy=strategy, trainer=Trainer(data, orbit.StandardTrainerOptions(
+        use_tf_while_loop=False)), global_step=model.optimizer.iterations,
+        steps_per_loop=1, train_actions=[lambda out: losses.append(float(out["loss"]))],
+    ).train(steps=STEPS)
+    return losses, [w.numpy() for w in model.weights], model
+
+
+@pytest.fixture(scope="module")
+def initial():
+    tf_keras.utils.set_random_seed(0)
+    return bert_classifier().get_weights()
+
+
+@pytest.fixture(scope="module")
+def reference(initial):
+    return train(None, initial)
+
+
+@pytest.mark.parametrize("config", [dict(data=4), dict(data=2, microbatches=2),
+                                    dict(data=2, xla=True)],
+                         ids=["data4", "data2-microbatches2", "data2-xla"])
+def test_bert_classifier_matches_one_device(config, initial, reference):
+    size = config["data"]
+    losses, weights, model = train(tfdist.Strategy(devices=devices(size), **config), initial)
+    assert len(losses) == STEPS
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-4)
+    for ours, theirs in zip(weights, reference[1]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert int(model.optimizer.iterations.numpy()) == STEPS
+
+
+def test_mixed_float16_matches_one_device_with_loss_scaling(initial):
+    losses, weights, model = train(
+        tfdist.Strategy(data=2, precision="mixed_float16", devices=devices(2)), initial)
+    assert type(model.optimizer).__name__.startswith("LossScaleOptimizer")
+    assert {layer.compute_dtype for layer in model.submodules
+            if hasattr(layer, "compute_dtype")} >= {"float16"}
+    reference = train(None, initial, precision="mixed_float16")
+    np.testing.assert_allclose(losses, reference[0], rtol=2e-3)
+    # float16 sums of 8 rows per replica round otherwise than of 16 on one
+    # device, and Adam's normalised steps (1e-2 each) amplify that on weights
+    # whose gradients are near zero: every weight within one step of one device's.
+    for ours, theirs in zip(weights, reference[1]):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("options, named", [(dict(zero=1), "zero=1"),
+                                            (dict(tensor=2), "tensor=2"),
+                                            (dict(pipeline=2), "pipeline=2")])
+def test_keras3_only_modes_are_refused_for_tf_keras_models(options, named):
+    size = 2 * options.get("tensor", 1) * options.get("pipeline", 1)
+    strategy = tfdist.Strategy(data=2, devices=devices(size), **options)
+    with strategy.scope():
+        model = bert_classifier()
+    with pytest.raises(NotImplementedError, match=rf"'bert_classifier(_\d+)?' is a tf_keras "
+                                                  rf"\(Keras 2\) model: .*not {named}"):
+        strategy.train_step(model)
