@@ -47,6 +47,8 @@ flags.DEFINE_integer("zero", None, "Optimizer-state sharding stage: 0, 1 or 2.")
 flags.DEFINE_enum("precision", None, list(PRECISIONS), "Compute precision.")
 flags.DEFINE_boolean("xla", None, "jit-compile the per-replica compute.")
 flags.DEFINE_enum("schedule", None, list(SCHEDULES), "Pipeline schedule.")
+flags.DEFINE_integer("virtual_stages", None, "Pipeline, schedule 'interleaved': stages "
+                     "per device.")
 flags.DEFINE_list("stage_boundaries", None, "Pipeline: first layer of each stage "
                   "after the first, comma-separated.")
 flags.DEFINE_boolean("remat", None, "Pipeline: recompute each stage's forward in "
@@ -80,7 +82,7 @@ flags.DEFINE_list("tasks", None, "host:port of each task's profiler server.")
 flags.DEFINE_integer("duration-ms", 2000, "How long to record, in milliseconds.")
 
 _CONFIG_FIELDS = ("data", "pipeline", "tensor", "microbatches", "zero",
-                  "precision", "xla", "schedule", "stage_boundaries", "remat",
+                  "precision", "xla", "schedule", "virtual_stages", "stage_boundaries", "remat",
                   "vocab_parallel_classifier")
 _CONFIG_FLAGS = ("config",) + _CONFIG_FIELDS
 _TASK_FLAGS = ("chief", "workers", "ps", "evaluator")

@@ -51,9 +51,14 @@ class ParallelConfig:
             sharded, 2 optimizer state and gradients sharded.
         precision: "float32", "mixed_float16" or "mixed_bfloat16".
         xla: jit-compile the per-replica compute with XLA.
-        schedule: pipeline schedule, "gpipe" or "1f1b".
+        schedule: pipeline schedule: "gpipe", "1f1b", "zb1" (zero bubble:
+            weight gradients deferred into 1F1B's bubble) or "interleaved"
+            (Megatron's interleaved 1F1B over `virtual_stages`).
+        virtual_stages: with schedule "interleaved", the stages per device
+            (>= 2): the model is cut into `pipeline * virtual_stages` stages
+            and device d runs stages d, d + pipeline, ...
         stage_boundaries: with `pipeline` > 1, the names of the first layer
-            of each stage after the first (`pipeline - 1` names); default
+            of each stage after the first (`model_stages - 1` names); default
             (None): stages balanced by estimated compute.
         remat: with `pipeline` > 1, recompute each stage's forward in its
             backward (less activation memory, more compute).
@@ -84,6 +89,7 @@ class ParallelConfig:
     precision: str = "float32"
     xla: bool = False
     schedule: str = "gpipe"
+    virtual_stages: int = 1
     stage_boundaries: tuple[str, ...] | None = None
     remat: bool = False
     vocab_parallel_classifier: bool = False
@@ -124,7 +130,7 @@ class ParallelConfig:
         return self
 
     def _check_types(self):
-        for name in ("data", "pipeline", "tensor", "microbatches", "zero"):
+        for name in ("data", "pipeline", "tensor", "microbatches", "zero", "virtual_stages"):
             value = getattr(self, name)
             if name == "data" and value is None:
                 continue
@@ -148,7 +154,7 @@ class ParallelConfig:
                 f"`stage_boundaries` must be a list of layer names, got {boundaries!r}.")
 
     def _check_ranges(self):
-        for name in ("data", "pipeline", "tensor", "microbatches"):
+        for name in ("data", "pipeline", "tensor", "microbatches", "virtual_stages"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(
@@ -184,8 +190,9 @@ class ParallelConfig:
             raise ValueError(
                 "`stage_boundaries` and `remat` apply to pipeline stages, but "
                 "`pipeline=1`: use pipeline >= 2, or drop them.")
+        self._check_interleaving()
         if self.stage_boundaries is not None:
-            check_boundary_count(list(self.stage_boundaries), self.pipeline)
+            check_boundary_count(list(self.stage_boundaries), self.model_stages)
         if self.vocab_parallel_classifier and self.tensor == 1:
             raise ValueError(
                 "`vocab_parallel_classifier=True` splits the final classifier "
@@ -198,6 +205,32 @@ class ParallelConfig:
                 f"tensor-parallel layers all-reduce inside the compiled computation, "
                 f"and TensorFlow cannot compile collectives with XLA on CPU devices. "
                 f"Use xla=False with tensor parallelism.")
+
+    def _check_interleaving(self):
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+            raise ValueError(
+                f"`virtual_stages` must be >= 2 with schedule='interleaved' and 1 with "
+                f"the other schedules, got virtual_stages={self.virtual_stages} with "
+                f"schedule={self.schedule!r}.")
+        if self.schedule == "interleaved" and (
+                self.pipeline == 1 or self.microbatches % self.pipeline):
+            raise ValueError(
+                f"schedule='interleaved' runs microbatches in groups of `pipeline` "
+                f"through each device's stages: it needs pipeline >= 2 and "
+                f"`microbatches` a multiple of `pipeline`, got pipeline={self.pipeline}, "
+                f"microbatches={self.microbatches}.")
+
+    @property
+    def model_stages(self) -> int:
+        """The stages the model is cut into: `pipeline * virtual_stages`.
+
+        Example:
+
+        >>> ParallelConfig(pipeline=2, microbatches=4, schedule="interleaved",
+        ...                virtual_stages=2).model_stages
+        4
+        """
+        return self.pipeline * self.virtual_stages
 
     def _check_strategy(self, strategy):
         if strategy not in STRATEGIES:
@@ -357,10 +390,10 @@ def check_boundary_count(boundaries, stages: int):
     >>> check_boundary_count(["dense_2"], 3)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: `stage_boundaries` must name 2 layer(s) for pipeline=3 ...
+    ValueError: `stage_boundaries` must name 2 layer(s) for 3 stages ...
     """
     if isinstance(boundaries, str) or len(boundaries) != stages - 1:
         raise ValueError(
             f"`stage_boundaries` must name {stages - 1} layer(s) for "
-            f"pipeline={stages} (the first layer of each stage after the "
+            f"{stages} stages (the first layer of each stage after the "
             f"first), got {boundaries!r}.")

@@ -181,10 +181,10 @@ class _StepOwner:
         parts = []
         if self._config.pipeline > 1:
             stages = pipeline_stages.plan_stages(
-                model, self._config.pipeline, self._config.stage_boundaries,
+                model, self._config.model_stages, self._config.stage_boundaries,
                 sequence_length)
-            per_stage = [[group[s] for group in self.pipeline_devices]
-                         for s in range(self._config.pipeline)]
+            per_stage = [[group[s % self._config.pipeline] for group in self.pipeline_devices]
+                         for s in range(self._config.model_stages)]
             parts.append(pipeline_stages.describe(stages, per_stage))
         if self._config.tensor > 1 or not parts:
             parts.append(tensor_plan.describe(tensor_plan.plan(
@@ -192,9 +192,12 @@ class _StepOwner:
                 self._layout_map)))
         if self._config.pipeline > 1:
             config = self._config
-            parts.append(f"schedule {config.schedule}, {config.microbatches} microbatches:")
+            virtual = (f", {config.virtual_stages} stages per device"
+                       if config.virtual_stages > 1 else "")
+            parts.append(f"schedule {config.schedule}, {config.microbatches} microbatches"
+                         f"{virtual}:")
             parts.append(pipeline_schedule.grid(pipeline_schedule.stage_orders(
-                config.schedule, config.pipeline, config.microbatches)))
+                config.schedule, config.pipeline, config.microbatches, config.virtual_stages)))
         return "\n".join(parts)
 
     def scope(self):

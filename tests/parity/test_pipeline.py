@@ -87,12 +87,16 @@ def test_stages_cut_inside_a_nested_model_and_match_one_device(schedule):
     assert "layers: in, a" in first and "layers: b, skip, out" in second
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+# (schedule, virtual stages): every schedule tfdist has.
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2)]
+
+
+@pytest.mark.parametrize("schedule, virtual", SCHEDULES, ids=[s for s, _ in SCHEDULES])
 @pytest.mark.parametrize("remat", [False, True])
-def test_residual_mlp_matches_one_device(schedule, remat):
+def test_residual_mlp_matches_one_device(schedule, virtual, remat):
     reference = trained_reference(make=residual_mlp)
     strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule=schedule, remat=remat,
-                               devices=devices(2))
+                               virtual_stages=virtual, devices=devices(2))
     assert_parity(train(strategy, make=residual_mlp), reference)
 
 
@@ -131,7 +135,7 @@ def test_each_stage_lives_on_its_devices(data_size, stages):
         assert where(slot) == wanted, slot.path
 
 
-@pytest.mark.parametrize("schedule, microbatches", [("gpipe", 8), ("1f1b", 8)])
+@pytest.mark.parametrize("schedule, microbatches", [("gpipe", 8), ("1f1b", 8), ("zb1", 8)])
 def test_activations_held_per_stage(schedule, microbatches):
     stages = 4
     strategy = tfdist.Strategy(pipeline=stages, microbatches=microbatches,
@@ -141,8 +145,45 @@ def test_activations_held_per_stage(schedule, microbatches):
     assert held == held_activations(stage_orders(schedule, stages, microbatches))
     if schedule == "gpipe":
         assert held == [microbatches] * stages
-    else:
+    elif schedule == "1f1b":
         assert held == [stages - s for s in range(stages)]
+    else:  # until its W: up to 1F1B's first stage's on every stage
+        assert held == [stages] * stages
+
+
+def downstream(ops, start):
+    """Every op that runs after `start` (data or control), `start` excluded."""
+    consumers = {}
+    for op in ops:
+        for source in [t.op for t in op.inputs] + list(op.control_inputs):
+            consumers.setdefault(source, []).append(op)
+    seen, pending = set(), list(consumers.get(start, []))
+    while pending:
+        op = pending.pop()
+        if op not in seen:
+            seen.add(op)
+            pending.extend(consumers.get(op, []))
+    return seen
+
+
+def test_zb1_weight_gradients_wait_for_their_w_and_input_gradients_do_not():
+    strategy = tfdist.Strategy(pipeline=2, microbatches=2, schedule="zb1", devices=devices(2))
+    _, _, model = train(strategy, make=residual_mlp, x=data(64)[0], y=data(64)[1])
+    step = strategy.train_step(model)
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(data(32)).batch(32))))
+    ops = tf.function(lambda b: strategy.run(step, args=(b,))).get_concrete_function(
+        batch).graph.get_operations()
+    # Device 1 runs 1F0 1B0 1F1 1B1 1W0 1W1: stage 0's B1 reads 1B1's input
+    # gradients, which must not wait for the W after them.
+    start = next(op for op in ops if op.name.endswith("stage1/bwd_weight/mb1/start"))
+    after = downstream(ops, start)
+    assert not [op.name for op in after if "stage0/bwd_input/mb1/" in op.name]
+    # What it releases: stage 1's kernel-gradient matmuls of microbatch 1
+    # (gradient ops are named after the forward op they differentiate).
+    released = sorted(op.name for op in after if op.type == "MatMul")
+    assert released and all("stage1/fwd/mb1/" in name for name in released)
+    assert all(name.endswith("/MatMul_1") for name in released)  # d(kernel), not d(input)
 
 
 def test_describe_lists_stages_with_devices():
@@ -200,7 +241,7 @@ def test_bad_config():
         tfdist.Strategy(remat=True, devices=devices(2))
     # The count of boundaries is a config rule: refused before any model exists.
     with pytest.raises(ValueError, match=r"`stage_boundaries` must name 1 layer\(s\) for "
-                                         r"pipeline=2"):
+                                         r"2 stages"):
         tfdist.Strategy(pipeline=2, stage_boundaries=["a", "b"], devices=devices(2))
     strategy = tfdist.Strategy(pipeline=2, microbatches=4, devices=devices(2))
     x, y = data()
@@ -219,21 +260,25 @@ def two_block_lm(seed=0):
     return compile_lm(keras.Model(tokens, keras.layers.Dense(VOCAB)(x)))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_transformer_lm_matches_one_device(schedule):
+@pytest.mark.parametrize("schedule, virtual", SCHEDULES, ids=[s for s, _ in SCHEDULES])
+def test_transformer_lm_matches_one_device(schedule, virtual):
     x, y = lm_data()
     reference = trained_reference(make=two_block_lm, x=x, y=y, batch_size=16)
     strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule=schedule,
-                               devices=devices(2))
+                               virtual_stages=virtual, devices=devices(2))
     result = train(strategy, make=two_block_lm, x=x, y=y, batch_size=16)
     assert_parity(result, reference)
-    first, second = strategy.train_step(result[2]).compute.pipeline.stages
-    assert any(isinstance(layer, keras.layers.MultiHeadAttention) for layer in first.layers)
-    assert any(isinstance(layer, keras.layers.MultiHeadAttention) for layer in second.layers)
+    stages = strategy.train_step(result[2]).compute.pipeline.stages
+    assert len(stages) == 2 * virtual
+    attention = [any(isinstance(layer, keras.layers.MultiHeadAttention) for layer in stage.layers)
+                 for stage in stages]
+    assert attention.count(True) == 2 and (virtual > 1 or attention == [True, True])
 
 
-def test_trace_shows_each_stage_unit(tmp_path):
-    strategy = tfdist.Strategy(pipeline=2, microbatches=2, schedule="1f1b", devices=devices(2))
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1"])
+def test_trace_shows_each_stage_unit(tmp_path, schedule):
+    strategy = tfdist.Strategy(pipeline=2, microbatches=2, schedule=schedule,
+                               devices=devices(2))
     with strategy.scope():
         model = residual_mlp()
     profiler = tfdist.callbacks.Profiler(tmp_path, steps=(2, 4))
@@ -242,13 +287,17 @@ def test_trace_shows_each_stage_unit(tmp_path):
     units = set()
     for event in trace_events(profiler.trace_path):
         # TensorFlow names gradient ops after the forward ops they differentiate.
-        found = re.search(r"(gradient_tape/)?tfdist/stage(\d)/(fwd|bwd)/mb(\d)",
+        found = re.search(r"(gradient_tape/)?tfdist/stage(\d)/(fwd|bwd\w*)/mb(\d)",
                           event.get("args", {}).get("long_name", ""))
         if found:
             kind = "bwd" if found.group(1) else found.group(3)
             units.add(f"stage{found.group(2)}/{kind}/mb{found.group(4)}")
-    assert units == {f"stage{s}/{kind}/mb{i}" for s in range(2) for kind in ("fwd", "bwd")
-                     for i in range(2)}
+    every = {f"stage{s}/{kind}/mb{i}" for s in range(2) for kind in ("fwd", "bwd")
+             for i in range(2)}
+    if schedule == "1f1b":
+        assert units == every
+    else:  # and the second W's addition to the stage's gradient totals
+        assert units >= every | {f"stage{s}/bwd_weight/mb1" for s in range(2)}
 
 
 def test_remat_lowers_peak_memory():
@@ -265,34 +314,39 @@ def test_remat_lowers_peak_memory():
     assert peaks["--remat"] + 100 < peaks["--noremat"], peaks
 
 
-def test_mixed_float16_matches_one_device_with_the_same_microbatches():
+@pytest.mark.parametrize("schedule, virtual", SCHEDULES[1:], ids=[s for s, _ in SCHEDULES[1:]])
+def test_mixed_float16_matches_one_device_with_the_same_microbatches(schedule, virtual):
     one_device = tfdist.Strategy(microbatches=4, precision="mixed_float16", devices=devices(1))
     reference = train(one_device, make=residual_mlp)
-    strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule="1f1b",
-                               precision="mixed_float16", devices=devices(2))
+    strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule=schedule,
+                               virtual_stages=virtual, precision="mixed_float16",
+                               devices=devices(2))
     result = train(strategy, make=residual_mlp)
     assert isinstance(result[2].optimizer, keras.optimizers.LossScaleOptimizer)
     assert_parity(result, reference, rtol=1e-5, atol=1e-6)
 
 
-def test_xla_compiles_each_stage_and_keeps_parity():
+@pytest.mark.parametrize("schedule, virtual", SCHEDULES[1:], ids=[s for s, _ in SCHEDULES[1:]])
+def test_xla_compiles_each_stage_and_keeps_parity(schedule, virtual):
     reference = trained_reference(make=residual_mlp)
-    strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule="1f1b", xla=True,
-                               devices=devices(2))
+    strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule=schedule, xla=True,
+                               virtual_stages=virtual, devices=devices(2))
     result = train(strategy, make=residual_mlp)
     assert_parity(result, reference)
     compiled = [runner._call for runner in strategy.train_step(result[2]).compute.pipeline.runners]
     assert all(run.experimental_get_tracing_count() >= 1 for run in compiled)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-def test_zero_matches_unsharded_pipeline(zero):
+@pytest.mark.parametrize("zero, schedule, virtual", [
+    (1, "gpipe", 1), (2, "gpipe", 1), (1, "interleaved", 2), (2, "zb1", 1)])
+def test_zero_matches_unsharded_pipeline(zero, schedule, virtual):
     def make():
         return residual_mlp(optimizer=keras.optimizers.Adam(1e-2))
 
     reference = train(tfdist.Strategy(data=2, pipeline=2, microbatches=2, devices=devices(4)),
                       make=make)
     strategy = tfdist.Strategy(data=2, pipeline=2, microbatches=2, zero=zero,
+                               schedule=schedule, virtual_stages=virtual,
                                devices=devices(4))
     result = train(strategy, make=make)
     assert_parity(result, reference, rtol=1e-5)

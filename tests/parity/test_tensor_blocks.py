@@ -177,6 +177,22 @@ def test_backbone_in_pipeline_stages_matches_one_device(backbone, tensor):
     assert re.search(r"^stage 1 .*transformer_layer_1", described, re.M), described
 
 
+@pytest.mark.parametrize("schedule, virtual, tensor, remat", [
+    ("zb1", 1, 1, False), ("zb1", 1, 2, True),
+    ("interleaved", 2, 1, True), ("interleaved", 2, 2, False)])
+def test_gpt2_backbone_under_zero_bubble_and_interleaved_schedules(
+        schedule, virtual, tensor, remat):
+    x, y = lm_data("gpt2")
+    reference = trained_reference(make=make_gpt2, x=x, y=y, batch_size=16)
+    strategy = tfdist.Strategy(pipeline=2, tensor=tensor, microbatches=2, schedule=schedule,
+                               virtual_stages=virtual, remat=remat,
+                               devices=devices(2 * tensor))
+    result = train(strategy, make=make_gpt2, x=x, y=y, batch_size=16)
+    assert_parity(result, reference, steps=12)
+    described = strategy.describe(result[2])
+    assert len(re.findall(r"^stage \d", described, re.M)) == 2 * virtual, described
+
+
 def test_llama_trained_from_a_layout_map_of_the_same_plan_is_identical():
     x, y = lm_data("llama")
     own = train(tfdist.Strategy(tensor=2, devices=devices(2)), make=make_llama, x=x, y=y,

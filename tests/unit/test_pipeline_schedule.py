@@ -15,47 +15,88 @@ from tfdist.pipeline.schedule import (
     stage_orders,
 )
 
-CASES = [(kind, p, m) for kind in SCHEDULES
+# (schedule, devices p, microbatches m, virtual stages v)
+CASES = [(kind, p, m, 1) for kind in ("gpipe", "1f1b", "zb1")
          for p, m in itertools.product(range(1, 5), range(1, 9))]
+CASES += [("interleaved", p, m, v) for p in range(1, 5) for v in (2, 3)
+          for m in range(p, 9, p)]
 
 
-@pytest.mark.parametrize("kind, p, m", CASES)
-def test_every_forward_and_backward_once_on_its_stage(kind, p, m):
-    orders = stage_orders(kind, p, m)
+def kinds(kind):
+    return "FBW" if kind == "zb1" else "FB"
+
+
+@pytest.mark.parametrize("kind, p, m, v", CASES)
+def test_every_action_once_on_its_device(kind, p, m, v):
+    orders = stage_orders(kind, p, m, v)
     assert len(orders) == p
-    for s, order in enumerate(orders):
+    for d, order in enumerate(orders):
         assert sorted(order, key=str) == sorted(
-            (Action(s, k, i) for k in "FB" for i in range(m)), key=str)
+            (Action(s, k, i) for s in range(d, p * v, p) for k in kinds(kind)
+             for i in range(m)), key=str)
 
 
-@pytest.mark.parametrize("kind, p, m", CASES)
-def test_emission_order_respects_stage_order_and_data(kind, p, m):
-    orders = stage_orders(kind, p, m)
+@pytest.mark.parametrize("kind, p, m, v", CASES)
+def test_emission_order_respects_device_order_and_data(kind, p, m, v):
+    orders = stage_orders(kind, p, m, v)
     order = emission_order(orders)
     position = {action: n for n, action in enumerate(order)}
-    assert len(position) == len(order) == 2 * p * m
-    for s in range(p):
-        assert [a for a in order if a.stage == s] == orders[s]
+    stages = p * v
+    assert len(position) == len(order) == len(kinds(kind)) * stages * m
+    for d in range(p):
+        assert [a for a in order if a.stage % p == d] == orders[d]
     for action in order:
         s, i = action.stage, action.microbatch
         if action.kind == "F" and s > 0:
             assert position[Action(s - 1, "F", i)] < position[action]
         if action.kind == "B":
             assert position[Action(s, "F", i)] < position[action]
-            if s < p - 1:
+            if s < stages - 1:
                 assert position[Action(s + 1, "B", i)] < position[action]
+        if action.kind == "W":
+            assert position[Action(s, "B", i)] < position[action]
 
 
-@pytest.mark.parametrize("kind, p, m", CASES)
-def test_a_clock_step_runs_each_stage_at_most_once(kind, p, m):
-    for step in clock_steps(stage_orders(kind, p, m)):
-        assert [a.stage for a in step] == sorted({a.stage for a in step})
+@pytest.mark.parametrize("kind, p, m, v", CASES)
+def test_a_clock_step_runs_each_device_at_most_once(kind, p, m, v):
+    for step in clock_steps(stage_orders(kind, p, m, v)):
+        devices = [a.stage % p for a in step]
+        assert devices == sorted(set(devices))
 
 
 def test_held_activations():
     assert held_activations(stage_orders("gpipe", 4, 8)) == [8, 8, 8, 8]
     assert held_activations(stage_orders("1f1b", 4, 8)) == [4, 3, 2, 1]
     assert held_activations(stage_orders("1f1b", 4, 2)) == [2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("p, m", itertools.product(range(1, 6), range(1, 17)))
+def test_zb1_holds_no_more_than_1f1b_and_has_a_third_of_its_bubble(p, m):
+    """Within 1F1B's peak (its first stage's). With F = B = W one clock step
+    each, 1F1B (B and W in one backward) takes 3 (m + p - 1) steps: a bubble
+    of 3 (p - 1); zb1 never more, and with m >= p, 3 m + (p - 1) steps."""
+    orders = stage_orders("zb1", p, m)
+    assert max(held_activations(orders)) <= max(held_activations(stage_orders("1f1b", p, m)))
+    steps = len(clock_steps(orders))
+    assert steps <= 3 * (m + p - 1)
+    if m >= p:
+        assert steps == 3 * m + p - 1
+
+
+@pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (4, 3), (3, 2)])
+def test_interleaved_divides_the_bubble_by_v(p, v):
+    """A device's clock step is one 1/v-size stage's F or B: 2 m v steps of
+    work, and a bubble of 2 (p - 1) such steps against 1F1B's 2 (p - 1)
+    stage-size steps."""
+    m = 2 * p
+    steps = clock_steps(stage_orders("interleaved", p, m, v))
+    assert len(steps) - 2 * m * v == 2 * (p - 1)
+
+
+def test_interleaved_holds_megatrons_warm_up():
+    # Megatron: 2 (p - d - 1) + (v - 1) p warm-up forwards, plus the steady
+    # state's one, of 1/v-size stages.
+    assert held_activations(stage_orders("interleaved", 4, 8, 2)) == [11, 9, 7, 5]
 
 
 def test_action_text_round_trip():
@@ -72,13 +113,14 @@ def test_action_parse_rejects(text):
 
 
 def test_action_parse_rejects_an_unknown_kind():
-    with pytest.raises(ValueError, match=r"`kind` must be one of \('F', 'B'\), got 'X'"):
+    with pytest.raises(ValueError, match=r"`kind` must be one of \('F', 'B', 'W'\), got 'X'"):
         Action.parse("1X0")
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"stage": -1, "kind": "F", "microbatch": 0}, r"`stage` must be an int >= 0, got -1"),
-    ({"stage": 0, "kind": "W", "microbatch": 0}, r"`kind` must be one of \('F', 'B'\), got 'W'"),
+    ({"stage": 0, "kind": "w", "microbatch": 0},
+     r"`kind` must be one of \('F', 'B', 'W'\), got 'w'"),
     ({"stage": 0, "kind": "F", "microbatch": 1.5}, r"`microbatch` must be an int >= 0"),
 ])
 def test_bad_action(kwargs, message):
@@ -104,6 +146,25 @@ def test_grid_1f1b_three_stages():
     ])
 
 
+def test_grid_zb1_and_interleaved():
+    assert grid(stage_orders("zb1", 2, 2)) == "\n".join([
+        "step  stage 0  stage 1",
+        "0     F0       .",
+        "1     F1       F0",
+        "2     .        B0",
+        "3     B0       F1",
+        "4     W0       B1",
+        "5     B1       W0",
+        "6     W1       W1",
+    ])
+    assert grid(stage_orders("interleaved", 2, 2, 2)).splitlines()[:4] == [
+        "step  stage 0  stage 1",
+        "0     F0s0     .",
+        "1     F1s0     F0s1",
+        "2     F0s2     F1s1",
+    ]
+
+
 def test_deadlock_is_reported():
     backwards_first = [[Action(0, "B", 0), Action(0, "F", 0)]]
     with pytest.raises(ValueError, match=r"`orders` deadlock: .*\['0B0'\]"):
@@ -111,7 +172,11 @@ def test_deadlock_is_reported():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("zero-bubble", 2, 2), r"`kind` must be one of \('gpipe', '1f1b'\), got 'zero-bubble'"),
+    (("zero-bubble", 2, 2), r"`kind` must be one of \('gpipe', '1f1b', 'zb1', 'interleaved'\), "
+                            r"got 'zero-bubble'"),
+    (("interleaved", 2, 4), r"`virtual_stages` must be > 1 with the interleaved schedule"),
+    (("1f1b", 2, 4, 2), r"`virtual_stages` must be > 1 with .* and 1 with the others, got 2"),
+    (("interleaved", 4, 6, 2), r"`microbatches` must be a multiple of `stages` \(4\) .*got 6"),
     (("gpipe", 0, 2), r"`stages` must be an int >= 1, got 0"),
     (("1f1b", 2, "4"), r"`microbatches` must be an int >= 1, got '4'"),
 ])
@@ -121,4 +186,4 @@ def test_bad_stage_orders(args, message):
 
 
 def test_config_accepts_the_registered_schedules():
-    assert CONFIG_SCHEDULES == tuple(SCHEDULES) == ("gpipe", "1f1b")
+    assert CONFIG_SCHEDULES == tuple(SCHEDULES) == ("gpipe", "1f1b", "zb1", "interleaved")

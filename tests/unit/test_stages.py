@@ -90,8 +90,8 @@ def test_sequential_with_an_input_is_split_like_its_functional_graph():
     (8, None, r"`pipeline=8` needs at least 8 layers to split, but 'residual' has 5: "
               r"use pipeline <= 5"),
     (2, ["nope"], r"`stage_boundaries`: no layer named 'nope' in the model; its layers are"),
-    (2, ["a", "b"], r"`stage_boundaries` must name 1 layer\(s\) for pipeline=2"),
-    (2, "a", r"`stage_boundaries` must name 1 layer\(s\) for pipeline=2 .*got 'a'"),
+    (2, ["a", "b"], r"`stage_boundaries` must name 1 layer\(s\) for 2 stages"),
+    (2, "a", r"`stage_boundaries` must name 1 layer\(s\) for 2 stages .*got 'a'"),
     (3, ["b", "a"], r"'a' must come after the previous boundary"),
     (2, ["in"], r"'in' must come after the previous boundary .* the first stage must not"),
 ])

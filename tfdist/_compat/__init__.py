@@ -4,7 +4,7 @@ Keras 3 and `tf.distribute` have no public hooks for some of what tfdist
 does (turning off an optimizer's own gradient all-reduce, pointing its slot
 lookup at shard buffers, ...). Each such use is a named function here, one
 module per foreign area (`keras_optimizer`, `keras_trainer`, `keras_losses`,
-`keras_functional`, `keras_layers`, `tf_variables`, `tf_distribute`,
+`keras_functional`, `keras_layers`, `tf_variables`, `tf_graph`, `tf_distribute`,
 `tf_collectives`, `tf_parameter_server`, `tf_logging`), and every change to
 Keras or TensorFlow code is listed in `patches`, so a Keras or TensorFlow
 upgrade means auditing this package and nothing else.

@@ -3,17 +3,27 @@
 Each replica's batch is split into `microbatches` slices that flow through the
 model's stages (`tfdist.pipeline.stages`), stage s computing on its own device.
 The step engine, not TensorFlow's executor, decides the order in which each
-stage runs its actions (the forward or the backward of one microbatch): the
-schedule's emission order (`tfdist.pipeline.schedule`), every action of a
-stage waiting (control dependencies) for that stage's previous action. Each
-action is its stage's `StageRunner`'s (`tfdist.pipeline.runner`). The last
-stage's forward ends in the microbatch's loss, weighted by its share of the
-batch, so the summed gradients are the batch's.
+device runs its actions (the forward or the backward of one microbatch on one
+stage): the schedule's emission order (`tfdist.pipeline.schedule`), every
+action of a device waiting (control dependencies) for that device's previous
+action. Each action is its stage's `StageRunner`'s (`tfdist.pipeline.runner`).
+The last stage's forward ends in the microbatch's loss, weighted by its share
+of the batch, so the summed gradients are the batch's.
 
-With `tensor` > 1 each action of stage s runs under `TensorMesh.stage(s)`: the
-split layers' all-reduces are among the tensor group's stage-s devices.
+A zero-bubble schedule ("zb1") splits each backward: its "B" builds the whole
+backward pass of the stage, and the ops only the weight gradients need wait
+for the stage's "W" (`StageGradients.start_weights`), so the input gradients
+the previous stage waits for come first. With virtual stages ("interleaved")
+stage s runs on device s mod p.
 
-Ops are named `tfdist/stage{s}/{fwd|bwd}/mb{i}/...`.
+With `tensor` > 1 each action of device d runs under `TensorMesh.stage(d)`: the
+split layers' all-reduces are among the tensor group's device-d devices.
+
+Ops are named `tfdist/stage{s}/{fwd|bwd}/mb{i}/...`, a zero-bubble schedule's
+`fwd`, `bwd_input` and `bwd_weight`; the gradient ops themselves are named
+after the forward op they differentiate (`gradient_tape/tfdist/stage{s}/fwd/...`),
+for a "B" and a "W" alike; a "W"'s ops wait for its `bwd_weight/mb{i}/start`,
+and its gradients are added to the stage's totals under `bwd_weight/mb{i}`.
 """
 
 import contextlib
@@ -28,7 +38,7 @@ from tfdist._compat.tf_distribute import local_replica_id
 from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
 from tfdist.pipeline.placement import place_stages
 from tfdist.pipeline.runner import StageRunner
-from tfdist.pipeline.schedule import FORWARD, emission_order, stage_orders
+from tfdist.pipeline.schedule import BACKWARD, FORWARD, WEIGHTS, emission_order, stage_orders
 from tfdist.pipeline.stages import plan_stages
 
 
@@ -52,16 +62,17 @@ class PipelineCompute:
     Args:
         model: the compiled Keras model.
         stages: its `Stage`s (`plan_stages`).
-        devices: `devices[r][s]`, the device of stage s in data replica r.
+        devices: `devices[r][d]`, pipeline device d of data replica r (stage
+            s runs on device s mod p).
         microbatches: microbatches per replica batch.
-        kind: the schedule, a key of `tfdist.pipeline.schedule.SCHEDULES`
-            ("gpipe" or "1f1b").
+        kind: the schedule, a key of `tfdist.pipeline.schedule.SCHEDULES`.
         remat: recompute each stage's forward in its backward.
         xla: compile each stage's layers with XLA.
+        virtual_stages: stages per device ("interleaved").
 
-    After a step is traced, `peak_held[s]` is the largest number of
-    microbatches whose activations stage s held at once
-    (`held_activations` of the schedule).
+    After a step is traced, `peak_held[d]` is the largest number of (stage,
+    microbatch) activations device d held at once (`held_activations` of
+    the schedule).
 
     Example:
 
@@ -73,14 +84,17 @@ class PipelineCompute:
     """
 
     def __init__(self, model, stages, devices, microbatches, kind, remat=False, xla=False,
-                 copies=None):
+                 copies=None, virtual_stages=1):
         self.model = model
         self.graph = stages[0].graph
         self.stages = stages
         self.devices = devices
-        self.order = emission_order(stage_orders(kind, len(stages), microbatches))
+        self.pipeline = len(stages) // virtual_stages
+        self.order = emission_order(stage_orders(kind, self.pipeline, microbatches,
+                                                 virtual_stages))
+        self.split_backward = any(action.kind == WEIGHTS for action in self.order)
         self.remat = remat
-        self.peak_held = [0] * len(stages)
+        self.peak_held = [0] * self.pipeline
         self.runners = [StageRunner(stage, model.trainable_weights, xla=xla, copies=copies)
                         for stage in stages]
         self.loss = MicrobatchLoss(model, getattr(model.distribute_strategy, "tensor_mesh", None))
@@ -122,7 +136,7 @@ class PipelineCompute:
         """The step's end for the stages' BatchNormalization statistics (one
         update per step, equal on every replica: `MovingStatistics`)."""
         for s, runner in enumerate(self.runners):
-            with tf.device(self.devices[local][s]):
+            with tf.device(self.devices[local][s % self.pipeline]):
                 runner.moving.finish(starts[s], moved[s])
         return totals, metrics
 
@@ -132,55 +146,71 @@ class PipelineCompute:
             return self._run_actions(slices, local, mesh)
 
     def _run_actions(self, slices, local, mesh):
-        """Every action of the schedule, in emission order, each on its stage's
-        device after the stage's previous action."""
+        """Every action of the schedule, in emission order, each on its
+        stage's device after the device's previous action."""
         devices = self.devices[local]
-        last = len(self.stages) - 1
+        p, last = self.pipeline, len(self.stages) - 1
+        names = {FORWARD: "fwd", BACKWARD: "bwd_input" if self.split_backward else "bwd",
+                 WEIGHTS: "bwd_weight"}
         env = [self._inputs(x_i) for x_i, *_ in slices]   # values by id(symbolic)
         out_grads = [{} for _ in slices]                   # gradients by id(symbolic)
-        held = [{} for _ in self.stages]                   # stage -> mb -> Activations
-        previous = [[] for _ in self.stages]               # stage's last action's tensors
+        held = [{} for _ in range(p)]                      # device -> (stage, mb) -> Activations
+        deferred = {}                                      # (stage, mb) -> StageGradients
+        previous = [[] for _ in range(p)]                  # device's last action's tensors
         totals = [[None] * len(self.model.trainable_weights) for _ in self.stages]
         metrics = None
         starts, moved = [], [None for _ in self.stages]   # BatchNormalization statistics
         for s, runner in enumerate(self.runners):
-            with tf.device(devices[s]):
+            with tf.device(devices[s % p]):
                 starts.append(runner.moving.start())
-                previous[s] = runner.refresh_copies(local)
+                previous[s % p] += runner.refresh_copies(local)
         for action in self.order:
-            s, i = action.stage, action.microbatch
+            s, i, d = action.stage, action.microbatch, action.stage % p
             runner = self.runners[s]
-            forward = action.kind == FORWARD
             # The loss is tracked by the forward, not again by a remat replay.
-            head = (functools.partial(self._last_stage_loss, slices[i], forward)
+            head = (functools.partial(self._last_stage_loss, slices[i], action.kind == FORWARD)
                     if s == last else None)
-            with tf.name_scope(f"stage{s}/{'fwd' if forward else 'bwd'}/mb{i}"), \
-                    tf.device(devices[s]), tf.control_dependencies(previous[s]), \
-                    mesh.stage(s) if mesh else contextlib.nullcontext():
-                if forward:
+            with tf.name_scope(f"stage{s}/{names[action.kind]}/mb{i}"), \
+                    tf.device(devices[d]), tf.control_dependencies(previous[d]), \
+                    mesh.stage(d) if mesh else contextlib.nullcontext():
+                if action.kind == FORWARD:
                     runner.moving.reset(starts[s])  # every microbatch from the step's start
                     kept = runner.forward(env[i], head, remat=self.remat)
                     moved[s] = runner.moving.add(moved[s], slices[i][4])
-                    held[s][i] = kept
-                    self.peak_held[s] = max(self.peak_held[s], len(held[s]))
+                    held[d][s, i] = kept
+                    self.peak_held[d] = max(self.peak_held[d], len(held[d]))
                     env[i].update((id(sym), value) for sym, value in
                                   zip(runner.stage.outputs, kept.outputs))
                     if s == last:
                         metrics = kept.metrics
-                    previous[s] = tf.nest.flatten([kept.loss] if s == last else kept.outputs)
-                else:
-                    kept = held[s].pop(i)
+                    previous[d] = tf.nest.flatten([kept.loss] if s == last else kept.outputs)
+                elif action.kind == BACKWARD:
+                    kept = held[d][s, i] if self.split_backward else held[d].pop((s, i))
                     if self.remat:
                         kept = runner.replay(kept, head)
-                    grads = runner.backward(kept, out_grads[i])
-                    _accumulate(totals[s], runner.weights, grads)
-                    previous[s] = [g for g in tf.nest.flatten(grads, expand_composites=True)
-                                   if g is not None] or previous[s]
+                    grads = runner.backward(kept, out_grads[i], self.split_backward)
+                    if self.split_backward:
+                        deferred[s, i] = grads
+                        previous[d] = grads.inputs or previous[d]
+                    else:
+                        previous[d] = self._add(totals[s], runner, grads.weights) or previous[d]
+                else:  # the weight gradients a zero-bubble "B" left for now
+                    del held[d][s, i]
+                    start = tf.no_op(name="start")
+                    weights = deferred.pop((s, i)).start_weights(start)
+                    previous[d] = self._add(totals[s], runner, weights) or [start]
         # The gradients meet on the replica's own device: the data-parallel
         # reduce is then one packed all-reduce, as without stages.
         with tf.device(devices[0]):
             totals = [None if g is None else tf.identity(g) for g in _meet(totals)]
         return totals, metrics, starts, moved
+
+    @staticmethod
+    def _add(totals, runner, weights):
+        """Adds a backward's weight gradients to the stage's totals; returns
+        their tensors."""
+        _accumulate(totals, runner.weights, weights)
+        return [g for g in tf.nest.flatten(weights, expand_composites=True) if g is not None]
 
     def _last_stage_loss(self, microbatch, track, values):
         """The last stage's loss of `microbatch` (its (x, y, sample_weight,
@@ -207,7 +237,7 @@ class PipelineCompute:
 def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:
     """Plans `model`'s stages, moves their variables onto the stages' devices,
     and returns the compute that runs them (strategy's `pipeline`,
-    `stage_boundaries`, `microbatches`, `schedule`, `remat`).
+    `virtual_stages`, `stage_boundaries`, `microbatches`, `schedule`, `remat`).
     `sequence_length` (from the first batch) sizes the stages' cost estimates.
 
     Example:
@@ -217,10 +247,11 @@ def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:
     ```
     """
     config = strategy.config
-    stages = plan_stages(model, config.pipeline, config.stage_boundaries, sequence_length)
+    stages = plan_stages(model, config.model_stages, config.stage_boundaries, sequence_length)
     devices = strategy.pipeline_devices
-    per_stage = [[replica[s] for replica in devices] for s in range(config.pipeline)]
+    per_stage = [[replica[s % config.pipeline] for replica in devices]
+                 for s in range(config.model_stages)]
     copies = place_stages(model, stages, per_stage, strategy)
     return PipelineCompute(model, stages, devices, config.microbatches,
                            config.schedule, remat=config.remat, xla=config.xla,
-                           copies=copies)
+                           copies=copies, virtual_stages=config.virtual_stages)

@@ -20,6 +20,7 @@ from keras import tree
 
 from tfdist import sparse_gradients
 from tfdist._compat.keras_functional import node_call
+from tfdist._compat.tf_graph import run_after
 from tfdist._compat.tf_variables import set_storage, storage_of
 from tfdist.engine.moving_statistics import MovingStatistics
 from tfdist.pipeline.placement import split_like
@@ -104,6 +105,61 @@ def _run_nodes(stage, sources):
     return [values[id(sym)] for sym in stage.outputs]
 
 
+@dataclasses.dataclass
+class StageGradients:
+    """What a stage's backward of one microbatch gives.
+
+    Attributes:
+        weights: the gradients of the stage's weights (`StageRunner.weights`).
+        inputs: the gradients of its floating inputs (None left out).
+        weight_ops: with deferred weight gradients, the ops that only
+            `weights` need, not `inputs`; None otherwise.
+
+    Example:
+
+    ```python
+    grads = runner.backward(activations, out_grads, defer_weights=True)
+    ...                                    # later: the schedule's "W"
+    weights = grads.start_weights(tf.no_op())
+    ```
+    """
+
+    weights: list
+    inputs: list
+    weight_ops: list | None = None
+
+    def start_weights(self, trigger) -> list:
+        """Makes the weight gradients' own ops wait for the op `trigger`;
+        returns the weight gradients."""
+        group = set(self.weight_ops)
+        run_after([op for op in self.weight_ops if _first_of(op, group)], trigger)
+        return self.weights
+
+
+def _weight_only(ops, input_grads, weight_grads):
+    """The ops of `ops` (a backward pass's) that `weight_grads` need and
+    `input_grads` do not."""
+    ops = set(ops)
+
+    def ancestors(tensors):
+        seen, pending = set(), [t.op for t in tensors]
+        while pending:
+            op = pending.pop()
+            if op in ops and op not in seen:
+                seen.add(op)
+                pending.extend([t.op for t in op.inputs] + list(op.control_inputs))
+        return seen
+
+    needed = ancestors(input_grads)
+    return [op for op in ancestors(weight_grads) if op not in needed]
+
+
+def _first_of(op, group):
+    """Whether `op` reads nothing (data or control) from another op of `group`."""
+    return not any(t.op in group for t in op.inputs) and not any(
+        c in group for c in op.control_inputs)
+
+
 class StageRunner:
     """Runs one pipeline stage's forward, backward and remat replay.
 
@@ -129,7 +185,7 @@ class StageRunner:
     ```python
     runner = StageRunner(plan_stages(model, 2)[0], model.trainable_weights)
     activations = runner.forward(values)          # values by id(symbolic tensor)
-    grads = runner.backward(activations, out_grads)
+    grads = runner.backward(activations, out_grads).weights
     ```
     """
 
@@ -197,11 +253,17 @@ class StageRunner:
                 v.assign(value)
         return replayed
 
-    def backward(self, activations: Activations, out_grads: dict) -> list:
-        """Gradients of the stage's weights (aligned with `weights`; a fixed
-        lookup's dense, `sparse_gradients.sum_fixed_lookups`); adds
-        those of its inputs to `out_grads` (by `id` of symbolic tensor), which
-        holds the gradients of its outputs."""
+    def backward(self, activations: Activations, out_grads: dict,
+                 defer_weights: bool = False) -> "StageGradients":
+        """The gradients of the stage's weights (aligned with `weights`; a
+        fixed lookup's dense, `sparse_gradients.sum_fixed_lookups`) and of
+        its inputs, which it also adds to `out_grads` (by `id` of symbolic
+        tensor; it holds the gradients of the stage's outputs).
+
+        One backward pass computes both. With `defer_weights` (a zero-bubble
+        schedule's "B"), the ops that only the weight gradients need are
+        found, to be started later (`StageGradients.start_weights`, its "W").
+        """
         stage = self.stage
         weights = [v for _, v in self.weights]
         sources = activations.sources
@@ -215,20 +277,30 @@ class StageRunner:
                      if out_grads.get(id(sym)) is not None]
             targets = [out for out, _ in pairs]
             seeds = [g for _, g in pairs]
+        graph = tf.compat.v1.get_default_graph()
+        built = len(graph.get_operations())
         if is_last or targets:
             grads = activations.tape.gradient(targets, floating + weights,
                                               output_gradients=seeds)
         else:
             grads = [None] * (len(floating) + len(weights))
-        input_grads = iter(grads[:len(floating)])
+        input_grads = [None if g is None else tf.convert_to_tensor(g)
+                       for g in grads[:len(floating)]]
+        result = StageGradients(
+            sparse_gradients.sum_fixed_lookups(grads[len(floating):]),
+            [g for g in input_grads if g is not None])
+        if defer_weights:
+            result.weight_ops = _weight_only(graph.get_operations()[built:], result.inputs,
+                                             tf.nest.flatten(result.weights,
+                                                             expand_composites=True))
+        input_grads = iter(input_grads)
         for sym, value in zip(stage.inputs, sources):
             if value.dtype.is_floating:
                 grad = next(input_grads)
                 if grad is not None:
-                    grad = tf.convert_to_tensor(grad)
                     known = out_grads.get(id(sym))
                     out_grads[id(sym)] = grad if known is None else known + grad
-        return sparse_gradients.sum_fixed_lookups(grads[len(floating):])
+        return result
 
     def _record(self, values, head, record):
         """Runs the stage (and `head`) on `values`, under a tape if `record`."""

@@ -1,16 +1,21 @@
 """Pipeline schedules as data: which stage runs which microbatch's forward or
 backward, and in what order.
 
-A schedule is, for each stage, the list of its `Action`s in the order the stage
-runs them (`stage_orders`). From those lists alone follow the clock of the
-whole pipeline (`clock_steps`, `emission_order`), the activations each stage
-holds at its peak (`held_activations`) and a printable timetable (`grid`).
-No TensorFlow here: the step engine (`tfdist.pipeline.compute`) executes the
-actions.
+A schedule is, for each device of the pipeline, the list of its `Action`s in
+the order the device runs them (`stage_orders`). An action is the forward
+("F"), backward ("B") or, in a zero-bubble schedule, the weight-gradient part
+("W", split from the backward, whose "B" then only computes the gradients of
+the stage's inputs) of one microbatch on one stage. Usually a device runs one
+stage; with virtual stages (`interleaved`) the model is cut into p x v stages
+and device d runs stages d, d + p, d + 2p, ... From the lists alone follow the
+clock of the whole pipeline (`clock_steps`, `emission_order`), the activations
+each device holds at its peak (`held_activations`) and a printable timetable
+(`grid`). No TensorFlow here: the step engine (`tfdist.pipeline.compute`)
+executes the actions.
 
-A new schedule is one function `(stages, microbatches) -> list[list[Action]]`
-added to `SCHEDULES`, whose keys are the names `ParallelConfig.schedule`
-accepts.
+A new schedule is one function `(stages, microbatches, virtual_stages) ->
+list[list[Action]]` added to `SCHEDULES`, whose keys are the names
+`ParallelConfig.schedule` accepts.
 
 Example:
 
@@ -24,14 +29,16 @@ step  stage 0  stage 1
 5     B1       .
 """
 
+import collections
 import dataclasses
 import re
 
 FORWARD = "F"
 BACKWARD = "B"
-# The kinds of action a schedule may contain. A zero-bubble schedule would add
-# "W" (the weight gradients, split from the input gradients of "B").
-KINDS = (FORWARD, BACKWARD)
+WEIGHTS = "W"
+# The kinds of action a schedule may contain: a zero-bubble schedule splits the
+# weight gradients ("W") from the input gradients of "B".
+KINDS = (FORWARD, BACKWARD, WEIGHTS)
 
 _TEXT = re.compile(r"(\d+)([A-Z])(\d+)")
 
@@ -39,7 +46,7 @@ _TEXT = re.compile(r"(\d+)([A-Z])(\d+)")
 @dataclasses.dataclass(frozen=True)
 class Action:
     """One unit of pipeline work: stage `stage` runs the `kind` ("F" forward,
-    "B" backward) of microbatch `microbatch`.
+    "B" backward, "W" weight gradients) of microbatch `microbatch`.
 
     Written compactly as stage, kind, microbatch.
 
@@ -84,7 +91,7 @@ class Action:
         return cls(int(stage), kind, int(microbatch))
 
 
-def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
+def gpipe(stages: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
     """GPipe: every stage runs all its forwards, then all its backwards; each
     stage holds every microbatch's activations at its peak.
 
@@ -98,7 +105,7 @@ def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
             for s in range(stages)]
 
 
-def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
+def one_f_one_b(stages: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
     """1F1B: stage s runs `stages - s - 1` warm-up forwards, then one forward
     and one backward in turn, then the remaining backwards; it holds at most
     `stages - s` microbatches' activations.
@@ -119,12 +126,95 @@ def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     return orders
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zero_bubble_h1(stages: int, microbatches: int,
+                   virtual_stages: int = 1) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B's forwards
+    and backwards, each backward ("B") computing only the gradients of the
+    stage's inputs, which the previous stage waits for; the gradients of the
+    stage's weights ("W") are deferred into the clock steps where the stage
+    would otherwise wait. A stage runs its next forward or backward as soon as
+    it can, and a W (oldest first) when it cannot, or when one more forward
+    would hold more microbatches than 1F1B's first stage does (`stages`; a
+    microbatch's activations are held until its W). With forward, backward
+    and weight work of equal length a step lasts m (F + B + W) + (p - 1) F:
+    the bubble is a third of 1F1B's.
+
+    Example:
+
+    >>> [" ".join(map(str, order)) for order in zero_bubble_h1(2, 2)]
+    ['0F0 0F1 0B0 0W0 0B1 0W1', '1F0 1B0 1F1 1B1 1W0 1W1']
+    """
+    plan = one_f_one_b(stages, microbatches)
+    orders = [[] for _ in range(stages)]
+    done, position, held = set(), [0] * stages, [0] * stages
+    deferred = [collections.deque() for _ in range(stages)]  # B done, W not
+    while any(position[s] < len(plan[s]) or deferred[s] for s in range(stages)):
+        step = []
+        for s in range(stages):
+            nxt = plan[s][position[s]] if position[s] < len(plan[s]) else None
+            if (nxt is not None and all(n in done for n in needs(nxt, stages))
+                    and not (nxt.kind == FORWARD and held[s] >= stages)):
+                position[s] += 1
+                held[s] += nxt.kind == FORWARD
+                step.append(nxt)
+            elif deferred[s]:
+                held[s] -= 1
+                step.append(Action(s, WEIGHTS, deferred[s].popleft()))
+        for action in step:
+            orders[action.stage].append(action)
+            if action.kind == BACKWARD:
+                deferred[action.stage].append(action.microbatch)
+        done.update(step)
+    return orders
 
 
-def stage_orders(kind: str, stages: int, microbatches: int) -> list[list[Action]]:
-    """Each stage's actions in the order it runs them, for schedule `kind` (a
-    key of `SCHEDULES`).
+def interleaved(stages: int, microbatches: int, virtual_stages: int = 2) -> list[list[Action]]:
+    """Megatron-LM's interleaved 1F1B: the model is cut into `stages *
+    virtual_stages` stages and device d runs stages d, d + p, ... (p =
+    `stages`). Each device runs microbatches in groups of p through its
+    stages in turn (forwards through its stages in order, backwards in
+    reverse), with Megatron's warm-up of `2 (p - d - 1) + (v - 1) p` forwards,
+    then one forward and one backward in turn. A device's stage is 1/v of a
+    1F1B stage, so a bubble step is 1/v as long: the bubble is divided by v.
+    `microbatches` must be a multiple of p.
+
+    Example:
+
+    >>> [" ".join(map(str, order)) for order in interleaved(2, 2, 2)]
+    ['0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1', '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1']
+    """
+    p, v = stages, virtual_stages
+    if microbatches % p:
+        raise ValueError(
+            f"`microbatches` must be a multiple of `stages` ({p}) for the interleaved "
+            f"schedule, got {microbatches}.")
+    total = microbatches * v
+
+    def action(device, k, kind):
+        local = (k % (p * v)) // p
+        chunk = local if kind == FORWARD else v - 1 - local
+        return Action(chunk * p + device, kind, (k // (p * v)) * p + k % p)
+
+    orders = []
+    for d in range(p):
+        warm = min(2 * (p - d - 1) + (v - 1) * p, total)
+        order = [action(d, k, FORWARD) for k in range(warm)]
+        for k in range(total - warm):
+            order += [action(d, warm + k, FORWARD), action(d, k, BACKWARD)]
+        order += [action(d, k, BACKWARD) for k in range(total - warm, total)]
+        orders.append(order)
+    return orders
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zero_bubble_h1,
+             "interleaved": interleaved}
+
+
+def stage_orders(kind: str, stages: int, microbatches: int,
+                 virtual_stages: int = 1) -> list[list[Action]]:
+    """Each device's actions in the order it runs them, for schedule `kind`
+    (a key of `SCHEDULES`) over `stages` devices; `virtual_stages` (> 1 for
+    "interleaved" only) stages per device.
 
     Example:
 
@@ -133,15 +223,21 @@ def stage_orders(kind: str, stages: int, microbatches: int) -> list[list[Action]
     """
     if kind not in SCHEDULES:
         raise ValueError(f"`kind` must be one of {tuple(SCHEDULES)}, got {kind!r}.")
-    for name, value in (("stages", stages), ("microbatches", microbatches)):
+    for name, value in (("stages", stages), ("microbatches", microbatches),
+                        ("virtual_stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
-    return SCHEDULES[kind](stages, microbatches)
+    if (kind == "interleaved") != (virtual_stages > 1):
+        raise ValueError(
+            f"`virtual_stages` must be > 1 with the interleaved schedule and 1 with "
+            f"the others, got {virtual_stages} with {kind!r}.")
+    return SCHEDULES[kind](stages, microbatches, virtual_stages)
 
 
 def needs(action: Action, stages: int) -> list[Action]:
-    """The actions of other stages (or of the same stage, for a backward) whose
-    results `action` reads.
+    """The actions whose results `action` reads, in a model of `stages`
+    stages: a forward, the previous stage's forward; a backward, its own
+    forward and the next stage's backward; a W, its own backward.
 
     Example:
 
@@ -149,6 +245,8 @@ def needs(action: Action, stages: int) -> list[Action]:
     ['1F0', '2B0']
     """
     s, i = action.stage, action.microbatch
+    if action.kind == WEIGHTS:
+        return [Action(s, BACKWARD, i)]
     if action.kind == FORWARD:
         return [Action(s - 1, FORWARD, i)] if s > 0 else []
     needs = [Action(s, FORWARD, i)]
@@ -157,12 +255,16 @@ def needs(action: Action, stages: int) -> list[Action]:
     return needs
 
 
+def _stage_count(orders) -> int:
+    return 1 + max((a.stage for order in orders for a in order), default=0)
+
+
 def clock_steps(orders: list[list[Action]]) -> list[list[Action]]:
     """The schedule on a clock, every action taking one step: in each step,
-    every stage whose next action reads only results of earlier steps runs
-    it. A step holds at most one action per stage, in stage order.
+    every device whose next action reads only results of earlier steps runs
+    it. A step holds at most one action per device, in device order.
 
-    Raises `ValueError` if the orders deadlock (a stage's next action waits
+    Raises `ValueError` if the orders deadlock (a device's next action waits
     for one that can never run).
 
     Example:
@@ -170,21 +272,21 @@ def clock_steps(orders: list[list[Action]]) -> list[list[Action]]:
     >>> [" ".join(map(str, step)) for step in clock_steps(gpipe(2, 1))]
     ['0F0', '1F0', '1B0', '0B0']
     """
-    stages = len(orders)
-    done, position, steps = set(), [0] * stages, []
+    devices, stages = len(orders), _stage_count(orders)
+    done, position, steps = set(), [0] * devices, []
     remaining = sum(len(order) for order in orders)
     while remaining:
-        step = [orders[s][position[s]] for s in range(stages)
-                if position[s] < len(orders[s])
-                and all(need in done for need in needs(orders[s][position[s]], stages))]
-        if not step:
-            waiting = [str(orders[s][position[s]]) for s in range(stages)
-                       if position[s] < len(orders[s])]
+        ready = [d for d in range(devices) if position[d] < len(orders[d])
+                 and all(need in done for need in needs(orders[d][position[d]], stages))]
+        if not ready:
+            waiting = [str(orders[d][position[d]]) for d in range(devices)
+                       if position[d] < len(orders[d])]
             raise ValueError(
                 f"`orders` deadlock: no stage can run its next action {waiting} "
                 f"(each waits for a result no stage can produce).")
-        for action in step:
-            position[action.stage] += 1
+        step = [orders[d][position[d]] for d in ready]
+        for d in ready:
+            position[d] += 1
         done.update(step)
         remaining -= len(step)
         steps.append(step)
@@ -206,8 +308,10 @@ def emission_order(orders: list[list[Action]]) -> list[Action]:
 
 
 def held_activations(orders: list[list[Action]]) -> list[int]:
-    """For each stage, the largest number of microbatches whose activations it
-    holds at once: forward done, backward not yet.
+    """For each device, the largest number of (stage, microbatch) forwards
+    whose activations it holds at once: forward done, backward (or, when the
+    schedule splits it, W) not yet. With virtual stages each is a 1/v-size
+    stage's.
 
     Example:
 
@@ -215,12 +319,15 @@ def held_activations(orders: list[list[Action]]) -> list[int]:
     [8, 8, 8, 8]
     >>> held_activations(stage_orders("1f1b", 4, 8))
     [4, 3, 2, 1]
+    >>> held_activations(stage_orders("zb1", 4, 8))
+    [4, 4, 4, 4]
     """
     peaks = []
     for order in orders:
+        release = WEIGHTS if any(a.kind == WEIGHTS for a in order) else BACKWARD
         held = peak = 0
         for action in order:
-            held += {FORWARD: 1, BACKWARD: -1}[action.kind]
+            held += 1 if action.kind == FORWARD else -(action.kind == release)
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
@@ -228,8 +335,9 @@ def held_activations(orders: list[list[Action]]) -> list[int]:
 
 def grid(orders: list[list[Action]]) -> str:
     """The schedule as a table: one row per clock step (`clock_steps`), one
-    column per stage, cells such as "F0" (forward of microbatch 0), "B3", or
-    "." (the stage is idle: the pipeline's bubble).
+    column per device, cells such as "F0" (forward of microbatch 0), "B3",
+    "W3", "F2s5" (with virtual stages: of stage 5), or "." (the device is
+    idle: the pipeline's bubble).
 
     Example:
 
@@ -243,12 +351,15 @@ def grid(orders: list[list[Action]]) -> str:
     5     B1       .
     """
     steps = clock_steps(orders)
-    header = ["step"] + [f"stage {s}" for s in range(len(orders))]
+    devices = len(orders)
+    virtual = _stage_count(orders) > devices
+    header = ["step"] + [f"stage {s}" for s in range(devices)]
     rows = [header]
     for number, step in enumerate(steps):
-        cells = ["."] * len(orders)
+        cells = ["."] * devices
         for action in step:
-            cells[action.stage] = f"{action.kind}{action.microbatch}"
+            cells[action.stage % devices] = (f"{action.kind}{action.microbatch}"
+                                             + (f"s{action.stage}" if virtual else ""))
         rows.append([str(number)] + cells)
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
