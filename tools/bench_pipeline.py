@@ -1,48 +1,54 @@
 """Benchmark: pipeline schedules against their ideal step time.
 
-    python tools/bench_pipeline.py [--stages=2,4] [--microbatches=1,4,8,16] [--out=results.jsonl]
+    python tools/bench_pipeline.py [--schedules=gpipe,1f1b,zb1,interleaved] \
+        [--stages=2,4] [--microbatches=4,8,16] [--out=results.jsonl]
 
 Each stage's compute is a fixed delay, so what is measured is the schedule,
 not this 2-core machine's arithmetic. The model: `keras.Input`, then for each
-of p stages a small Dense and a `Delay` layer, then a Dense head (MSE, SGD);
+stage a small Dense and a `Delay` layer, then a Dense head (MSE, SGD);
 `stage_boundaries` puts one Dense + Delay pair in each stage (the head joins
-the last). `Delay` passes its input through after sleeping `--fwd_ms`, and its
-gradient passes the output's gradient through after sleeping `--bwd_ms`
-(`time.sleep` in a `tf.numpy_function`; what follows depends on its output, so
-the sleep is on the path). A unit of the schedule (one stage's forward or
-backward of one microbatch) lasts that long; the rest of it is small next to
-it. A sleep holds one of TensorFlow's inter-op threads, so the pool is raised to
+the last). `Delay` multiplies its input by its one weight after sleeping
+`--fwd_ms`; its backward sleeps `--bwd_ms` for the gradient of its input (B),
+then `--wgrad_ms` for the gradient of its weight (W), which reads B's result,
+so a backward that is not split lasts B + W. Zero-bubble schedules ("zb1")
+run W later, as its own action. With virtual stages ("interleaved",
+`--virtual_stages` v) the model has p x v pairs, each delay divided by v, so a
+device has the same work. A sleep (`time.sleep` in a `tf.numpy_function`)
+holds one of TensorFlow's inter-op threads, so the pool is raised to
 `--inter_op_threads` (its default is one thread per core) for p stages to
 sleep at once.
 
-For each schedule ("gpipe", "1f1b"), p in `--stages` and m in
-`--microbatches`: one model under `tfdist.Strategy(pipeline=p,
-microbatches=m, schedule=..., devices=p logical CPUs)`, one `fit` of
-`--warmup + --steps` steps; a step's time is the wall time from
-`on_train_batch_begin` to `on_train_batch_end`, medians over the last `--steps`.
+For each schedule, p in `--stages` and m in `--microbatches`: one model under
+`tfdist.Strategy(pipeline=p, microbatches=m, schedule=..., devices=p logical
+CPUs)`, one `fit` of `--warmup + --steps` steps; a step's time is the wall
+time from `on_train_batch_begin` to `on_train_batch_end`, medians over the
+last `--steps`. With f, b, w the three delays:
 
-- ideal = (m + p - 1) x (fwd + bwd): either schedule's length when every unit
-  takes its delay and nothing else takes time;
-- efficiency = ideal / measured step time (goal >= 0.95);
-- one device = m x p x (fwd + bwd), every unit one after the other;
+- ideal = m (f + b + w), each device's own work: a step with no bubble;
+- efficiency = ideal / measured step time, bubble = step - ideal, and
+  bubble_fraction = bubble / step;
+- theory: the schedule's step when every unit takes its delay and nothing else
+  takes time: (m + p - 1)(f + b + w) for GPipe and 1F1B, m (f + b + w) +
+  (p - 1)(f + b - w) for ZB-H1, m (f + b + w) + (p - 1)(f + b + w) / v for the
+  interleaved 1F1B;
+- one device = m x p x (f + b + w), every unit one after the other;
   speed-up = one device / measured step time.
 
 For reference (`--reference`, on by default), the same p-block model under
-Keras alone on one device (no microbatches): its ideal is p x (fwd + bwd), and
+Keras alone on one device (no microbatches): its ideal is p (f + b + w), and
 its efficiency is the ceiling that Keras, TensorFlow and this machine leave
 for a step of units this long.
 
 Where the rest goes: every sleep's start and end are recorded, and each unit
-is matched to its stage, kind and microbatch (a stage runs its forwards, and
-its backwards, in microbatch order). Per step: whether every stage ran its
-units in the schedule's order, and the critical path, walked back from the last
-unit through the dependency that finished last (the stage's previous unit;
-for a forward the previous stage's forward, for a backward the next stage's
-backward and its own forward). Its length in units (2(m + p - 1) when the
-schedule adds no bubble) and the step time split into: before the first unit,
-the units' time beyond their delays (the sleeps overrunning), the gaps between
-units on the path (the ops between two sleeps, handing over to the next stage),
-and after the last unit.
+is matched to its stage, kind and microbatch (a stage runs its forwards, its
+backwards and its weight gradients in microbatch order). Per step: whether
+every device ran its units in the schedule's order, and the critical path,
+walked back from the last unit through the dependency that finished last (the
+device's previous unit, and the units whose results it reads:
+`tfdist.pipeline.schedule.needs`). Its length in units and the step time split
+into: before the first unit, the units' time beyond their delays (the sleeps
+overrunning), the gaps between units on the path (the ops between two
+sleeps, handing over to the next stage), and after the last unit.
 
 `--stateful_delay` makes the sleep a stateful op (`tf.py_function`), to show
 what such ops do to a pipeline (docs/benchmarks.md).
@@ -50,40 +56,50 @@ what such ops do to a pipeline (docs/benchmarks.md).
 Writes one JSON line per (schedule, p, m) and per reference, then a table.
 """
 
+import collections
 import os
 import statistics
 import sys
+import threading
 import time
 
 from absl import app, flags
 
 from results import emit
 
-flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules to measure.")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b", "zb1", "interleaved"], "Schedules to measure.")
 flags.DEFINE_list("stages", ["2", "4"], "Pipeline stages p to measure.")
-flags.DEFINE_list("microbatches", ["1", "4", "8", "16"], "Microbatches m to measure.")
-flags.DEFINE_float("fwd_ms", 30.0, "Delay of a stage's forward of one microbatch.")
-flags.DEFINE_float("bwd_ms", 30.0, "Delay of a stage's backward of one microbatch.")
+flags.DEFINE_list("microbatches", ["4", "8", "16"], "Microbatches m to measure.")
+flags.DEFINE_integer("virtual_stages", 2, "Stages per device of the interleaved schedule.")
+flags.DEFINE_float("fwd_ms", 20.0, "Delay of a stage's forward of one microbatch.")
+flags.DEFINE_float("bwd_ms", 20.0, "Delay of a stage's input gradient of one microbatch.")
+flags.DEFINE_float("wgrad_ms", 20.0, "Delay of a stage's weight gradient of one microbatch.")
 flags.DEFINE_integer("steps", 10, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first one traces).")
 flags.DEFINE_integer("batch_size", 32, "Global batch size (every m must divide it).")
 flags.DEFINE_integer("width", 8, "Width of the Dense layers.")
-flags.DEFINE_integer("inter_op_threads", 16, "TensorFlow's inter-op thread pool size.")
+flags.DEFINE_integer("inter_op_threads", 24, "TensorFlow's inter-op thread pool size.")
 flags.DEFINE_boolean("reference", True, "Also time the model under Keras alone, one device.")
 flags.DEFINE_boolean("stateful_delay", False, "Sleep in a stateful op (tf.py_function).")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 FLAGS = flags.FLAGS
-SLEEPS = []  # (stage, "F" or "B", start, end) of every sleep, perf_counter seconds
+SLEEPS = []  # (stage, "F", "B" or "W", start, end) of every sleep, perf_counter seconds
+# One lock per device: a device runs one unit at a time, as an accelerator's
+# compute stream does (TensorFlow would otherwise overlap independent units
+# of one device, such as a stage's W with the B of the stage before it when
+# Keras alone runs every stage on one device).
+DEVICES = collections.defaultdict(threading.Lock)
 
 
-def sleep_op(value, stage, kind, seconds):
-    """`value`, after sleeping `seconds` (recorded in SLEEPS)."""
+def sleep_op(value, stage, kind, seconds, device):
+    """`value`, after sleeping `seconds` with `device` to itself (recorded in SLEEPS)."""
     import tensorflow as tf
 
     def run(array):
-        start = time.perf_counter()
-        time.sleep(seconds)
-        SLEEPS.append((stage, kind, start, time.perf_counter()))
+        with DEVICES[device]:
+            start = time.perf_counter()
+            time.sleep(seconds)
+            SLEEPS.append((stage, kind, start, time.perf_counter()))
         return array
 
     if FLAGS.stateful_delay:
@@ -94,33 +110,50 @@ def sleep_op(value, stage, kind, seconds):
     return out
 
 
-def build_model(p):
+def delays(v=1):
+    """{kind: seconds} of one stage's units, with v stages per device."""
+    return {"F": FLAGS.fwd_ms / 1000 / v, "B": FLAGS.bwd_ms / 1000 / v,
+            "W": FLAGS.wgrad_ms / 1000 / v}
+
+
+def build_model(stages, v=1, devices=1):
+    """The model of `stages` Dense + Delay pairs, stage s on device s mod `devices`."""
     import keras
     import tensorflow as tf
 
     class Delay(keras.layers.Layer):
-        """Identity whose forward sleeps `fwd` seconds and whose gradient `bwd`."""
+        """`x * scale`, whose forward sleeps F; its backward sleeps B for the
+        input's gradient, then W for the weight's (after B's result)."""
 
-        def __init__(self, stage, fwd, bwd, **kwargs):
+        def __init__(self, stage, seconds, device, **kwargs):
             super().__init__(**kwargs)
-            self.stage, self.fwd, self.bwd = stage, fwd, bwd
+            self.stage, self.seconds, self.device = stage, seconds, device
+
+        def build(self, input_shape):
+            self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
 
         def call(self, x):
             @tf.custom_gradient
-            def delayed(x):
+            def delayed(x, scale):
                 def grad(dy):
-                    return sleep_op(dy, self.stage, "B", self.bwd)
-                return sleep_op(x, self.stage, "F", self.fwd), grad
-            return delayed(x)
+                    dx = self.sleep(dy * scale, "B")
+                    with tf.control_dependencies([dx]):  # W after B, as in one backward
+                        dw = tf.reduce_sum(dy * x)
+                    return dx, self.sleep(dw, "W")
+                return self.sleep(x * scale, "F"), grad
+            return delayed(x, tf.convert_to_tensor(self.scale))
+
+        def sleep(self, value, kind):
+            return sleep_op(value, self.stage, kind, self.seconds[kind], self.device)
 
         def compute_output_shape(self, input_shape):
             return input_shape
 
     keras.utils.set_random_seed(0)
     layers = [keras.Input((FLAGS.width,))]
-    for s in range(p):
+    for s in range(stages):
         layers += [keras.layers.Dense(FLAGS.width, name=f"dense{s}"),
-                   Delay(s, FLAGS.fwd_ms / 1000, FLAGS.bwd_ms / 1000, name=f"delay{s}")]
+                   Delay(s, delays(v), s % devices, name=f"delay{s}")]
     model = keras.Sequential(layers + [keras.layers.Dense(1, name="head")])
     model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
     return model
@@ -144,26 +177,35 @@ def step_timer():
     return StepTimes()
 
 
-def breakdown(sleeps, begin, end, schedule, p, m):
-    """One step's sleeps against the schedule: (in order?, critical path in units,
-    {part: seconds}) with the parts summing to the step time."""
-    from tfdist.pipeline.schedule import Action, needs, stage_orders
+def breakdown(sleeps, begin, end, orders):
+    """One step's sleeps against the schedule's `orders`: (in order?,
+    critical path in units, {part: seconds}) with the parts summing to the
+    step time. A backward not split from its W spans both sleeps."""
+    from tfdist.pipeline.schedule import needs
 
-    orders = stage_orders(schedule, p, m)
-    units, ran = {}, {s: [] for s in range(p)}
-    for s in range(p):
+    p = len(orders)
+    stages = 1 + max(a.stage for order in orders for a in order)
+    split = any(a.kind == "W" for order in orders for a in order)
+    spans = {}
+    for s in range(stages):
         mine = sorted((start, end_, kind) for stage, kind, start, end_ in sleeps if stage == s)
-        ran[s] = [kind for _, _, kind in mine]
-        for kind in "FB":
+        for kind in "FBW":
             for i, (start, end_, _) in enumerate(u for u in mine if u[2] == kind):
-                units[Action(s, kind, i)] = (start, end_)
-    in_order = all(ran[s] == [action.kind for action in orders[s]] for s in range(p))
+                spans[s, kind, i] = (start, end_)
+    units = {}
+    for order in orders:
+        for a in order:
+            start, end_ = spans[a.stage, a.kind, a.microbatch]
+            if a.kind == "B" and not split:
+                end_ = spans[a.stage, "W", a.microbatch][1]
+            units[a] = (start, end_)
+    in_order = all(sorted(order, key=lambda a: units[a][0]) == order for order in orders)
+    position = {a: (d, n) for d, order in enumerate(orders) for n, a in enumerate(order)}
 
     def deps(action):
-        """The stage's previous action, and the actions whose results it reads."""
-        position = orders[action.stage].index(action)
-        previous = [orders[action.stage][position - 1]] if position else []
-        return previous + needs(action, p)
+        """The device's previous action, and the actions whose results it reads."""
+        d, n = position[action]
+        return ([orders[d][n - 1]] if n else []) + needs(action, stages)
 
     unit = max(units, key=lambda u: units[u][1])
     path = [unit]
@@ -171,7 +213,9 @@ def breakdown(sleeps, begin, end, schedule, p, m):
         unit = max(deps(unit), key=lambda u: units[u][1])
         path.append(unit)
     path.reverse()
-    delay = {"F": FLAGS.fwd_ms / 1000, "B": FLAGS.bwd_ms / 1000}
+    delay = delays(stages // p)
+    if not split:
+        delay["B"] += delay["W"]
     parts = {"before_first_unit": units[path[0]][0] - begin,
              "delays": sum(delay[u.kind] for u in path),
              "sleep_overrun": sum(units[u][1] - units[u][0] - delay[u.kind] for u in path),
@@ -181,22 +225,36 @@ def breakdown(sleeps, begin, end, schedule, p, m):
     return in_order, len(path), parts
 
 
+def theory(schedule, p, m, v):
+    """The schedule's step in seconds when units take exactly their delays."""
+    f, b, w = (delays()[k] for k in "FBW")
+    work = m * (f + b + w)
+    return {"keras": p * (f + b + w) if m == 1 else work,
+            "gpipe": (m + p - 1) * (f + b + w), "1f1b": (m + p - 1) * (f + b + w),
+            "zb1": work + (p - 1) * (f + b - w),
+            "interleaved": work + (p - 1) * (f + b + w) / v}[schedule]
+
+
 def measure(schedule, p, m):
     """Times `fit` of the p-stage model; schedule "keras": Keras alone, one device."""
     import numpy as np
     import tensorflow as tf
 
     import tfdist
+    from tfdist.pipeline.schedule import stage_orders
 
+    v = FLAGS.virtual_stages if schedule == "interleaved" else 1
     if schedule == "keras":
         strategy, devices = tf.distribute.get_strategy(), 1
+        orders = stage_orders("gpipe", p, 1)
     else:
         strategy, devices = tfdist.Strategy(
-            pipeline=p, microbatches=m, schedule=schedule,
-            stage_boundaries=[f"dense{s}" for s in range(1, p)],
+            pipeline=p, microbatches=m, schedule=schedule, virtual_stages=v,
+            stage_boundaries=[f"dense{s}" for s in range(1, p * v)],
             devices=[f"/cpu:{i}" for i in range(p)]), p
+        orders = stage_orders(schedule, p, m, v)
     with strategy.scope():
-        model = build_model(p)
+        model = build_model(p * v, v, devices)
     n = FLAGS.batch_size * (FLAGS.warmup + FLAGS.steps)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, FLAGS.width)).astype("float32")
@@ -207,20 +265,23 @@ def measure(schedule, p, m):
               callbacks=[timer])
     timed = timer.steps[FLAGS.warmup:]
     seconds = [end - begin for begin, end in timed]
-    analyses = [breakdown([u for u in SLEEPS if begin <= u[2] <= end], begin, end,
-                          "gpipe" if schedule == "keras" else schedule, p, m)
+    analyses = [breakdown([u for u in SLEEPS if begin <= u[2] <= end], begin, end, orders)
                 for begin, end in timed]
     step = statistics.median(seconds)
-    unit = (FLAGS.fwd_ms + FLAGS.bwd_ms) / 1000
-    ideal, one_device = (m + p - 1) * unit, m * p * unit
+    unit = sum(delays().values())
+    ideal = (p if schedule == "keras" else m) * unit
     ms = {part: round(1000 * statistics.median(a[2][part] for a in analyses), 2)
           for part in analyses[0][2]}
-    record = {"bench": "pipeline", "schedule": schedule, "stages": p, "devices": devices,
-              "microbatches": m,
-              "fwd_ms": FLAGS.fwd_ms, "bwd_ms": FLAGS.bwd_ms,
-              "step_median_s": round(step, 4), "step_min_s": round(min(seconds), 4),
-              "ideal_s": round(ideal, 4), "efficiency": round(ideal / step, 3),
-              "one_device_s": round(one_device, 4), "speedup": round(one_device / step, 3),
+    record = {"bench": "pipeline", "schedule": schedule, "p": p, "m": m,
+              "virtual_stages": v, "devices": devices,
+              "fwd_ms": FLAGS.fwd_ms, "bwd_ms": FLAGS.bwd_ms, "wgrad_ms": FLAGS.wgrad_ms,
+              "step_seconds": round(step, 4), "step_min_seconds": round(min(seconds), 4),
+              "ideal_seconds": round(ideal, 4), "efficiency": round(ideal / step, 3),
+              "bubble_seconds": round(step - ideal, 4),
+              "bubble_fraction": round((step - ideal) / step, 3),
+              "theory_seconds": round(theory(schedule, p, m, v), 4),
+              "one_device_seconds": round(m * p * unit, 4),
+              "speedup": round(m * p * unit / step, 3),
               "in_schedule_order": all(a[0] for a in analyses),
               "critical_path_units": sorted({a[1] for a in analyses}),
               "breakdown_median_ms": ms,
@@ -247,15 +308,22 @@ def main(argv):
     records = [measure("keras", p, 1) for p in stages if FLAGS.reference]
     records += [measure(schedule, p, int(m)) for schedule in FLAGS.schedules
                 for p in stages for m in FLAGS.microbatches]
-    print("\n| schedule | p | m | step (s) | ideal (s) | efficiency | one device (s) "
-          "| speed-up | in order | path (units) | before / overrun / gaps / after (ms) |"
-          "\n|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| schedule | p | m | step (s) | theory (s) | ideal (s) | efficiency | bubble (s) "
+          "| bubble / 1F1B's | speed-up | in order | path (units) "
+          "| before / overrun / gaps / after (ms) |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    one_f_one_b = {(r["p"], r["m"]): r["bubble_seconds"] for r in records
+                   if r["schedule"] == "1f1b"}
     for r in records:
         b = r["breakdown_median_ms"]
-        name = "Keras alone, 1 device" if r["schedule"] == "keras" else r["schedule"]
-        print(f"| {name} | {r['stages']} | {r['microbatches']} | "
-              f"{r['step_median_s']:.3f} | {r['ideal_s']:.3f} | {r['efficiency']:.3f} | "
-              f"{r['one_device_s']:.3f} | {r['speedup']:.2f} | "
+        name = {"keras": "Keras alone, 1 device",
+                "interleaved": f"interleaved, v={r['virtual_stages']}"}.get(
+                    r["schedule"], r["schedule"])
+        base = one_f_one_b.get((r["p"], r["m"]))
+        ratio = f"{r['bubble_seconds'] / base:.2f}" if base and r["schedule"] != "keras" else "-"
+        print(f"| {name} | {r['p']} | {r['m']} | {r['step_seconds']:.3f} | "
+              f"{r['theory_seconds']:.3f} | {r['ideal_seconds']:.3f} | {r['efficiency']:.3f} | "
+              f"{r['bubble_seconds']:.3f} | {ratio} | {r['speedup']:.2f} | "
               f"{'yes' if r['in_schedule_order'] else 'NO'} | "
               f"{'/'.join(str(n) for n in r['critical_path_units'])} | "
               f"{b['before_first_unit']:.1f} / {b['sleep_overrun']:.1f} / "
