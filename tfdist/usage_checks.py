@@ -87,11 +87,17 @@ def check_run_function(fn, config) -> str | None:
     wanted = step_level_options(config)
     function = inspect.unwrap(getattr(fn, "python_function", fn))
     code = getattr(function, "__code__", None)
-    if code is None or not _TRAINING_CALLS & set(code.co_names):
+    if code is None or not _TRAINING_CALLS & _names(code):
         return None
     model = _foreign_model_in(function)
     if model is not None:
         wanted += [f"precision={config.precision!r}"] if config.precision != "float32" else []
+        if wanted and _is_model_garden_trainer(model):
+            raise ValueError(
+                f"official.core's {type(model).__name__} runs its task's own training "
+                f"step, as plain data parallelism, without {', '.join(wanted)}. Build "
+                f"`tfdist.model_garden.Trainer` instead (the same arguments): it runs "
+                f"tfdist's step with the task's losses and metrics.")
         if wanted:
             raise ValueError(
                 f"{getattr(model, 'name', model)!r} is a {keras_flavour(model)} model: its "
@@ -109,6 +115,22 @@ def check_run_function(fn, config) -> str | None:
         f"{', '.join(wanted)} apply only to tfdist's own step. In a custom loop "
         f"run `strategy.train_step(model)` instead (it applies them; see "
         f"`TrainStep`). Evaluation and metric functions are not affected.")
+
+
+def _names(code) -> set:
+    """The names `code` and the functions defined in it use (autograph moves
+    a converted function's branches into nested functions)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names(const)
+    return names
+
+
+def _is_model_garden_trainer(value) -> bool:
+    """Whether `value` is an `official.core` trainer (its `train_step` runs
+    its task's)."""
+    return type(value).__module__.startswith("official.core") and hasattr(value, "task")
 
 
 def _foreign_model_in(function):

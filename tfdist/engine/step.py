@@ -48,6 +48,9 @@ class TrainStep:
         model: a compiled `keras.Model` (or tf_keras model:
             `tfdist.engine.tf_keras`) built under the strategy's scope.
         config: the strategy's `ParallelConfig`.
+        parts: (compute, reduce, update) chosen by the caller, which has
+            checked the model (`tfdist.model_garden.Trainer`); default: the
+            model is checked and `build.assemble` chooses them.
 
     Example:
 
@@ -65,11 +68,12 @@ class TrainStep:
     ```
     """
 
-    def __init__(self, model: keras.Model, config: ParallelConfig):
-        build.check_model(model, config)
+    def __init__(self, model: keras.Model, config: ParallelConfig, parts=None):
+        if parts is None:
+            build.check_model(model, config)
         self.model = model
         self.config = config
-        self.compute = self.reduce = self.update = None
+        self.compute, self.reduce, self.update = parts or (None, None, None)
 
     def build(self, data):
         """Creates every variable the step needs, from a batch or its spec.

@@ -51,10 +51,11 @@ def is_tf_keras(model) -> bool:
     return any(cls.__module__.split(".")[0] == "tf_keras" for cls in type(model).__mro__)
 
 
-def check_tf_keras_model(model, config: ParallelConfig):
+def check_tf_keras_model(model, config: ParallelConfig, optimizer=None):
     """Errors that must stop a tf_keras model's step before it runs: modes
-    that are Keras 3 only, no optimizer, a dtype policy other than the
-    strategy's, losses or layers that microbatches cannot split exactly.
+    that are Keras 3 only, no optimizer (`optimizer`, else the compiled
+    one), a dtype policy other than the strategy's, losses or layers that
+    microbatches cannot split exactly.
 
     Example:
 
@@ -73,7 +74,7 @@ def check_tf_keras_model(model, config: ParallelConfig):
             f"{', '.join(keras3_only)} (Keras 3 models only). Remove "
             f"{'that option' if len(keras3_only) == 1 else 'those options'}, or "
             f"build the model with Keras 3 (`import keras`).")
-    if getattr(model, "optimizer", None) is None:
+    if (optimizer or getattr(model, "optimizer", None)) is None:
         raise ValueError(f"{name!r} has no optimizer: call `model.compile(optimizer=...)` "
                          f"before running its step.")
     policy = model.dtype_policy.name
@@ -87,7 +88,7 @@ def check_tf_keras_model(model, config: ParallelConfig):
 
 
 def _check_microbatches(model, k):
-    for loss in tree.flatten(model.loss):
+    for loss in tree.flatten(getattr(model, "loss", None)):
         reduction = getattr(loss, "reduction", "auto")
         if reduction not in _MEAN_REDUCTIONS:
             raise ValueError(
@@ -142,6 +143,11 @@ class TfKerasLoss:
     """A compiled tf_keras model's loss on one microbatch, and its metrics
     (the interface of `tfdist.engine.microbatch.MicrobatchLoss`).
 
+    Args:
+        model: the compiled tf_keras model.
+        optimizer: the optimizer whose loss scale applies (default: the
+            model's compiled one).
+
     Example:
 
     ```python
@@ -151,8 +157,9 @@ class TfKerasLoss:
     ```
     """
 
-    def __init__(self, model):
+    def __init__(self, model, optimizer=None):
         self.model = model
+        self.optimizer = optimizer or model.optimizer
 
     def logits(self):
         """No sharded logits for tf_keras models."""
@@ -167,7 +174,7 @@ class TfKerasLoss:
     def target(self, loss, share):
         """The loss times its share of the batch, times the loss scale."""
         part = loss if share is None else loss * tf.cast(share, loss.dtype)
-        optimizer = self.model.optimizer
+        optimizer = self.optimizer
         return optimizer.get_scaled_loss(part) if _scales_loss(optimizer) else part
 
     def record(self, microbatch, loss, y_pred):
@@ -182,6 +189,11 @@ class TfKerasApply:
     by a `LossScaleOptimizer`, which skips the step where they are not finite:
     every replica alike, as they are reduced).
 
+    Args:
+        model: the tf_keras model.
+        optimizer: the optimizer that applies them (default: the model's
+            compiled one).
+
     Example:
 
     ```python
@@ -189,11 +201,12 @@ class TfKerasApply:
     ```
     """
 
-    def __init__(self, model):
+    def __init__(self, model, optimizer=None):
         self.model = model
+        self.optimizer = optimizer or model.optimizer
 
     def __call__(self, grads):
-        optimizer = self.model.optimizer
+        optimizer = self.optimizer
         with tf.name_scope("apply"):
             if _scales_loss(optimizer):
                 grads = optimizer.get_unscaled_gradients(grads)
