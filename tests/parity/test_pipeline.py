@@ -260,12 +260,14 @@ def two_block_lm(seed=0):
     return compile_lm(keras.Model(tokens, keras.layers.Dense(VOCAB)(x)))
 
 
-@pytest.mark.parametrize("schedule, virtual", SCHEDULES, ids=[s for s, _ in SCHEDULES])
-def test_transformer_lm_matches_one_device(schedule, virtual):
+@pytest.mark.parametrize("schedule, virtual, remat", [
+    ("gpipe", 1, False), ("1f1b", 1, False), ("zb1", 1, False), ("zb1", 1, True),
+    ("interleaved", 2, False), ("interleaved", 2, True)])
+def test_transformer_lm_matches_one_device(schedule, virtual, remat):
     x, y = lm_data()
     reference = trained_reference(make=two_block_lm, x=x, y=y, batch_size=16)
     strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule=schedule,
-                               virtual_stages=virtual, devices=devices(2))
+                               virtual_stages=virtual, remat=remat, devices=devices(2))
     result = train(strategy, make=two_block_lm, x=x, y=y, batch_size=16)
     assert_parity(result, reference)
     stages = strategy.train_step(result[2]).compute.pipeline.stages
