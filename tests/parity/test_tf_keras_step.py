@@ -50,13 +50,39 @@ def tf_keras_policy(name):
         tf_keras.mixed_precision.set_global_policy(previous)
 
 
-def train(strategy, initial, precision="float32"):
+def resnet_classifier():
+    """A small Model Garden vision classifier: ResNet-10 at a quarter of its
+    width, synchronized BatchNormalization (statistics over the global batch)."""
+    from official.vision.modeling import classification_model
+    from official.vision.modeling.backbones import resnet
+
+    spec = tf_keras.layers.InputSpec(shape=[None, 16, 16, 3])
+    backbone = resnet.ResNet(model_id=10, input_specs=spec, depth_multiplier=0.25,
+                             use_sync_bn=True)
+    model = classification_model.ClassificationModel(backbone, num_classes=3,
+                                                     input_specs=spec, dropout_rate=0.0)
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def images():
+    rng = np.random.default_rng(0)
+    n = STEPS * BATCH
+    return tf.data.Dataset.from_tensor_slices(
+        (rng.normal(size=(n, 16, 16, 3)).astype("float32"), rng.integers(0, 3, n))).batch(
+        BATCH, drop_remainder=True)
+
+
+def train(strategy, initial, precision="float32", make=bert_classifier, data=dataset):
     """(per-step losses, final weights) of `STEPS` orbit steps: tfdist's step
     under `strategy`, or tf_keras's own `train_step` on one device (None)."""
     with (strategy.scope() if strategy else tf_keras_policy(precision)):
-        model = bert_classifier()
+        model = make()
+    data = data()
+    if not model.built:
+        model(next(iter(data))[0])
     model.set_weights(initial)
-    data = dataset()
     if strategy:
         step = strategy.train_step(model)
         step.build(data.element_spec)
@@ -120,6 +146,19 @@ def test_mixed_float16_matches_one_device_with_loss_scaling(initial):
     # whose gradients are near zero: every weight within one step of one device's.
     for ours, theirs in zip(weights, reference[1]):
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-2)
+
+
+def test_model_garden_resnet_with_synchronized_batch_norm_matches_one_device():
+    tf_keras.utils.set_random_seed(0)
+    model = resnet_classifier()
+    model(next(iter(images()))[0])
+    initial = model.get_weights()
+    reference = train(None, initial, make=resnet_classifier, data=images)
+    losses, weights, _ = train(tfdist.Strategy(data=2, devices=devices(2)), initial,
+                               make=resnet_classifier, data=images)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-4)
+    for ours, theirs in zip(weights, reference[1]):  # moving statistics included
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("options, named", [(dict(zero=1), "zero=1"),
