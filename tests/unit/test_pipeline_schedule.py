@@ -70,7 +70,7 @@ def test_held_activations():
     assert held_activations(stage_orders("1f1b", 4, 2)) == [2, 2, 2, 1]
 
 
-@pytest.mark.parametrize("p, m", itertools.product(range(1, 6), range(1, 17)))
+@pytest.mark.parametrize("p, m", list(itertools.product(range(1, 6), range(1, 17))))
 def test_zb1_holds_no_more_than_1f1b_and_has_a_third_of_its_bubble(p, m):
     """Within 1F1B's peak (its first stage's). With F = B = W one clock step
     each, 1F1B (B and W in one backward) takes 3 (m + p - 1) steps: a bubble
