@@ -142,3 +142,27 @@ def train_transformer(strategy, width=64, heads=4, blocks=1, epochs=3, batch_siz
               callbacks=[EpochReport()])
     print_weight_bytes(model)
     return model
+
+
+def orbit_trainer(strategy, model, dataset):
+    """An `orbit.StandardTrainer` running tfdist's step for `model` (Keras 3
+    or tf_keras) on `dataset`; its loops report the model's metrics."""
+    import orbit
+    import tensorflow as tf
+
+    step = strategy.train_step(model)
+    step.build(dataset.element_spec)  # variables before tracing
+
+    class Trainer(orbit.StandardTrainer):
+        def train_loop_begin(self):
+            model.reset_metrics()
+
+        def train_step(self, iterator):
+            strategy.run(step, args=(next(iterator),))
+
+        def train_loop_end(self):
+            return {name: tf.convert_to_tensor(value)
+                    for name, value in model.get_metrics_result().items()}
+
+    return Trainer(strategy.experimental_distribute_dataset(dataset),
+                   orbit.StandardTrainerOptions(use_tf_while_loop=False))

@@ -62,26 +62,6 @@ def digit_sentences():
         len(labels), seed=0).repeat().batch(FLAGS.batch_size, drop_remainder=True)
 
 
-def make_trainer(strategy, model, dataset):
-    """An `orbit.StandardTrainer` running tfdist's step for `model`."""
-    step = strategy.train_step(model)
-    step.build(dataset.element_spec)  # variables before tracing
-
-    class Trainer(orbit.StandardTrainer):
-        def train_loop_begin(self):
-            model.reset_metrics()
-
-        def train_step(self, iterator):
-            strategy.run(step, args=(next(iterator),))
-
-        def train_loop_end(self):
-            return {name: tf.convert_to_tensor(value)
-                    for name, value in model.get_metrics_result().items()}
-
-    return Trainer(strategy.experimental_distribute_dataset(dataset),
-                   orbit.StandardTrainerOptions(use_tf_while_loop=False))
-
-
 def main(argv):
     del argv
     digits.quiet_logs()
@@ -94,7 +74,7 @@ def main(argv):
     dataset = digit_sentences()
     logs = []
     controller = orbit.Controller(
-        strategy=strategy, trainer=make_trainer(strategy, model, dataset),
+        strategy=strategy, trainer=digits.orbit_trainer(strategy, model, dataset),
         global_step=model.optimizer.iterations, steps_per_loop=FLAGS.steps_per_loop,
         train_actions=[lambda output: logs.append({k: float(v) for k, v in output.items()})])
     controller.train(steps=FLAGS.steps)

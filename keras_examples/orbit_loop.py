@@ -24,30 +24,6 @@ flags.DEFINE_integer("batch_size", 64, "Global batch size.")
 FLAGS = flags.FLAGS
 
 
-def make_trainer(strategy, model, dataset):
-    """An `orbit.StandardTrainer` running tfdist's step for `model`."""
-    class Trainer(orbit.StandardTrainer):
-        def __init__(self):
-            self.step = strategy.train_step(model)
-            self.step.build(dataset.element_spec)  # variables before tracing
-            super().__init__(
-                train_dataset=strategy.experimental_distribute_dataset(dataset),
-                options=orbit.StandardTrainerOptions(use_tf_while_loop=False),
-            )
-
-        def train_loop_begin(self):
-            model.reset_metrics()
-
-        def train_step(self, iterator):
-            strategy.run(self.step, args=(next(iterator),))
-
-        def train_loop_end(self):
-            return {name: tf.convert_to_tensor(value)
-                    for name, value in model.get_metrics_result().items()}
-
-    return Trainer()
-
-
 def train(strategy, steps, steps_per_loop, batch_size):
     """Trains the digits MLP with an orbit Controller; returns (logs, model)."""
     with strategy.scope():
@@ -58,7 +34,7 @@ def train(strategy, steps, steps_per_loop, batch_size):
     logs = []
     controller = orbit.Controller(
         strategy=strategy,
-        trainer=make_trainer(strategy, model, dataset),
+        trainer=digits.orbit_trainer(strategy, model, dataset),
         global_step=model.optimizer.iterations.value,
         steps_per_loop=steps_per_loop,
         summary_interval=steps_per_loop,

@@ -29,10 +29,9 @@ orbit.Controller(trainer=trainer, strategy=strategy, global_step=trainer.global_
 import tensorflow as tf
 from official.core import base_trainer
 
-from tfdist.engine.compute import LocalCompute
-from tfdist.engine.reduce import AllReduce
+from tfdist.engine import tf_keras
 from tfdist.engine.step import TrainStep
-from tfdist.engine.tf_keras import TfKerasApply, TfKerasLoss, check_tf_keras_model
+from tfdist.engine.tf_keras import TfKerasLoss, check_tf_keras_model
 
 
 class TaskLoss(TfKerasLoss):
@@ -126,6 +125,5 @@ class Trainer(base_trainer.Trainer):
         check_tf_keras_model(self.model, config, self.optimizer)
         loss = TaskLoss(self.task, self.model, self.optimizer, self.train_metrics,
                         self.train_loss)
-        compute = LocalCompute(self.model, config.microbatches, xla=config.xla, loss=loss)
         return TrainStep(self.model, config,
-                         parts=(compute, AllReduce(), TfKerasApply(self.model, self.optimizer)))
+                         parts=tf_keras.parts(self.model, config, loss, self.optimizer))

@@ -183,9 +183,8 @@ class _StepOwner:
             stages = pipeline_stages.plan_stages(
                 model, self._config.model_stages, self._config.stage_boundaries,
                 sequence_length)
-            per_stage = [[group[s % self._config.pipeline] for group in self.pipeline_devices]
-                         for s in range(self._config.model_stages)]
-            parts.append(pipeline_stages.describe(stages, per_stage))
+            parts.append(pipeline_stages.describe(
+                stages, pipeline_stages.stage_devices(self._config, self.pipeline_devices)))
         if self._config.tensor > 1 or not parts:
             parts.append(tensor_plan.describe(tensor_plan.plan(
                 model, self._config.tensor, self._config.vocab_parallel_classifier,

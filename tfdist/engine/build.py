@@ -22,9 +22,10 @@ import tensorflow as tf
 
 from tfdist._compat.keras_functional import nested_sublayers
 from tfdist.config import ParallelConfig
+from tfdist.engine import tf_keras
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
 from tfdist.engine.reduce import AllReduce, DataGroupAllReduce, ShardedReduce
-from tfdist.engine.tf_keras import TfKerasApply, TfKerasLoss, check_tf_keras_model, is_tf_keras
+from tfdist.engine.tf_keras import check_tf_keras_model, is_tf_keras
 from tfdist.engine.update import KerasApply
 from tfdist.optim.zero import ShardedUpdate, check_shardable
 from tfdist.pipeline.compute import pipeline_compute
@@ -192,8 +193,7 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
     ```
     """
     if is_tf_keras(model):
-        return (LocalCompute(model, config.microbatches, xla=config.xla, loss=TfKerasLoss(model)),
-                AllReduce(), TfKerasApply(model))
+        return tf_keras.parts(model, config)
     strategy = model.distribute_strategy
     mesh = getattr(strategy, "tensor_mesh", None)
     optimizer = model.optimizer

@@ -30,10 +30,13 @@ step.build(dataset.element_spec)
 import contextlib
 import inspect
 
+import keras
 import tensorflow as tf
 from keras import tree
 
 from tfdist.config import ParallelConfig
+from tfdist.engine.compute import LocalCompute
+from tfdist.engine.reduce import AllReduce
 
 # Loss reductions of tf_keras that average over the batch.
 _MEAN_REDUCTIONS = ("auto", "sum_over_batch_size")
@@ -117,7 +120,7 @@ def build(model, data):
     ```
     """
     zeros = tree.map_structure(_zeros, data)
-    x, y, sample_weight = _unpack(zeros)
+    x, y, _ = keras.utils.unpack_x_y_sample_weight(zeros)
     y_pred = model(x, training=False)
     model.compiled_loss.build(y_pred)
     model.compiled_metrics.build(y_pred, y)
@@ -133,10 +136,20 @@ def _zeros(spec):
     return tf.zeros([1 if d is None else d for d in spec.shape], spec.dtype)
 
 
-def _unpack(data):
-    if isinstance(data, tuple):
-        return (*data, None, None)[:3]
-    return data, None, None
+def parts(model, config: ParallelConfig, loss=None, optimizer=None):
+    """The (compute, reduce, update) parts of a tf_keras model's step: the
+    microbatches one after another with `loss` (default: `TfKerasLoss`), an
+    all-reduce, and `optimizer` (default: the compiled one) applying them.
+
+    Example:
+
+    ```python
+    compute, reduce, update = parts(model, strategy.config)
+    ```
+    """
+    loss = loss or TfKerasLoss(model, optimizer)
+    return (LocalCompute(model, config.microbatches, xla=config.xla, loss=loss),
+            AllReduce(), TfKerasApply(model, optimizer))
 
 
 class TfKerasLoss:

@@ -39,7 +39,7 @@ from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
 from tfdist.pipeline.placement import place_stages
 from tfdist.pipeline.runner import StageRunner
 from tfdist.pipeline.schedule import BACKWARD, FORWARD, WEIGHTS, emission_order, stage_orders
-from tfdist.pipeline.stages import plan_stages
+from tfdist.pipeline.stages import plan_stages, stage_devices
 
 
 def _accumulate(totals, weights, grads):
@@ -249,9 +249,7 @@ def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:
     config = strategy.config
     stages = plan_stages(model, config.model_stages, config.stage_boundaries, sequence_length)
     devices = strategy.pipeline_devices
-    per_stage = [[replica[s % config.pipeline] for replica in devices]
-                 for s in range(config.model_stages)]
-    copies = place_stages(model, stages, per_stage, strategy)
+    copies = place_stages(model, stages, stage_devices(config, devices), strategy)
     return PipelineCompute(model, stages, devices, config.microbatches,
                            config.schedule, remat=config.remat, xla=config.xla,
                            copies=copies, virtual_stages=config.virtual_stages)

@@ -278,7 +278,7 @@ class StageRunner:
             targets = [out for out, _ in pairs]
             seeds = [g for _, g in pairs]
         graph = tf.compat.v1.get_default_graph()
-        built = len(graph.get_operations())
+        built = len(graph.get_operations()) if defer_weights else None
         if is_last or targets:
             grads = activations.tape.gradient(targets, floating + weights,
                                               output_gradients=seeds)

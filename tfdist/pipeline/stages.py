@@ -221,6 +221,21 @@ def _connect(graph, stages):
                              if id(x) in needed)
 
 
+def stage_devices(config, pipeline_devices) -> list[list]:
+    """Each of `config.model_stages` stages' devices, one per data replica
+    (`pipeline_devices[r][d]`: replica r's pipeline device d): stage s runs
+    on device s mod `config.pipeline`.
+
+    Example:
+
+    >>> from tfdist.config import ParallelConfig
+    >>> stage_devices(ParallelConfig(pipeline=2), [["CPU:0", "CPU:1"], ["CPU:2", "CPU:3"]])
+    [['CPU:0', 'CPU:2'], ['CPU:1', 'CPU:3']]
+    """
+    return [[replica[s % config.pipeline] for replica in pipeline_devices]
+            for s in range(config.model_stages)]
+
+
 def describe(stages, devices) -> str:
     """One line per stage: its devices, parameters, estimated cost and its
     ratio to the mean stage's, layers.
