@@ -2,6 +2,7 @@
 
     python keras_examples/model_garden_bert.py --devices=4 --microbatches=2
     python keras_examples/model_garden_bert.py --devices=2 --precision=mixed_float16
+    python keras_examples/model_garden_bert.py --devices=4 --zero=2
 
 Reads each 8x8 digit as a sequence of 64 pixel intensities (tokens 0-16) and
 classifies it with an unchanged tf-models-official `BertClassifier` over a
@@ -9,7 +10,9 @@ small `BertEncoder` (tf_keras, random weights). orbit's `Controller` runs a
 `StandardTrainer` whose step is tfdist's (`strategy.train_step(model)`): the
 model's own compiled loss, metrics and tf_keras optimizer, with the strategy's
 microbatches (one gradient all-reduce per step), precision (loss scaling under
-mixed_float16) and XLA. Prints the loss and accuracy of every orbit loop.
+mixed_float16), XLA and ZeRO (the optimizer's slots split across the
+replicas). Prints the loss and accuracy of every orbit loop and the bytes of
+optimizer state each device holds.
 """
 
 import digits  # first: it quiets TensorFlow's C++ logs before TensorFlow loads
@@ -22,12 +25,14 @@ import tf_keras
 from absl import flags
 
 import tfdist
+from tfdist.callbacks.metrics import optimizer_state_bytes
 
 flags.DEFINE_integer("devices", 4, "Logical CPU devices = data-parallel replicas.")
 flags.DEFINE_integer("microbatches", 1, "Microbatches per per-replica batch.")
 flags.DEFINE_enum("precision", "float32", ["float32", "mixed_float16", "mixed_bfloat16"],
                   "Compute precision (tf_keras dtype policy).")
 flags.DEFINE_bool("xla", False, "Compile each replica's step with XLA.")
+flags.DEFINE_enum("zero", "0", ["0", "1", "2"], "Shard the optimizer state (ZeRO stage).")
 flags.DEFINE_integer("steps", 150, "Training steps.")
 flags.DEFINE_integer("steps_per_loop", 50, "Steps per orbit loop (one tf.function call).")
 flags.DEFINE_integer("batch_size", 64, "Global batch size.")
@@ -67,10 +72,12 @@ def main(argv):
     digits.quiet_logs()
     tfdist.use_virtual_devices(FLAGS.devices)
     strategy = tfdist.Strategy(data=FLAGS.devices, microbatches=FLAGS.microbatches,
-                               precision=FLAGS.precision, xla=FLAGS.xla)
+                               precision=FLAGS.precision, xla=FLAGS.xla,
+                               zero=int(FLAGS.zero))
     print(f"tfdist.Strategy: {strategy.config.to_json()}")
     with strategy.scope():
         model = build_classifier()
+    print(f"trainable weight bytes: {sum(w.numpy().nbytes for w in model.trainable_weights):,}")
     dataset = digit_sentences()
     logs = []
     controller = orbit.Controller(
@@ -83,6 +90,8 @@ def main(argv):
               f"accuracy {log['accuracy']:.3f}")
     print(f"optimizer: {type(model.optimizer).__name__}, steps applied: "
           f"{int(model.optimizer.iterations.numpy())}")
+    print(f"optimizer state bytes per device: "
+          f"{digits.per_device(optimizer_state_bytes(model.optimizer))}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ its place: the task's loss (the model's compiled loss and `model.losses`
 plus `Task.build_losses`, as `Task.train_step` computes it), its metrics
 (`Task.process_metrics`, the compiled metrics, the trainer's training loss),
 the trainer's optimizer (a tf_keras `LossScaleOptimizer` too), and the
-strategy's `microbatches`, `precision` and `xla`. `zero`, `pipeline` and
-`tensor` are refused (tf_keras models: `tfdist.engine.tf_keras`).
+strategy's `microbatches`, `precision`, `xla` and `zero` 1/2 (with a
+v2.11+ tf_keras optimizer: in the task's optimizer config, type
+'sgd_experimental', 'adam_experimental' or 'adamw_experimental').
+`pipeline` and `tensor` are refused (tf_keras models:
+`tfdist.engine.tf_keras`).
 
 Example:
 
@@ -93,7 +96,7 @@ class Trainer(base_trainer.Trainer):
 
     Takes the same arguments; build it inside the tfdist strategy's scope.
     With `train=True` it checks the model against the strategy's config when
-    it is built (`zero`, `pipeline`, `tensor` refused for tf_keras models).
+    it is built (`pipeline`, `tensor` refused for tf_keras models).
 
     Example:
 

@@ -98,10 +98,15 @@ def test_keras_hub_gpt2_example_splits_the_tied_embedding_over_tensor_and_stages
     assert len(sizes) == 8 and all(size < whole / 2 for size in sizes)
 
 
-def test_model_garden_bert_example_trains_a_tf_keras_model_with_microbatches():
-    out = run_example("model_garden_bert.py", "--devices=2", "--microbatches=2",
+def test_model_garden_bert_example_trains_a_tf_keras_model_with_microbatches_and_zero():
+    out = run_example("model_garden_bert.py", "--devices=2", "--microbatches=2", "--zero=2",
                       "--steps=60", "--steps_per_loop=20")
     loops = re.findall(r"steps (\d+): loss ([\d.]+)  accuracy ([\d.]+)", out)
     assert [int(s) for s, _, _ in loops] == [20, 40, 60]
     assert float(loops[2][1]) < float(loops[0][1])
-    assert '"microbatches": 2' in out and "steps applied: 60" in out
+    assert '"microbatches": 2' in out and '"zero": 2' in out and "steps applied: 60" in out
+    state = re.search(r"optimizer state bytes per device: (.*)", out)[1]
+    sizes = [int(v.replace(",", "")) for v in re.findall(r"CPU:\d=([\d,]+)", state)]
+    # Adam's two slots, half on each device (and the counter and learning rate).
+    weights = int(re.search(r"trainable weight bytes: ([\d,]+)", out)[1].replace(",", ""))
+    assert len(sizes) == 2 and all(weights <= size < weights + 4096 for size in sizes)

@@ -15,6 +15,7 @@ from official.core import config_definitions as cfg
 import tfdist
 from helpers import devices
 from tfdist.model_garden import Trainer
+from tfdist.sharding.storage import ShardedStorage
 
 STEPS, BATCH, SEQUENCE = 10, 16, 16
 
@@ -95,8 +96,10 @@ def reference(initial):
     return train(None, initial)
 
 
-@pytest.mark.parametrize("config", [dict(data=2, microbatches=2), dict(data=4)],
-                         ids=["data2-microbatches2", "data4"])
+@pytest.mark.parametrize("config", [dict(data=2, microbatches=2), dict(data=4),
+                                    dict(data=2, zero=1, microbatches=2), dict(data=4, zero=2)],
+                         ids=["data2-microbatches2", "data4", "data2-zero1-microbatches2",
+                              "data4-zero2"])
 def test_official_core_trainer_matches_one_device(config, initial, reference):
     losses, weights, trainer = train(tfdist.Strategy(devices=devices(config["data"]), **config),
                                      initial)
@@ -105,12 +108,23 @@ def test_official_core_trainer_matches_one_device(config, initial, reference):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
     assert int(trainer.global_step.numpy()) == int(trainer.optimizer.iterations.numpy()) == STEPS
     assert trainer._step.compute.microbatches == config.get("microbatches", 1)  # tfdist's step
+    sharded = [v for v in trainer.optimizer.variables if isinstance(v, ShardedStorage)]
+    # Adam's two slots of every weight, in shards, when zero is on.
+    assert len(sharded) == (2 * len(trainer.model.trainable_variables) if "zero" in config
+                            else 0)
 
 
-def test_official_core_trainer_refuses_zero():
+def test_official_core_trainer_refuses_a_legacy_optimizer_under_zero():
     strategy = tfdist.Strategy(data=2, zero=1, devices=devices(2))
-    with pytest.raises(NotImplementedError, match=r"tf_keras \(Keras 2\) model: .*not zero=1"):
-        train(strategy, None)
+    config = experiment()
+    task = SentenceTask(config.task)
+    with strategy.scope():
+        model = task.build_model()
+        with pytest.raises(NotImplementedError, match=r"`zero=1` takes tf_keras's v2.11\+ "
+                                                      r"optimizers .* is a legacy one"):
+            Trainer(config, task, model, tf_keras.optimizers.legacy.Adam(1e-2),
+                    evaluate=False, train_dataset=strategy.experimental_distribute_dataset(
+                        task.build_inputs(None)))
 
 
 def test_official_core_trainer_of_its_own_is_refused_under_step_level_options():

@@ -13,6 +13,7 @@ import tf_keras
 
 import tfdist
 from helpers import devices
+from tfdist.sharding.storage import ShardedStorage
 
 STEPS, BATCH, SEQUENCE = 10, 16, 16
 
@@ -121,8 +122,10 @@ def reference(initial):
 
 
 @pytest.mark.parametrize("config", [dict(data=4), dict(data=2, microbatches=2),
-                                    dict(data=2, xla=True)],
-                         ids=["data4", "data2-microbatches2", "data2-xla"])
+                                    dict(data=2, xla=True), dict(data=2, zero=1),
+                                    dict(data=4, zero=2, microbatches=2)],
+                         ids=["data4", "data2-microbatches2", "data2-xla", "data2-zero1",
+                              "data4-zero2-microbatches2"])
 def test_bert_classifier_matches_one_device(config, initial, reference):
     size = config["data"]
     losses, weights, model = train(tfdist.Strategy(devices=devices(size), **config), initial)
@@ -131,6 +134,9 @@ def test_bert_classifier_matches_one_device(config, initial, reference):
     for ours, theirs in zip(weights, reference[1]):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
     assert int(model.optimizer.iterations.numpy()) == STEPS
+    if config.get("zero"):
+        assert len(model.optimizer.variables) == 1 + 2 * len(model.trainable_variables)
+        assert_one_shard_of_every_slot_per_device(model.optimizer, size)
 
 
 def test_mixed_float16_matches_one_device_with_loss_scaling(initial):
@@ -143,17 +149,26 @@ def test_mixed_float16_matches_one_device_with_loss_scaling(initial):
     np.testing.assert_allclose(losses, reference[0], rtol=2e-3)
     # float16 sums of 8 rows per replica round otherwise than of 16 on one
     # device, and Adam's normalised steps (1e-2 each) amplify that on weights
-    # whose gradients are near zero: every weight within one step of one device's.
+    # whose gradients are near zero (their sign flips with the rounding):
+    # every weight within two steps of one device's, nearly all within one.
     for ours, theirs in zip(weights, reference[1]):
-        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-2)
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-2)
+    off = np.concatenate([np.abs(a - b).ravel() for a, b in zip(weights, reference[1])])
+    assert np.mean(off > 1e-2) < 1e-3, np.sort(off)[-10:]
 
 
-def test_model_garden_resnet_with_synchronized_batch_norm_matches_one_device():
+@pytest.fixture(scope="module")
+def resnet_reference():
+    """(initial weights, one device's losses and weights) of the ResNet classifier."""
     tf_keras.utils.set_random_seed(0)
     model = resnet_classifier()
     model(next(iter(images()))[0])
     initial = model.get_weights()
-    reference = train(None, initial, make=resnet_classifier, data=images)
+    return initial, train(None, initial, make=resnet_classifier, data=images)
+
+
+def test_model_garden_resnet_with_synchronized_batch_norm_matches_one_device(resnet_reference):
+    initial, reference = resnet_reference
     losses, weights, _ = train(tfdist.Strategy(data=2, devices=devices(2)), initial,
                                make=resnet_classifier, data=images)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-4)
@@ -161,8 +176,52 @@ def test_model_garden_resnet_with_synchronized_batch_norm_matches_one_device():
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("options, named", [(dict(zero=1), "zero=1"),
-                                            (dict(tensor=2), "tensor=2"),
+def assert_one_shard_of_every_slot_per_device(optimizer, replicas):
+    slots = [v for v in optimizer.variables if v is not optimizer.iterations]
+    for slot in slots:
+        assert isinstance(slot, ShardedStorage)
+        size = slot.shape.num_elements()
+        shards = slot.values
+        assert len({shard.device for shard in shards}) == replicas
+        assert [shard.shape.num_elements() for shard in shards] == [-(-size // replicas)] * replicas
+    held = sum(shard.shape.num_elements() for slot in slots for shard in slot.values)
+    full = sum(slot.shape.num_elements() for slot in slots)
+    assert full <= held < full + replicas * len(slots)  # 1/N per device, plus padding
+
+
+def test_zero_checkpoints_hold_full_slots_and_reshard(initial, tmp_path):
+    _, _, model = train(tfdist.Strategy(data=2, zero=1, devices=devices(2)), initial)
+    state = [v.numpy() for v in model.optimizer.variables]
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        str(tmp_path / "ckpt"))
+    # Into one device (unsharded) and into 4 replicas of zero=2 (resharded).
+    one = bert_classifier()
+    one.optimizer.build(one.trainable_variables)
+    strategy = tfdist.Strategy(data=4, zero=2, devices=devices(4))
+    with strategy.scope():
+        four = bert_classifier()
+    four(next(iter(dataset()))[0])
+    strategy.train_step(four).build(dataset().element_spec)
+    for restored in (one, four):
+        tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
+            path).assert_consumed()
+        assert len(restored.optimizer.variables) == len(state)
+        for theirs, ours in zip(state, restored.optimizer.variables):
+            np.testing.assert_array_equal(ours.numpy(), theirs)
+    assert isinstance(four.optimizer.variables[1], ShardedStorage)
+
+
+def test_model_garden_resnet_under_zero_matches_one_device(resnet_reference):
+    initial, reference = resnet_reference
+    losses, weights, model = train(tfdist.Strategy(data=2, zero=1, devices=devices(2)),
+                                   initial, make=resnet_classifier, data=images)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-4)
+    for ours, theirs in zip(weights, reference[1]):  # moving statistics included
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert_one_shard_of_every_slot_per_device(model.optimizer, 2)
+
+
+@pytest.mark.parametrize("options, named", [(dict(tensor=2), "tensor=2"),
                                             (dict(pipeline=2), "pipeline=2")])
 def test_keras3_only_modes_are_refused_for_tf_keras_models(options, named):
     size = 2 * options.get("tensor", 1) * options.get("pipeline", 1)
@@ -171,4 +230,26 @@ def test_keras3_only_modes_are_refused_for_tf_keras_models(options, named):
         model = bert_classifier()
     with pytest.raises(NotImplementedError, match=rf"'bert_classifier(_\d+)?' is a tf_keras "
                                                   rf"\(Keras 2\) model: .*not {named}"):
+        strategy.train_step(model)
+
+
+@pytest.mark.parametrize("options, optimizer, error, message", [
+    (dict(), lambda: tf_keras.optimizers.legacy.Adam(1e-2), NotImplementedError,
+     r"`zero=1` takes tf_keras's v2.11\+ optimizers .*legacy.*'adam_experimental'"),
+    (dict(), lambda: tf_keras.optimizers.Nadam(1e-2), ValueError,
+     r"`zero=1` .*does not know .*Nadam to be. Supported tf_keras optimizers: SGD, Adam"),
+    (dict(), lambda: tf_keras.optimizers.Adam(1e-2, clipnorm=1.0), NotImplementedError,
+     r"`clipnorm=1.0` on the optimizer is not supported with `zero=1`"),
+    (dict(precision="mixed_float16"), lambda: tf_keras.optimizers.Adam(1e-2),
+     NotImplementedError, r"`zero=1` with a tf_keras LossScaleOptimizer"),
+], ids=["legacy", "not-elementwise", "clipnorm", "loss-scaling"])
+def test_zero_refuses_what_it_cannot_shard(options, optimizer, error, message):
+    strategy = tfdist.Strategy(data=2, zero=1, devices=devices(2), **options)
+    with strategy.scope():
+        model = bert_classifier()
+        inner = optimizer()
+        model.compile(optimizer=tf_keras.mixed_precision.LossScaleOptimizer(inner)
+                      if options else inner,
+                      loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(error, match=message):
         strategy.train_step(model)

@@ -122,7 +122,8 @@ class Metrics(keras.callbacks.Callback):
 
 
 def optimizer_state_bytes(optimizer) -> dict:
-    """{device: bytes} of every physical component of the optimizer's variables.
+    """{device: bytes} of every physical component of the optimizer's
+    variables (a Keras 3 or a tf_keras optimizer).
 
     Example:
 
@@ -134,7 +135,7 @@ def optimizer_state_bytes(optimizer) -> dict:
     """
     sizes = collections.Counter()
     for variable in optimizer.variables:
-        value = getattr(variable, "value", variable)
+        value = variable.value if isinstance(variable, keras.Variable) else variable
         for component in getattr(value, "values", (value,)):
             device = tf.DeviceSpec.from_string(component.device)
             name = f"{device.device_type}:{device.device_index}"

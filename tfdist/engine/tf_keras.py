@@ -1,9 +1,10 @@
 """tfdist's step for tf_keras (Keras 2) models, such as the Model Garden's.
 
 A compiled tf_keras model run with `strategy.train_step(model)` (an orbit
-trainer, a custom loop) gets data parallelism, `microbatches`, `precision` and
-`xla` from the same parts as a Keras 3 model (`LocalCompute`, `AllReduce`),
-with tf_keras's own loss, metrics and optimizer in place of Keras 3's:
+trainer, a custom loop) gets data parallelism, `microbatches`, `precision`,
+`xla` and `zero` 1/2 from the same parts as a Keras 3 model (`LocalCompute`,
+`AllReduce` or `ShardedReduce`), with tf_keras's own loss, metrics and
+optimizer in place of Keras 3's:
 
 - `TfKerasLoss`: a microbatch's loss is tf_keras's `compute_loss` (the
   compiled loss plus `model.losses`, divided by the replicas as tf_keras
@@ -11,10 +12,11 @@ with tf_keras's own loss, metrics and optimizer in place of Keras 3's:
   `LossScaleOptimizer`; `compute_metrics` updates the compiled metrics and
   the loss tracker.
 - `TfKerasApply`: the optimizer applies the reduced gradients (unscaled
-  first under loss scaling; its own all-reduce off: they are reduced).
+  first under loss scaling; its own all-reduce off: they are reduced); under
+  `zero`, `tfdist.optim.tf_keras_zero.TfKerasShardedUpdate`.
 
-`zero`, `pipeline` and `tensor` are Keras 3 only, and so is tf_keras's own
-`fit` (it never calls tfdist's step): `check_tf_keras_model` refuses them.
+`pipeline` and `tensor` are Keras 3 only, and so is tf_keras's own `fit` (it
+never calls tfdist's step): `check_tf_keras_model` refuses them.
 
 Example:
 
@@ -36,7 +38,8 @@ from keras import tree
 
 from tfdist.config import ParallelConfig
 from tfdist.engine.compute import LocalCompute
-from tfdist.engine.reduce import AllReduce
+from tfdist.engine.reduce import AllReduce, ShardedReduce
+from tfdist.optim.tf_keras_zero import TfKerasShardedUpdate, check_tf_keras_shardable
 
 # Loss reductions of tf_keras that average over the batch.
 _MEAN_REDUCTIONS = ("auto", "sum_over_batch_size")
@@ -63,18 +66,17 @@ def check_tf_keras_model(model, config: ParallelConfig, optimizer=None):
     Example:
 
     ```python
-    check_tf_keras_model(model, ParallelConfig(data=2, zero=1))   # NotImplementedError
+    check_tf_keras_model(model, ParallelConfig(data=2, pipeline=2))   # NotImplementedError
     ```
     """
     name = getattr(model, "name", model)
-    keras3_only = [f"{field}={getattr(config, field)}" for field, off in
-                   (("zero", 0), ("pipeline", 1), ("tensor", 1))
-                   if getattr(config, field) != off]
+    keras3_only = [f"{field}={getattr(config, field)}" for field in ("pipeline", "tensor")
+                   if getattr(config, field) != 1]
     if keras3_only:
         raise NotImplementedError(
             f"{name!r} is a tf_keras (Keras 2) model: tfdist's step gives it data "
-            f"parallelism, microbatches, precision and xla, but not "
-            f"{', '.join(keras3_only)} (Keras 3 models only). Remove "
+            f"parallelism, microbatches, precision, xla and zero, but not "
+            f"{' or '.join(keras3_only)} (Keras 3 models only). Remove "
             f"{'that option' if len(keras3_only) == 1 else 'those options'}, or "
             f"build the model with Keras 3 (`import keras`).")
     if (optimizer or getattr(model, "optimizer", None)) is None:
@@ -88,6 +90,8 @@ def check_tf_keras_model(model, config: ParallelConfig, optimizer=None):
             f"`strategy.scope()`, which sets tf_keras's policy too.")
     if config.microbatches > 1:
         _check_microbatches(model, config.microbatches)
+    if config.zero:
+        check_tf_keras_shardable(optimizer or model.optimizer, config.zero)
 
 
 def _check_microbatches(model, k):
@@ -139,7 +143,9 @@ def _zeros(spec):
 def parts(model, config: ParallelConfig, loss=None, optimizer=None):
     """The (compute, reduce, update) parts of a tf_keras model's step: the
     microbatches one after another with `loss` (default: `TfKerasLoss`), an
-    all-reduce, and `optimizer` (default: the compiled one) applying them.
+    all-reduce, and `optimizer` (default: the compiled one) applying them;
+    with `zero`, ZeRO's reduction into shards and sharded update (the
+    optimizer's slots move into shards now).
 
     Example:
 
@@ -148,8 +154,12 @@ def parts(model, config: ParallelConfig, loss=None, optimizer=None):
     ```
     """
     loss = loss or TfKerasLoss(model, optimizer)
-    return (LocalCompute(model, config.microbatches, xla=config.xla, loss=loss),
-            AllReduce(), TfKerasApply(model, optimizer))
+    compute = LocalCompute(model, config.microbatches, xla=config.xla, loss=loss)
+    if config.zero:
+        with tf.init_scope():
+            update = TfKerasShardedUpdate(model, config.zero, optimizer)
+        return compute, ShardedReduce(update.layouts, config.zero), update
+    return compute, AllReduce(), TfKerasApply(model, optimizer)
 
 
 class TfKerasLoss:

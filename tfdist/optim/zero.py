@@ -42,8 +42,6 @@ into shards (`shard_keras_variable`), so saving (`save_weights`, `save`,
 exactly as an unsharded run, and loading reshards it.
 """
 
-import functools
-
 import keras
 import tensorflow as tf
 
@@ -122,10 +120,22 @@ def check_shardable(optimizer, zero: int, mode=None, elementwise_only=False):
             f"not know {cls.__module__}.{cls.__qualname__} to be. Supported: "
             f"{names}. Declare your own elementwise optimizer with "
             f"`@tfdist.optim.elementwise`, or turn {mode} off.")
+    check_options(inner, mode)
+
+
+def check_options(optimizer, mode):
+    """Errors for optimizer options that need whole variables (EMA, norms).
+
+    Example:
+
+    ```python
+    check_options(keras.optimizers.Adam(clipnorm=1.0), "`zero=1`")  # raises
+    ```
+    """
     unsupported = {
-        "use_ema": inner.use_ema,
-        "clipnorm": inner.clipnorm,
-        "global_clipnorm": inner.global_clipnorm,
+        "use_ema": optimizer.use_ema,
+        "clipnorm": optimizer.clipnorm,
+        "global_clipnorm": optimizer.global_clipnorm,
     }
     for name, value in unsupported.items():
         if value:
@@ -146,6 +156,8 @@ class ShardedUpdate:
     Args:
         model: a compiled, built `keras.Model` under a tfdist strategy.
         zero: the stage, 1 or 2.
+        optimizer: the optimizer that applies (default: the model's compiled
+            one).
 
     Example:
 
@@ -156,13 +168,14 @@ class ShardedUpdate:
     ```
     """
 
-    def __init__(self, model, zero: int):
-        check_shardable(model.optimizer, zero)
+    def __init__(self, model, zero: int, optimizer=None):
+        optimizer = optimizer or model.optimizer
+        self._check(optimizer, zero)
         self.zero = zero
         self.model = model
-        self.scaler = model.optimizer if isinstance(
-            model.optimizer, keras.optimizers.LossScaleOptimizer) else None
-        self.inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        self.scaler = optimizer if isinstance(
+            optimizer, keras.optimizers.LossScaleOptimizer) else None
+        self.inner = getattr(optimizer, "inner_optimizer", optimizer)
         strategy = model.distribute_strategy
         # With tensor parallelism each replica updates its tensor rank's part
         # of every weight (a slice if the weight is split, else all of it),
@@ -170,25 +183,57 @@ class ShardedUpdate:
         self.mesh = getattr(strategy, "tensor_mesh", None)
         tensor = self.mesh.tensor if self.mesh else 1
         self.num_shards = strategy.num_replicas_in_sync // tensor
-        self.variables = list(keras_optimizer.trainable_variables_of(self.inner))
+        self.variables = self._optimizer_variables()
         # Where each replica's state lives, and its slicing of the local part.
         storage = [MeshShardLayout(v.shape, tensor, self.num_shards, storage_layout(v))
                    for v in self.variables]
         # Layouts by optimizer index, and aligned with the model's weights.
         self._by_index = [layout.part for layout in storage]
-        index_of = functools.partial(keras_optimizer.variable_index, self.inner)
-        self.layouts = [self._by_index[index_of(v)] for v in model.trainable_weights]
+        self.layouts = [self._by_index[self._index_of(v)] for v in model.trainable_weights]
         with strategy.scope():
-            for slot, index in optimizer_slots(self.inner, self.variables, for_sharding=True,
-                                               replicated=self._replicated()):
-                shard_keras_variable(slot, storage[index], strategy)
+            self._shard_slots(optimizer_slots(self.inner, self.variables, for_sharding=True,
+                                              replicated=self._replicated()),
+                              storage, strategy)
             # The parameter shards each replica updates (working buffers).
             self.buffers = [
-                ShardedStorage.create(strategy, layout, None,
-                                      f"{v.path.replace('/', '_')}_shard", v.dtype,
-                                      devices=copy_devices(v, strategy))
+                ShardedStorage.create(strategy, layout, None, f"{_flat_name(v)}_shard",
+                                      v.dtype, devices=copy_devices(v, strategy))
                 for v, layout in zip(self.variables, storage)
             ]
+
+    # The optimizer's interface, Keras 3's here (a subclass gives tf_keras's).
+
+    def _check(self, optimizer, zero):
+        """Refuses an optimizer whose state cannot be sharded exactly."""
+        check_shardable(optimizer, zero)
+
+    def _optimizer_variables(self):
+        """The variables the optimizer updates, in its own order."""
+        return list(keras_optimizer.trainable_variables_of(self.inner))
+
+    def _index_of(self, variable):
+        """The position of a model variable in the optimizer's slot lists."""
+        return keras_optimizer.variable_index(self.inner, variable)
+
+    def _shard_slots(self, slots, storage, strategy):
+        """Moves each (slot, variable index) of `slots` into shards laid out
+        as `storage[index]` (values kept)."""
+        for slot, index in slots:
+            shard_keras_variable(slot, storage[index], strategy)
+
+    def _learning_rate(self):
+        return self.inner.learning_rate
+
+    def _update_steps(self, shards, buffers, indices, learning_rate):
+        """The optimizer's own `update_step` on each buffer (a shard of
+        variable `indices[k]`), finding that variable's slots."""
+        with slots_found_by(self.inner, buffers, indices):
+            for gradient, buffer in zip(shards, buffers):
+                self.inner.update_step(gradient, buffer, learning_rate)
+
+    def _count_step(self, applied):
+        """Advances the optimizer's counter by `applied` (0 or 1)."""
+        keras_optimizer.iterations_variable(self.inner).assign_add(applied)
 
     def _replicated(self):
         """State every replica keeps whole (not sharded)."""
@@ -198,8 +243,7 @@ class ShardedUpdate:
     def __call__(self, shards):
         """Applies this replica's gradient `shards` (aligned with
         `model.trainable_weights`, None where a weight has no gradient)."""
-        index_of = functools.partial(keras_optimizer.variable_index, self.inner)
-        present = [(index_of(v), g) for v, g in
+        present = [(self._index_of(v), g) for v, g in
                    zip(self.model.trainable_weights, shards) if g is not None]
         indices = [i for i, _ in present]
         shards = [g for _, g in present]
@@ -216,7 +260,8 @@ class ShardedUpdate:
                 tf.distribute.ReduceOp.SUM,
                 non_finite_count([sparse_gradients.values(g) for g in shards])), 0.0)
             for i in indices:
-                self.buffers[i].assign(self._by_index[i].shard(self.variables[i].value, replica))
+                self.buffers[i].assign(self._by_index[i].shard(
+                    tf.convert_to_tensor(self.variables[i]), replica))
             if self.scaler is not None:
                 scale = self.scaler.dynamic_scale
                 shards = [sparse_gradients.map_values(g, lambda v: v / scale) for g in shards]
@@ -229,7 +274,7 @@ class ShardedUpdate:
                         keras_optimizer.skip_non_finite_step(self.scaler))
                 applied = tf.cast(finite, keras_optimizer.iterations_variable(self.inner).dtype)
             # After the update (which reads it), outside the cond (a merge call).
-            keras_optimizer.iterations_variable(self.inner).assign_add(applied)
+            self._count_step(applied)
         with tf.name_scope("gather"):
             updated = [self.buffers[i].value() for i in indices]
             full = packed_all_gather(updated, layouts, launcher)
@@ -263,11 +308,11 @@ class ShardedUpdate:
         finite-gradient branch). What needs the other replicas (Adafactor's
         sums) is computed now, so no collective is inside a branch."""
         inner = self.inner
-        if inner.loss_scale_factor is not None:
+        if getattr(inner, "loss_scale_factor", None) is not None:
             shards = [sparse_gradients.map_values(g, lambda v: v / inner.loss_scale_factor)
                       for g in shards]
         shards = keras_optimizer.clip_gradients(inner, shards)  # clipvalue: elementwise
-        learning_rate = inner.learning_rate
+        learning_rate = self._learning_rate()
         buffers = [self.buffers[i] for i in indices]
         rule = SHARDED_UPDATES.get(type(inner))
         if rule is not None:
@@ -281,9 +326,7 @@ class ShardedUpdate:
         def elementwise():
             for i, buffer in zip(indices, buffers):
                 buffer.assign(self._decayed(i, buffer.value(), learning_rate))
-            with slots_found_by(inner, buffers, indices):
-                for gradient, buffer in zip(shards, buffers):
-                    inner.update_step(gradient, buffer, learning_rate)
+            self._update_steps(shards, buffers, indices, learning_rate)
 
         return elementwise
 
@@ -298,3 +341,9 @@ class ShardedUpdate:
         return value - value * wd * lr
 
 
+
+
+def _flat_name(variable):
+    """A variable's path (Keras 3) or name (tf_keras), as one name."""
+    name = getattr(variable, "path", None) or variable.name.split(":")[0]
+    return name.replace("/", "_")

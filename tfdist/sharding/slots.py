@@ -8,12 +8,14 @@ treats its slots the same way, and finds them here.
 """
 
 import keras
+import tensorflow as tf
 
 from tfdist._compat.keras_optimizer import iterations_variable, learning_rate_setting
 
 
 def optimizer_slots(optimizer, variables, for_sharding=False, replicated=()):
-    """(slot, variable index) of every per-variable slot of a built Keras optimizer.
+    """(slot, variable index) of every per-variable slot of a built Keras (or
+    tf_keras) optimizer.
 
     Args:
         optimizer: a built Keras optimizer (the inner one under a
@@ -40,7 +42,7 @@ def optimizer_slots(optimizer, variables, for_sharding=False, replicated=()):
         if not isinstance(value, (list, tuple)) or len(value) != len(variables):
             continue
         for i, (slot, variable) in enumerate(zip(value, variables)):
-            if (isinstance(slot, keras.Variable) and slot is not variable
+            if (isinstance(slot, (keras.Variable, tf.Variable)) and slot is not variable
                     and id(slot) not in skip
                     and (not for_sharding or slot.shape == variable.shape)):
                 found[id(slot)] = (slot, i)
@@ -50,7 +52,8 @@ def optimizer_slots(optimizer, variables, for_sharding=False, replicated=()):
         for variable in optimizer.variables:
             if id(variable) not in found and id(variable) not in known:
                 raise ValueError(
-                    f"{type(optimizer).__name__} has state {variable.path!r} of shape "
+                    f"{type(optimizer).__name__} has state "
+                    f"{getattr(variable, 'path', variable.name)!r} of shape "
                     f"{tuple(variable.shape)} that is not a per-variable slot, so "
                     f"tfdist cannot shard it; use zero=0.")
     return list(found.values())

@@ -72,6 +72,15 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
     def layout(self) -> ShardLayout:
         return self._layout
 
+    @property
+    def shape(self):
+        """The full shape across replicas (what reads give there); inside a
+        replica, its shard's."""
+        return self._layout.shape if self._cross_replica() else super().shape
+
+    def get_shape(self):
+        return self.shape
+
     def _cross_replica(self):
         return tf_variables.in_cross_replica_context(self._distribute_strategy)
 
