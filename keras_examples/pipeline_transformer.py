@@ -22,8 +22,8 @@ flags.DEFINE_integer("devices", 4, "Logical CPU devices (data x pipeline).")
 flags.DEFINE_integer("pipeline", 2, "Pipeline stages.")
 flags.DEFINE_integer("microbatches", 4, "Microbatches per replica batch.")
 flags.DEFINE_enum("schedule", "1f1b", list(tfdist.config.SCHEDULES), "Pipeline schedule.")
-flags.DEFINE_integer("virtual_stages", None, "Stages per device (schedule=interleaved; "
-                     "default 2 with it, else 1).")
+flags.DEFINE_integer("virtual_stages", None, "Stages per device (default 2 with "
+                     "schedule=interleaved or zbv, else 1).")
 flags.DEFINE_integer("blocks", 4, "Transformer blocks.")
 flags.DEFINE_integer("width", 64, "Model width.")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
@@ -35,7 +35,7 @@ def main(argv):
     del argv
     digits.quiet_logs()
     tfdist.use_virtual_devices(FLAGS.devices)
-    virtual = FLAGS.virtual_stages or (2 if FLAGS.schedule == "interleaved" else 1)
+    virtual = FLAGS.virtual_stages or (2 if FLAGS.schedule in ("interleaved", "zbv") else 1)
     strategy = tfdist.Strategy(pipeline=FLAGS.pipeline, microbatches=FLAGS.microbatches,
                                schedule=FLAGS.schedule, virtual_stages=virtual)
     digits.train_transformer(strategy, FLAGS.width, blocks=FLAGS.blocks,

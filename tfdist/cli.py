@@ -47,8 +47,8 @@ flags.DEFINE_integer("zero", None, "Optimizer-state sharding stage: 0, 1 or 2.")
 flags.DEFINE_enum("precision", None, list(PRECISIONS), "Compute precision.")
 flags.DEFINE_boolean("xla", None, "jit-compile the per-replica compute.")
 flags.DEFINE_enum("schedule", None, list(SCHEDULES), "Pipeline schedule.")
-flags.DEFINE_integer("virtual_stages", None, "Pipeline, schedule 'interleaved': stages "
-                     "per device.")
+flags.DEFINE_integer("virtual_stages", None, "Pipeline, schedule 'interleaved' or 'zbv' "
+                     "(2): stages per device.")
 flags.DEFINE_list("stage_boundaries", None, "Pipeline: first layer of each stage "
                   "after the first, comma-separated.")
 flags.DEFINE_boolean("remat", None, "Pipeline: recompute each stage's forward in "

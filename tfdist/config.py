@@ -52,11 +52,13 @@ class ParallelConfig:
         precision: "float32", "mixed_float16" or "mixed_bfloat16".
         xla: jit-compile the per-replica compute with XLA.
         schedule: pipeline schedule: "gpipe", "1f1b", "zb1" (zero bubble:
-            weight gradients deferred into 1F1B's bubble) or "interleaved"
-            (Megatron's interleaved 1F1B over `virtual_stages`).
+            weight gradients deferred into 1F1B's bubble), "interleaved"
+            (Megatron's interleaved 1F1B over `virtual_stages`) or "zbv"
+            (zero bubble over two stages per device placed in a V).
         virtual_stages: with schedule "interleaved", the stages per device
             (>= 2): the model is cut into `pipeline * virtual_stages` stages
-            and device d runs stages d, d + pipeline, ...
+            and device d runs stages d, d + pipeline, ...; with "zbv", 2
+            (device d runs stages d and 2 * pipeline - 1 - d).
         stage_boundaries: with `pipeline` > 1, the names of the first layer
             of each stage after the first (`model_stages - 1` names); default
             (None): stages balanced by estimated compute.
@@ -207,11 +209,18 @@ class ParallelConfig:
                 f"Use xla=False with tensor parallelism.")
 
     def _check_interleaving(self):
-        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+        virtual = self.schedule in pipeline_schedule.VIRTUAL
+        needed = pipeline_schedule.VIRTUAL.get(self.schedule)
+        if virtual != (self.virtual_stages > 1) or needed not in (None, self.virtual_stages):
             raise ValueError(
-                f"`virtual_stages` must be >= 2 with schedule='interleaved' and 1 with "
-                f"the other schedules, got virtual_stages={self.virtual_stages} with "
+                f"`virtual_stages` must be >= 2 with schedule='interleaved', 2 with "
+                f"schedule='zbv' (two stages per device, in a V) and 1 with the other "
+                f"schedules, got virtual_stages={self.virtual_stages} with "
                 f"schedule={self.schedule!r}.")
+        if virtual and self.pipeline == 1:
+            raise ValueError(
+                f"schedule={self.schedule!r} places several stages on each pipeline "
+                f"device: it needs pipeline >= 2, got pipeline=1.")
         if self.schedule == "interleaved" and (
                 self.pipeline == 1 or self.microbatches % self.pipeline):
             raise ValueError(

@@ -1,6 +1,6 @@
 """Benchmark: pipeline schedules against their ideal step time.
 
-    python tools/bench_pipeline.py [--schedules=gpipe,1f1b,zb1,interleaved] \
+    python tools/bench_pipeline.py [--schedules=gpipe,1f1b,zb1,interleaved,zbv] \
         [--stages=2,4] [--microbatches=4,8,16] [--out=results.jsonl]
 
 Each stage's compute is a fixed delay, so what is measured is the schedule,
@@ -10,10 +10,10 @@ stage a small Dense and a `Delay` layer, then a Dense head (MSE, SGD);
 the last). `Delay` multiplies its input by its one weight after sleeping
 `--fwd_ms`; its backward sleeps `--bwd_ms` for the gradient of its input (B),
 then `--wgrad_ms` for the gradient of its weight (W), which reads B's result,
-so a backward that is not split lasts B + W. Zero-bubble schedules ("zb1")
-run W later, as its own action. With virtual stages ("interleaved",
-`--virtual_stages` v) the model has p x v pairs, each delay divided by v, so a
-device has the same work. A sleep (`time.sleep` in a `tf.numpy_function`)
+so a backward that is not split lasts B + W. Zero-bubble schedules ("zb1",
+"zbv") run W later, as its own action. With virtual stages ("interleaved",
+`--virtual_stages` v; "zbv", v = 2) the model has p x v pairs, each delay
+divided by v, so a device has the same work. A sleep (`time.sleep` in a `tf.numpy_function`)
 holds one of TensorFlow's inter-op threads, so the pool is raised to
 `--inter_op_threads` (its default is one thread per core) for p stages to
 sleep at once.
@@ -28,9 +28,10 @@ last `--steps`. With f, b, w the three delays:
 - efficiency = ideal / measured step time, bubble = step - ideal, and
   bubble_fraction = bubble / step;
 - theory: the schedule's step when every unit takes its delay and nothing else
-  takes time: (m + p - 1)(f + b + w) for GPipe and 1F1B, m (f + b + w) +
-  (p - 1)(f + b - w) for ZB-H1, m (f + b + w) + (p - 1)(f + b + w) / v for the
-  interleaved 1F1B;
+  takes time, played out from the schedule's orders: (m + p - 1)(f + b + w)
+  for GPipe and 1F1B, m (f + b + w) + (p - 1)(f + b - w) for ZB-H1,
+  m (f + b + w) + (p - 1)(f + b + w) / v for the interleaved 1F1B, and for
+  ZB-V m (f + b + w) + (p - 1) f / 2 when f = b = w and m >= p;
 - one device = m x p x (f + b + w), every unit one after the other;
   speed-up = one device / measured step time.
 
@@ -67,10 +68,12 @@ from absl import app, flags
 
 from results import emit
 
-flags.DEFINE_list("schedules", ["gpipe", "1f1b", "zb1", "interleaved"], "Schedules to measure.")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b", "zb1", "interleaved", "zbv"],
+                  "Schedules to measure.")
 flags.DEFINE_list("stages", ["2", "4"], "Pipeline stages p to measure.")
 flags.DEFINE_list("microbatches", ["4", "8", "16"], "Microbatches m to measure.")
-flags.DEFINE_integer("virtual_stages", 2, "Stages per device of the interleaved schedule.")
+flags.DEFINE_integer("virtual_stages", 2, "Stages per device of the interleaved schedule "
+                     "(zbv always has 2).")
 flags.DEFINE_float("fwd_ms", 20.0, "Delay of a stage's forward of one microbatch.")
 flags.DEFINE_float("bwd_ms", 20.0, "Delay of a stage's input gradient of one microbatch.")
 flags.DEFINE_float("wgrad_ms", 20.0, "Delay of a stage's weight gradient of one microbatch.")
@@ -116,10 +119,13 @@ def delays(v=1):
             "W": FLAGS.wgrad_ms / 1000 / v}
 
 
-def build_model(stages, v=1, devices=1):
-    """The model of `stages` Dense + Delay pairs, stage s on device s mod `devices`."""
+def build_model(stages, v=1, devices=1, schedule="gpipe"):
+    """The model of `stages` Dense + Delay pairs, each stage's sleeps taking
+    turns with the others on its device (`stage_device`)."""
     import keras
     import tensorflow as tf
+
+    from tfdist.pipeline.schedule import stage_device
 
     class Delay(keras.layers.Layer):
         """`x * scale`, whose forward sleeps F; its backward sleeps B for the
@@ -153,7 +159,8 @@ def build_model(stages, v=1, devices=1):
     layers = [keras.Input((FLAGS.width,))]
     for s in range(stages):
         layers += [keras.layers.Dense(FLAGS.width, name=f"dense{s}"),
-                   Delay(s, delays(v), s % devices, name=f"delay{s}")]
+                   Delay(s, delays(v), stage_device(schedule, s, devices),
+                         name=f"delay{s}")]
     model = keras.Sequential(layers + [keras.layers.Dense(1, name="head")])
     model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
     return model
@@ -225,14 +232,28 @@ def breakdown(sleeps, begin, end, orders):
     return in_order, len(path), parts
 
 
-def theory(schedule, p, m, v):
-    """The schedule's step in seconds when units take exactly their delays."""
-    f, b, w = (delays()[k] for k in "FBW")
-    work = m * (f + b + w)
-    return {"keras": p * (f + b + w) if m == 1 else work,
-            "gpipe": (m + p - 1) * (f + b + w), "1f1b": (m + p - 1) * (f + b + w),
-            "zb1": work + (p - 1) * (f + b - w),
-            "interleaved": work + (p - 1) * (f + b + w) / v}[schedule]
+def theory(orders, v):
+    """The step in seconds of the devices' `orders` when every unit takes
+    exactly its delay (a backward not split from its W both) and nothing else
+    takes time: each device runs its units in order, each as soon as the
+    device is free and the units it reads are done."""
+    from tfdist.pipeline.schedule import needs
+
+    stages = 1 + max(a.stage for order in orders for a in order)
+    split = any(a.kind == "W" for order in orders for a in order)
+    delay = delays(v)
+    if not split:
+        delay["B"] += delay["W"]
+    done, position, free = {}, [0] * len(orders), [0.0] * len(orders)
+    while len(done) < sum(map(len, orders)):
+        for d, order in enumerate(orders):
+            while position[d] < len(order) and all(
+                    n in done for n in needs(order[position[d]], stages)):
+                action = order[position[d]]
+                start = max([free[d]] + [done[n] for n in needs(action, stages)])
+                done[action] = free[d] = start + delay[action.kind]
+                position[d] += 1
+    return max(done.values())
 
 
 def measure(schedule, p, m):
@@ -241,9 +262,9 @@ def measure(schedule, p, m):
     import tensorflow as tf
 
     import tfdist
-    from tfdist.pipeline.schedule import stage_orders
+    from tfdist.pipeline.schedule import VIRTUAL, stage_orders
 
-    v = FLAGS.virtual_stages if schedule == "interleaved" else 1
+    v = 1 if schedule not in VIRTUAL else VIRTUAL[schedule] or FLAGS.virtual_stages
     if schedule == "keras":
         strategy, devices = tf.distribute.get_strategy(), 1
         orders = stage_orders("gpipe", p, 1)
@@ -254,7 +275,7 @@ def measure(schedule, p, m):
             devices=[f"/cpu:{i}" for i in range(p)]), p
         orders = stage_orders(schedule, p, m, v)
     with strategy.scope():
-        model = build_model(p * v, v, devices)
+        model = build_model(p * v, v, devices, schedule)
     n = FLAGS.batch_size * (FLAGS.warmup + FLAGS.steps)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, FLAGS.width)).astype("float32")
@@ -279,7 +300,7 @@ def measure(schedule, p, m):
               "ideal_seconds": round(ideal, 4), "efficiency": round(ideal / step, 3),
               "bubble_seconds": round(step - ideal, 4),
               "bubble_fraction": round((step - ideal) / step, 3),
-              "theory_seconds": round(theory(schedule, p, m, v), 4),
+              "theory_seconds": round(theory(orders, v), 4),
               "one_device_seconds": round(m * p * unit, 4),
               "speedup": round(m * p * unit / step, 3),
               "in_schedule_order": all(a[0] for a in analyses),
@@ -317,7 +338,8 @@ def main(argv):
     for r in records:
         b = r["breakdown_median_ms"]
         name = {"keras": "Keras alone, 1 device",
-                "interleaved": f"interleaved, v={r['virtual_stages']}"}.get(
+                "interleaved": f"interleaved, v={r['virtual_stages']}",
+                "zbv": "zbv (V, v=2)"}.get(
                     r["schedule"], r["schedule"])
         base = one_f_one_b.get((r["p"], r["m"]))
         ratio = f"{r['bubble_seconds'] / base:.2f}" if base and r["schedule"] != "keras" else "-"

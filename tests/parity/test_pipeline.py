@@ -23,7 +23,7 @@ from helpers import (
 )
 from test_tensor_transformer import SEQ, VOCAB, WIDTH, block, compile_lm, lm_data
 from tfdist.pipeline.placement import component_devices
-from tfdist.pipeline.schedule import held_activations, stage_orders
+from tfdist.pipeline.schedule import held_activations, stage_device, stage_orders
 
 
 def residual_mlp(seed=0, optimizer=None):
@@ -88,7 +88,7 @@ def test_stages_cut_inside_a_nested_model_and_match_one_device(schedule):
 
 
 # (schedule, virtual stages): every schedule tfdist has.
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2), ("zbv", 2)]
 
 
 @pytest.mark.parametrize("schedule, virtual", SCHEDULES, ids=[s for s, _ in SCHEDULES])
@@ -149,6 +149,22 @@ def test_activations_held_per_stage(schedule, microbatches):
         assert held == [stages - s for s in range(stages)]
     else:  # until its W: up to 1F1B's first stage's on every stage
         assert held == [stages] * stages
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_virtual_stages_live_on_their_devices(schedule):
+    """Interleaved: stages 0, 1, 2, 3 on devices 0, 1, 0, 1; ZB-V's V: 0, 1, 1, 0."""
+    strategy = tfdist.Strategy(pipeline=2, microbatches=4, schedule=schedule,
+                               virtual_stages=2, devices=devices(2))
+    _, _, model = train(strategy, make=residual_mlp)
+    pipeline = strategy.train_step(model).compute.pipeline
+    mesh = [d.split("device:")[-1] for d in devices(2)]
+    assert len(pipeline.stages) == 4
+    for stage in pipeline.stages:
+        wanted = mesh[stage_device(schedule, stage.index, 2)]
+        for variable in stage.variables:
+            assert {d.split("device:")[-1] for d in component_devices(variable)} == {wanted}
+    assert pipeline.peak_held == held_activations(stage_orders(schedule, 2, 4, 2))
 
 
 def downstream(ops, start):
@@ -262,7 +278,7 @@ def two_block_lm(seed=0):
 
 @pytest.mark.parametrize("schedule, virtual, remat", [
     ("gpipe", 1, False), ("1f1b", 1, False), ("zb1", 1, False), ("zb1", 1, True),
-    ("interleaved", 2, False), ("interleaved", 2, True)])
+    ("interleaved", 2, False), ("interleaved", 2, True), ("zbv", 2, False), ("zbv", 2, True)])
 def test_transformer_lm_matches_one_device(schedule, virtual, remat):
     x, y = lm_data()
     reference = trained_reference(make=two_block_lm, x=x, y=y, batch_size=16)
@@ -277,10 +293,11 @@ def test_transformer_lm_matches_one_device(schedule, virtual, remat):
     assert attention.count(True) == 2 and (virtual > 1 or attention == [True, True])
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1", "zbv"])
 def test_trace_shows_each_stage_unit(tmp_path, schedule):
+    stages = 4 if schedule == "zbv" else 2
     strategy = tfdist.Strategy(pipeline=2, microbatches=2, schedule=schedule,
-                               devices=devices(2))
+                               virtual_stages=stages // 2, devices=devices(2))
     with strategy.scope():
         model = residual_mlp()
     profiler = tfdist.callbacks.Profiler(tmp_path, steps=(2, 4))
@@ -294,12 +311,12 @@ def test_trace_shows_each_stage_unit(tmp_path, schedule):
         if found:
             kind = "bwd" if found.group(1) else found.group(3)
             units.add(f"stage{found.group(2)}/{kind}/mb{found.group(4)}")
-    every = {f"stage{s}/{kind}/mb{i}" for s in range(2) for kind in ("fwd", "bwd")
+    every = {f"stage{s}/{kind}/mb{i}" for s in range(stages) for kind in ("fwd", "bwd")
              for i in range(2)}
     if schedule == "1f1b":
         assert units == every
     else:  # and the second W's addition to the stage's gradient totals
-        assert units >= every | {f"stage{s}/bwd_weight/mb1" for s in range(2)}
+        assert units >= every | {f"stage{s}/bwd_weight/mb1" for s in range(stages)}
 
 
 def test_remat_lowers_peak_memory():
@@ -340,7 +357,7 @@ def test_xla_compiles_each_stage_and_keeps_parity(schedule, virtual):
 
 
 @pytest.mark.parametrize("zero, schedule, virtual", [
-    (1, "gpipe", 1), (2, "gpipe", 1), (1, "interleaved", 2), (2, "zb1", 1)])
+    (1, "gpipe", 1), (2, "gpipe", 1), (1, "interleaved", 2), (2, "zb1", 1), (2, "zbv", 2)])
 def test_zero_matches_unsharded_pipeline(zero, schedule, virtual):
     def make():
         return residual_mlp(optimizer=keras.optimizers.Adam(1e-2))

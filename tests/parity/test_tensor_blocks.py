@@ -179,7 +179,8 @@ def test_backbone_in_pipeline_stages_matches_one_device(backbone, tensor):
 
 @pytest.mark.parametrize("schedule, virtual, tensor, remat", [
     ("zb1", 1, 1, False), ("zb1", 1, 2, True),
-    ("interleaved", 2, 1, True), ("interleaved", 2, 2, False)])
+    ("interleaved", 2, 1, True), ("interleaved", 2, 2, False),
+    ("zbv", 2, 1, True), ("zbv", 2, 2, False)])
 def test_gpt2_backbone_under_zero_bubble_and_interleaved_schedules(
         schedule, virtual, tensor, remat):
     x, y = lm_data("gpt2")

@@ -31,13 +31,19 @@ def test_json_and_dict_round_trip():
          r"`precision` must be one of \('float32', 'mixed_float16', 'mixed_bfloat16'\), "
          r"got 'float16'"),
         ({"schedule": "zero-bubble"}, ValueError,
-         r"`schedule` must be one of \('gpipe', '1f1b', 'zb1', 'interleaved'\), "
+         r"`schedule` must be one of \('gpipe', '1f1b', 'zb1', 'interleaved', 'zbv'\), "
          r"got 'zero-bubble'"),
         ({"virtual_stages": 0}, ValueError, r"`virtual_stages` must be an int >= 1, got 0"),
         ({"virtual_stages": 2.0}, TypeError, r"`virtual_stages` must be an int, got 2.0"),
         ({"pipeline": 2, "microbatches": 2, "schedule": "interleaved"}, ValueError,
-         r"`virtual_stages` must be >= 2 with schedule='interleaved' and 1 with the other "
-         r"schedules, got virtual_stages=1 with schedule='interleaved'"),
+         r"`virtual_stages` must be >= 2 with schedule='interleaved', 2 with schedule='zbv' "
+         r"\(two stages per device, in a V\) and 1 with the other schedules, got "
+         r"virtual_stages=1 with schedule='interleaved'"),
+        ({"pipeline": 2, "microbatches": 2, "schedule": "zbv", "virtual_stages": 3}, ValueError,
+         r"2 with schedule='zbv' .*got virtual_stages=3 with schedule='zbv'"),
+        ({"microbatches": 2, "schedule": "zbv", "virtual_stages": 2}, ValueError,
+         r"schedule='zbv' places several stages on each pipeline device: it needs "
+         r"pipeline >= 2"),
         ({"pipeline": 2, "virtual_stages": 2}, ValueError,
          r"got virtual_stages=2 with schedule='gpipe'"),
         ({"pipeline": 2, "microbatches": 3, "schedule": "interleaved", "virtual_stages": 2},

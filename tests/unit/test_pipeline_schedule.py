@@ -12,6 +12,7 @@ from tfdist.pipeline.schedule import (
     emission_order,
     grid,
     held_activations,
+    stage_device,
     stage_orders,
 )
 
@@ -20,10 +21,11 @@ CASES = [(kind, p, m, 1) for kind in ("gpipe", "1f1b", "zb1")
          for p, m in itertools.product(range(1, 5), range(1, 9))]
 CASES += [("interleaved", p, m, v) for p in range(1, 5) for v in (2, 3)
           for m in range(p, 9, p)]
+CASES += [("zbv", p, m, 2) for p, m in itertools.product(range(1, 5), range(1, 9))]
 
 
 def kinds(kind):
-    return "FBW" if kind == "zb1" else "FB"
+    return "FBW" if kind in ("zb1", "zbv") else "FB"
 
 
 @pytest.mark.parametrize("kind, p, m, v", CASES)
@@ -32,8 +34,8 @@ def test_every_action_once_on_its_device(kind, p, m, v):
     assert len(orders) == p
     for d, order in enumerate(orders):
         assert sorted(order, key=str) == sorted(
-            (Action(s, k, i) for s in range(d, p * v, p) for k in kinds(kind)
-             for i in range(m)), key=str)
+            (Action(s, k, i) for s in range(p * v) if stage_device(kind, s, p) == d
+             for k in kinds(kind) for i in range(m)), key=str)
 
 
 @pytest.mark.parametrize("kind, p, m, v", CASES)
@@ -44,7 +46,7 @@ def test_emission_order_respects_device_order_and_data(kind, p, m, v):
     stages = p * v
     assert len(position) == len(order) == len(kinds(kind)) * stages * m
     for d in range(p):
-        assert [a for a in order if a.stage % p == d] == orders[d]
+        assert [a for a in order if stage_device(kind, a.stage, p) == d] == orders[d]
     for action in order:
         s, i = action.stage, action.microbatch
         if action.kind == "F" and s > 0:
@@ -60,7 +62,7 @@ def test_emission_order_respects_device_order_and_data(kind, p, m, v):
 @pytest.mark.parametrize("kind, p, m, v", CASES)
 def test_a_clock_step_runs_each_device_at_most_once(kind, p, m, v):
     for step in clock_steps(stage_orders(kind, p, m, v)):
-        devices = [a.stage % p for a in step]
+        devices = [stage_device(kind, a.stage, p) for a in step]
         assert devices == sorted(set(devices))
 
 
@@ -91,6 +93,41 @@ def test_interleaved_divides_the_bubble_by_v(p, v):
     m = 2 * p
     steps = clock_steps(stage_orders("interleaved", p, m, v))
     assert len(steps) - 2 * m * v == 2 * (p - 1)
+
+
+@pytest.mark.parametrize("p, m", list(itertools.product(range(1, 9), range(1, 17))))
+def test_zbv_holds_1f1bs_memory_and_at_most_a_third_of_its_bubble(p, m):
+    """A device holds at most 2p half-size stages' activations: 1F1B's first
+    stage's p whole-stage ones. With F = B = W one clock step each on a
+    half-size stage, 1F1B takes 6 (m + p - 1) such steps: a bubble of
+    6 (p - 1); ZB-V's is at most a third of that once m >= p, and p - 1 (a
+    sixth) at p = 4, m = 8."""
+    orders = stage_orders("zbv", p, m, 2)
+    assert max(held_activations(orders)) <= 2 * max(held_activations(stage_orders("1f1b", p, m)))
+    bubble = len(clock_steps(orders)) - 6 * m
+    assert bubble <= 6 * (p - 1)
+    if m >= p:
+        assert bubble <= 2 * (p - 1)
+    if (p, m) == (4, 8):
+        assert bubble == p - 1
+
+
+def test_zbv_places_stages_in_a_v():
+    assert [stage_device("zbv", s, 4) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [stage_device("interleaved", s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    # The loss is on device 0's second stage; the backward comes back up the V.
+    assert grid(stage_orders("zbv", 2, 1, 2)).splitlines() == [
+        "step  stage 0  stage 1",
+        "0     F0s0     .",
+        "1     .        F0s1",
+        "2     .        F0s2",
+        "3     F0s3     .",
+        "4     B0s3     .",
+        "5     W0s3     B0s2",
+        "6     .        B0s1",
+        "7     B0s0     W0s2",
+        "8     W0s0     W0s1",
+    ]
 
 
 def test_interleaved_holds_megatrons_warm_up():
@@ -172,10 +209,12 @@ def test_deadlock_is_reported():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("zero-bubble", 2, 2), r"`kind` must be one of \('gpipe', '1f1b', 'zb1', 'interleaved'\), "
-                            r"got 'zero-bubble'"),
+    (("zero-bubble", 2, 2), r"`kind` must be one of \('gpipe', '1f1b', 'zb1', 'interleaved', "
+                            r"'zbv'\), got 'zero-bubble'"),
     (("interleaved", 2, 4), r"`virtual_stages` must be > 1 with the interleaved schedule"),
     (("1f1b", 2, 4, 2), r"`virtual_stages` must be > 1 with .* and 1 with the others, got 2"),
+    (("zbv", 2, 4, 3), r"`virtual_stages` must be .* 2 with zbv .*got 3 with 'zbv'"),
+    (("zbv", 2, 4), r"`virtual_stages` must be .* 2 with zbv .*got 1 with 'zbv'"),
     (("interleaved", 4, 6, 2), r"`microbatches` must be a multiple of `stages` \(4\) .*got 6"),
     (("gpipe", 0, 2), r"`stages` must be an int >= 1, got 0"),
     (("1f1b", 2, "4"), r"`microbatches` must be an int >= 1, got '4'"),
@@ -186,4 +225,4 @@ def test_bad_stage_orders(args, message):
 
 
 def test_config_accepts_the_registered_schedules():
-    assert CONFIG_SCHEDULES == tuple(SCHEDULES) == ("gpipe", "1f1b", "zb1", "interleaved")
+    assert CONFIG_SCHEDULES == tuple(SCHEDULES) == ("gpipe", "1f1b", "zb1", "interleaved", "zbv")

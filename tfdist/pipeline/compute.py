@@ -10,11 +10,12 @@ action. Each action is its stage's `StageRunner`'s (`tfdist.pipeline.runner`).
 The last stage's forward ends in the microbatch's loss, weighted by its share
 of the batch, so the summed gradients are the batch's.
 
-A zero-bubble schedule ("zb1") splits each backward: its "B" builds the whole
-backward pass of the stage, and the ops only the weight gradients need wait
-for the stage's "W" (`StageGradients.start_weights`), so the input gradients
-the previous stage waits for come first. With virtual stages ("interleaved")
-stage s runs on device s mod p.
+A zero-bubble schedule ("zb1", "zbv") splits each backward: its "B" builds the
+whole backward pass of the stage, and the ops only the weight gradients need
+wait for the stage's "W" (`StageGradients.start_weights`), so the input
+gradients the previous stage waits for come first. With virtual stages
+("interleaved") stage s runs on device s mod p; with "zbv", device d runs
+stages d and 2p - 1 - d (`stage_device`).
 
 With `tensor` > 1 each action of device d runs under `TensorMesh.stage(d)`: the
 split layers' all-reduces are among the tensor group's device-d devices.
@@ -38,7 +39,14 @@ from tfdist._compat.tf_distribute import local_replica_id
 from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
 from tfdist.pipeline.placement import place_stages
 from tfdist.pipeline.runner import StageRunner
-from tfdist.pipeline.schedule import BACKWARD, FORWARD, WEIGHTS, emission_order, stage_orders
+from tfdist.pipeline.schedule import (
+    BACKWARD,
+    FORWARD,
+    WEIGHTS,
+    emission_order,
+    stage_device,
+    stage_orders,
+)
 from tfdist.pipeline.stages import plan_stages, stage_devices
 
 
@@ -63,12 +71,12 @@ class PipelineCompute:
         model: the compiled Keras model.
         stages: its `Stage`s (`plan_stages`).
         devices: `devices[r][d]`, pipeline device d of data replica r (stage
-            s runs on device s mod p).
+            s runs on device `stage_device(kind, s, p)`: s mod p, or ZB-V's V).
         microbatches: microbatches per replica batch.
         kind: the schedule, a key of `tfdist.pipeline.schedule.SCHEDULES`.
         remat: recompute each stage's forward in its backward.
         xla: compile each stage's layers with XLA.
-        virtual_stages: stages per device ("interleaved").
+        virtual_stages: stages per device ("interleaved", "zbv").
 
     After a step is traced, `peak_held[d]` is the largest number of (stage,
     microbatch) activations device d held at once (`held_activations` of
@@ -90,6 +98,7 @@ class PipelineCompute:
         self.stages = stages
         self.devices = devices
         self.pipeline = len(stages) // virtual_stages
+        self.device_of = [stage_device(kind, s, self.pipeline) for s in range(len(stages))]
         self.order = emission_order(stage_orders(kind, self.pipeline, microbatches,
                                                  virtual_stages))
         self.split_backward = any(action.kind == WEIGHTS for action in self.order)
@@ -136,7 +145,7 @@ class PipelineCompute:
         """The step's end for the stages' BatchNormalization statistics (one
         update per step, equal on every replica: `MovingStatistics`)."""
         for s, runner in enumerate(self.runners):
-            with tf.device(self.devices[local][s % self.pipeline]):
+            with tf.device(self.devices[local][self.device_of[s]]):
                 runner.moving.finish(starts[s], moved[s])
         return totals, metrics
 
@@ -161,11 +170,11 @@ class PipelineCompute:
         metrics = None
         starts, moved = [], [None for _ in self.stages]   # BatchNormalization statistics
         for s, runner in enumerate(self.runners):
-            with tf.device(devices[s % p]):
+            with tf.device(devices[self.device_of[s]]):
                 starts.append(runner.moving.start())
-                previous[s % p] += runner.refresh_copies(local)
+                previous[self.device_of[s]] += runner.refresh_copies(local)
         for action in self.order:
-            s, i, d = action.stage, action.microbatch, action.stage % p
+            s, i, d = action.stage, action.microbatch, self.device_of[action.stage]
             runner = self.runners[s]
             # The loss is tracked by the forward, not again by a remat replay.
             head = (functools.partial(self._last_stage_loss, slices[i], action.kind == FORWARD)

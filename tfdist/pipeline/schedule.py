@@ -7,7 +7,8 @@ the order the device runs them (`stage_orders`). An action is the forward
 ("W", split from the backward, whose "B" then only computes the gradients of
 the stage's inputs) of one microbatch on one stage. Usually a device runs one
 stage; with virtual stages (`interleaved`) the model is cut into p x v stages
-and device d runs stages d, d + p, d + 2p, ... From the lists alone follow the
+and device d runs stages d, d + p, d + 2p, ... (ZB-V: stages d and 2p - 1 - d,
+`stage_device`). From the lists alone follow the
 clock of the whole pipeline (`clock_steps`, `emission_order`), the activations
 each device holds at its peak (`held_activations`) and a printable timetable
 (`grid`). No TensorFlow here: the step engine (`tfdist.pipeline.compute`)
@@ -206,8 +207,82 @@ def interleaved(stages: int, microbatches: int, virtual_stages: int = 2) -> list
     return orders
 
 
+def zero_bubble_v(stages: int, microbatches: int, virtual_stages: int = 2) -> list[list[Action]]:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory"): the
+    model cut into 2p stages placed in a V (`stage_device`: device d runs
+    stages d and 2p - 1 - d, so the first device also computes the loss),
+    each backward split into "B" and "W" as in ZB-H1. Every clock step, each
+    device runs a forward if it may (later stage first), else a backward
+    (later stage first), else its oldest deferred W; a device holds at most
+    2p half-size stages' activations, 1F1B's first stage's memory. With
+    forward, backward and weight work of equal length the bubble is at most
+    a third of 1F1B's once m >= p, and mostly (p - 1) half-stage forwards, a
+    sixth of it (p = 4, m = 8: m (F + B + W) + 3 F / 2).
+
+    Example:
+
+    >>> [" ".join(map(str, order)) for order in zero_bubble_v(2, 1)]
+    ['0F0 3F0 3B0 3W0 0B0 0W0', '1F0 2F0 2B0 1B0 2W0 1W0']
+    """
+    if virtual_stages != 2:
+        raise ValueError(f"`virtual_stages` must be 2 for ZB-V, got {virtual_stages}.")
+    p, total = stages, 2 * stages
+    chunks = [(d, total - 1 - d) for d in range(p)]     # each device's two stages
+    orders = [[] for _ in range(p)]
+    done, held = set(), [0] * p
+    nxt = {kind: [[0, 0] for _ in range(p)] for kind in (FORWARD, BACKWARD)}
+    deferred = [collections.deque() for _ in range(p)]  # B done, W not
+    remaining = 6 * p * microbatches
+    while remaining:
+        step = []
+        for d in range(p):
+            action = None
+            for kind in (FORWARD, BACKWARD):
+                if action is not None or (kind == FORWARD and held[d] >= total):
+                    continue
+                for c in (1, 0):
+                    i = nxt[kind][d][c]
+                    candidate = Action(chunks[d][c], kind, i) if i < microbatches else None
+                    if candidate and all(n in done for n in needs(candidate, total)):
+                        action = candidate
+                        nxt[kind][d][c] += 1
+                        held[d] += kind == FORWARD
+                        break
+            if action is None and deferred[d]:
+                action = deferred[d].popleft()
+                held[d] -= 1
+            if action is not None:
+                step.append((d, action))
+        for d, action in step:
+            orders[d].append(action)
+            if action.kind == BACKWARD:
+                deferred[d].append(Action(action.stage, WEIGHTS, action.microbatch))
+        done.update(action for _, action in step)
+        remaining -= len(step)
+    return orders
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zero_bubble_h1,
-             "interleaved": interleaved}
+             "interleaved": interleaved, "zbv": zero_bubble_v}
+# Schedules that run several stages per device, and how many they need.
+VIRTUAL = {"interleaved": None, "zbv": 2}
+
+
+def stage_device(kind: str, stage: int, devices: int) -> int:
+    """The pipeline device that runs `stage` under schedule `kind`: stage
+    mod `devices`, except in ZB-V's V (stages 0..p-1 on devices 0..p-1, then
+    p..2p-1 back on p-1..0).
+
+    Example:
+
+    >>> [stage_device("interleaved", s, 2) for s in range(4)]
+    [0, 1, 0, 1]
+    >>> [stage_device("zbv", s, 2) for s in range(4)]
+    [0, 1, 1, 0]
+    """
+    if kind == "zbv" and stage >= devices:
+        return 2 * devices - 1 - stage
+    return stage % devices
 
 
 def stage_orders(kind: str, stages: int, microbatches: int,
@@ -227,10 +302,11 @@ def stage_orders(kind: str, stages: int, microbatches: int,
                         ("virtual_stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
-    if (kind == "interleaved") != (virtual_stages > 1):
+    if (kind in VIRTUAL) != (virtual_stages > 1) or VIRTUAL.get(kind) not in (
+            None, virtual_stages):
         raise ValueError(
-            f"`virtual_stages` must be > 1 with the interleaved schedule and 1 with "
-            f"the others, got {virtual_stages} with {kind!r}.")
+            f"`virtual_stages` must be > 1 with the interleaved schedule, 2 with zbv "
+            f"and 1 with the others, got {virtual_stages} with {kind!r}.")
     return SCHEDULES[kind](stages, microbatches, virtual_stages)
 
 
@@ -353,12 +429,13 @@ def grid(orders: list[list[Action]]) -> str:
     steps = clock_steps(orders)
     devices = len(orders)
     virtual = _stage_count(orders) > devices
+    device_of = {a.stage: d for d, order in enumerate(orders) for a in order}
     header = ["step"] + [f"stage {s}" for s in range(devices)]
     rows = [header]
     for number, step in enumerate(steps):
         cells = ["."] * devices
         for action in step:
-            cells[action.stage % devices] = (f"{action.kind}{action.microbatch}"
+            cells[device_of[action.stage]] = (f"{action.kind}{action.microbatch}"
                                              + (f"s{action.stage}" if virtual else ""))
         rows.append([str(number)] + cells)
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]

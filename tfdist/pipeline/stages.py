@@ -19,6 +19,7 @@ import warnings
 from tfdist.config import check_boundary_count
 from tfdist.pipeline.cost import node_cost
 from tfdist.pipeline.graph import LayerGraph
+from tfdist.pipeline.schedule import stage_device
 
 
 @dataclasses.dataclass
@@ -224,7 +225,8 @@ def _connect(graph, stages):
 def stage_devices(config, pipeline_devices) -> list[list]:
     """Each of `config.model_stages` stages' devices, one per data replica
     (`pipeline_devices[r][d]`: replica r's pipeline device d): stage s runs
-    on device s mod `config.pipeline`.
+    on the device its schedule places it on (`schedule.stage_device`: s mod
+    `config.pipeline`, or ZB-V's V).
 
     Example:
 
@@ -232,8 +234,8 @@ def stage_devices(config, pipeline_devices) -> list[list]:
     >>> stage_devices(ParallelConfig(pipeline=2), [["CPU:0", "CPU:1"], ["CPU:2", "CPU:3"]])
     [['CPU:0', 'CPU:2'], ['CPU:1', 'CPU:3']]
     """
-    return [[replica[s % config.pipeline] for replica in pipeline_devices]
-            for s in range(config.model_stages)]
+    return [[replica[stage_device(config.schedule, s, config.pipeline)]
+             for replica in pipeline_devices] for s in range(config.model_stages)]
 
 
 def describe(stages, devices) -> str:
