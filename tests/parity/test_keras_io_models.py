@@ -169,26 +169,45 @@ def maker(name, optimizer):
         _MADE[key] = lambda: MAKERS[name](optimizer)
     return _MADE[key]
 
-# (model, optimizer, config): each model in the modes that apply to it, Adam
-# and SGD alternating.
-CASES = [
-    ("convnet", "sgd", dict(data=4)),
-    ("convnet", "adam", dict(data=2, zero=2)),
-    ("convnet", "adam", dict(data=2, microbatches=2)),
-    ("convnet", "sgd", dict(pipeline=2, microbatches=2, schedule="gpipe")),
-    ("convnet", "adam", dict(data=2, tensor=2, zero=1)),
-    # Adam with the batch split: its position embedding (an Embedding of
-    # arange(8)) gets one gradient slice per position from one device, and
-    # one per position per replica or microbatch unless they are summed
-    # (`sparse_gradients.sum_fixed_lookups`); Keras's sparse Adam squares each.
-    ("text_transformer", "adam", dict(data=4)),
-    ("text_transformer", "sgd", dict(data=2, zero=1)),
-    ("text_transformer", "adam", dict(data=2, microbatches=2)),
-    ("text_transformer", "adam", dict(pipeline=2, microbatches=2, schedule="1f1b")),
-    ("text_transformer", "sgd", dict(tensor=2)),
-    ("text_transformer", "adam", dict(pipeline=2, tensor=2, microbatches=2)),
-    ("conv1d_batch_norm", "adam", dict(tensor=2)),
-]
+# Every mode of the real-model suite; each model in each, Adam and SGD
+# alternating. With Adam and the batch split, the text Transformer's position
+# embedding (an Embedding of arange(8)) gets one gradient slice per position
+# from one device, and one per position per replica or microbatch unless they
+# are summed (`sparse_gradients.sum_fixed_lookups`); Keras's sparse Adam
+# squares each.
+MODES = [dict(data=4), dict(data=2, zero=1), dict(data=2, zero=2),
+         dict(data=2, microbatches=2),
+         dict(pipeline=2, microbatches=2, schedule="gpipe"),
+         dict(pipeline=2, microbatches=2, schedule="1f1b"),
+         dict(tensor=2), dict(data=2, tensor=2, zero=1),
+         dict(pipeline=2, tensor=2, microbatches=2)]
+# The batch-norm model with SGD only: its convolutions' biases, each followed
+# by a BatchNormalization that subtracts the mean, get gradients that are
+# zero up to rounding, and Adam's update of such a gradient is about its
+# learning rate whichever sign the rounding gave it (measured: 2e-3 off one
+# device in those biases at data=4, with the losses within 2e-7).
+CASES = [(name, "sgd" if name == "conv1d_batch_norm" else ("sgd", "adam")[(m + i) % 2], mode)
+         for m, name in enumerate(("convnet", "text_transformer", "conv1d_batch_norm"))
+         for i, mode in enumerate(MODES)]
+
+
+_GROUPED = {}
+
+
+def grouped_reference(optimizer, groups):
+    """The batch-norm model on one device normalising over the rows of each
+    of `groups` parts of a batch (`microbatches=groups`), as `groups` replicas
+    or microbatches do; plain one device for one group (a tensor group
+    computes on its whole batch)."""
+    x, y = model_data("conv1d_batch_norm")
+    make = maker("conv1d_batch_norm", optimizer)
+    if groups == 1:
+        return trained_reference(make=make, x=x, y=y, batch_size=BATCH)
+    if (optimizer, groups) not in _GROUPED:
+        _GROUPED[optimizer, groups] = train(
+            tfdist.Strategy(microbatches=groups, devices=devices(1)), make=make, x=x, y=y,
+            batch_size=BATCH)
+    return _GROUPED[optimizer, groups]
 
 
 def case_id(case):
@@ -200,7 +219,11 @@ def case_id(case):
 def test_matches_one_device(name, optimizer, config):
     x, y = model_data(name)
     make = maker(name, optimizer)
-    reference = trained_reference(make=make, x=x, y=y, batch_size=BATCH)
+    if name == "conv1d_batch_norm":
+        reference = grouped_reference(optimizer, config.get("data", 1)
+                                      * config.get("microbatches", 1))
+    else:
+        reference = trained_reference(make=make, x=x, y=y, batch_size=BATCH)
     size = config.get("data", 1) * config.get("pipeline", 1) * config.get("tensor", 1)
     result = train(tfdist.Strategy(devices=devices(size), **config), make=make, x=x, y=y,
                    batch_size=BATCH)
@@ -219,25 +242,3 @@ def test_own_train_step_trains_like_one_device(optimizer, size):
     losses, weights, _ = train(tfdist.Strategy(data=size, devices=devices(size)), make=make,
                                x=x, y=y, batch_size=BATCH)
     assert_parity(([loss * size for loss in losses], weights, None), reference, steps=STEPS)
-
-
-@pytest.fixture(scope="module")
-def batch_norm_reference():
-    """One device with `microbatches=2`: normalises over 8 rows at a time."""
-    x, y = model_data("conv1d_batch_norm")
-    return train(tfdist.Strategy(microbatches=2, devices=devices(1)),
-                 make=maker("conv1d_batch_norm", "sgd"), x=x, y=y, batch_size=BATCH)
-
-
-@pytest.mark.parametrize("config", [dict(data=2), dict(pipeline=2, microbatches=2)],
-                         ids=["data2", "pipeline2"])
-def test_batch_norm_matches_one_device_with_the_same_normalisation_groups(
-        config, batch_norm_reference):
-    """Two replicas, or two microbatches, normalise over 8 rows each: as one
-    device with `microbatches=2` does."""
-    x, y = model_data("conv1d_batch_norm")
-    make = maker("conv1d_batch_norm", "sgd")
-    size = config.get("data", 1) * config.get("pipeline", 1)
-    result = train(tfdist.Strategy(devices=devices(size), **config), make=make, x=x, y=y,
-                   batch_size=BATCH)
-    assert_parity(result, batch_norm_reference, steps=STEPS)

@@ -9,7 +9,9 @@ tensors (`traced_call`) and reads the pairs from that data flow:
   outputs of other Dense layers, through elementwise operations only (an
   activation, a cast, a product, dropout), is row-parallel and those Dense
   layers column-parallel, sharing one "f" of their input: an MLP
-  (up -> down) or a gated MLP (`activation(gate) * up -> down`).
+  (up -> down) or a gated MLP (`activation(gate) * up -> down`). An
+  EinsumDense that is a matrix product over the last axis (`"btd,df->btf"`,
+  as Gemma's MLP) counts as a Dense (`is_matmul`).
 - **Attention by heads**: a custom layer whose weights are only EinsumDense
   projections with (d, heads, size) kernels reading its input, feeding one
   EinsumDense with a (heads, size, d) kernel that makes its output: the
@@ -28,6 +30,8 @@ decisions = block_decisions(backbone.get_layer("transformer_layer_0"), 2, decide
 #  ('feedforward_intermediate_dense', 'column'), ('feedforward_output_dense', 'row'), ...]
 ```
 """
+
+import re
 
 import keras
 
@@ -78,10 +82,49 @@ def activation_is_elementwise(layer) -> bool:
     if activation_name(layer) in _ELEMENTWISE_ACTIVATIONS:
         return True
     try:
-        steps = keras_functional.traced_function(layer.activation, (2, layer.units))
+        steps = keras_functional.traced_function(layer.activation, (2, output_units(layer)))
     except Exception:  # noqa: BLE001 - not traceable: not known to be elementwise
         return False
     return all(_is_elementwise(step.operation) for step in steps)
+
+
+def is_matmul(layer) -> bool:
+    """Whether `layer` multiplies its input's last axis by a 2-D kernel: a
+    Dense, or an EinsumDense whose equation says the same (any bias on the
+    output axis).
+
+    Example:
+
+    >>> is_matmul(keras.layers.EinsumDense("btd,df->btf", output_shape=(None, 8)))
+    True
+    >>> is_matmul(keras.layers.EinsumDense("btd,dnh->btnh", output_shape=(None, 2, 4)))
+    False
+    """
+    if type(layer) is keras.layers.Dense:
+        return True
+    if type(layer) is not keras.layers.EinsumDense:
+        return False
+    found = re.fullmatch(r"([\w.]*)(\w),(\w)(\w)->([\w.]*)(\w)",
+                         layer.equation.replace(" ", ""))
+    if not found:
+        return False
+    batch, inner, inner_again, out, batch_again, out_again = found.groups()
+    return (batch == batch_again and inner == inner_again and out == out_again
+            and inner != out and inner not in batch and out not in batch
+            and layer.bias_axes in (None, out))
+
+
+def output_units(layer) -> int:
+    """The output features of a layer `is_matmul` accepts.
+
+    Example:
+
+    >>> output_units(keras.layers.Dense(4))
+    4
+    """
+    if type(layer) is keras.layers.Dense:
+        return layer.units
+    return keras_layers.kernel_variable(layer).shape[-1]
 
 
 def _is_elementwise(operation):
@@ -130,7 +173,7 @@ def block_decisions(layer, tensor, decide, arguments=None):
         return heads
     decisions, taken, why = [], set(), {}
     for step in steps:
-        if type(step.operation) is keras.layers.Dense:
+        if is_matmul(step.operation):
             pair = _column_group(step, steps, tensor, taken)
             if isinstance(pair, dict):
                 why.update((key, value) for key, value in pair.items() if key not in taken)
@@ -141,7 +184,7 @@ def block_decisions(layer, tensor, decide, arguments=None):
     for sub in keras_functional.direct_sublayers(layer):
         if id(sub) in taken or not sub.weights:
             continue
-        if type(sub) is keras.layers.Dense:
+        if is_matmul(sub):
             decisions.append(Decision(sub, Replicated(), why.get(
                 id(sub), "no Dense reads its output through elementwise operations")))
         else:
@@ -193,13 +236,12 @@ def _column_group(row_step, steps, tensor, taken):
         step = producers.get(id(tensor_))
         if step is None:
             return {id(row): "its input is not computed from a Dense's output"}
-        if type(step.operation) is not keras.layers.Dense and not _is_elementwise(
-                step.operation):
+        if not is_matmul(step.operation) and not _is_elementwise(step.operation):
             return {id(row): f"{type(step.operation).__name__} {step.operation.name!r} "
                              f"before it is not elementwise"}
         if len(consumers.get(id(tensor_), ())) != 1:
             return {id(row): f"the output of {step.operation.name} is read elsewhere too"}
-        if type(step.operation) is keras.layers.Dense:
+        if is_matmul(step.operation):
             columns.append(step.operation)
         else:
             pending.extend(step.inputs)
@@ -209,7 +251,7 @@ def _column_group(row_step, steps, tensor, taken):
             return {id(row): f"its column partner {column.name}: {reason}",
                     id(column): f"column partner of {row.name}, but {reason}"}
     shared, names = SharedInput(), ", ".join(c.name for c in columns)
-    units = columns[0].units
+    units = output_units(columns[0])
     return [Decision(c, ColumnOfGroup(shared), f"column of {row.name} ({units} -> "
                      f"{units // tensor} units per device)", group=shared) for c in columns] + [
         Decision(row, Row(), f"sums the slices of {names} (one all-reduce)", group=shared)]
@@ -221,10 +263,11 @@ def _column_refusal(column, columns, calls, tensor, taken):
         return "already paired"
     if calls[id(column)] != 1:
         return f"called {calls[id(column)]} times"
-    if column.units != columns[0].units:
-        return f"units={column.units} differ from {columns[0].name}'s"
-    if column.units % tensor:
-        return f"units={column.units} is not divisible by tensor={tensor}"
+    units = output_units(column)
+    if units != output_units(columns[0]):
+        return f"units={units} differ from {columns[0].name}'s"
+    if units % tensor:
+        return f"units={units} is not divisible by tensor={tensor}"
     if not activation_is_elementwise(column):
         return f"activation {activation_name(column)!r} is not elementwise"
     if any(w.constraint is not None for w in column.trainable_weights):
@@ -248,10 +291,18 @@ def _attention_by_heads(layer, steps, tensor):
     if (len(outputs) != 1 or not projections or id(outputs[0]) not in by_layer
             or any(len(kernels[id(p)]) != 3 for p in projections)
             or len(kernels[id(outputs[0])]) != 3
-            or kernels[id(outputs[0])][0] not in {kernels[id(p)][-2] for p in projections}
             or not _reaches(projections, by_layer[id(outputs[0])], producers)):
         return None
     output = outputs[0]
+    for projection in projections:
+        axis = _heads_axis(projection)
+        if axis != 1:
+            return _replicated_sublayers(
+                layer, f"attention left whole: {projection.name}'s kernel "
+                       f"{tuple(kernels[id(projection)])} holds its heads on axis {axis}; "
+                       f"tfdist splits (d, heads, size) projections")
+    if kernels[id(output)][0] not in {kernels[id(p)][-2] for p in projections}:
+        return None
     for projection in projections:
         heads = kernels[id(projection)][-2]
         if heads % tensor:
@@ -265,6 +316,15 @@ def _attention_by_heads(layer, steps, tensor):
             for p in projections] + [
         Decision(output, Row(), f"sums the heads of {', '.join(p.name for p in projections)}",
                  group=shared)]
+
+
+def _heads_axis(projection):
+    """The kernel axis of an attention projection's heads: the first output
+    axis its input does not have ("btd,dnh->btnh": n, axis 1)."""
+    inputs, outputs = projection.equation.replace(" ", "").split("->")
+    data, kernel = inputs.split(",")
+    heads = next(letter for letter in outputs if letter not in data)
+    return kernel.index(heads)
 
 
 def _reaches(projections, output_step, producers):
