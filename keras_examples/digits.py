@@ -3,7 +3,6 @@
 The digits ship inside scikit-learn (1,797 8x8 images), so nothing downloads.
 """
 
-import collections
 import os
 import sys
 
@@ -14,7 +13,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
-from tfdist.callbacks.metrics import optimizer_state_bytes  # noqa: E402
+from tfdist.callbacks.metrics import optimizer_state_bytes, variable_bytes  # noqa: E402
 
 
 def run(main):
@@ -93,15 +92,6 @@ def build_transformer(width=64, heads=4, blocks=1, seed=0):
     return model
 
 
-def weight_bytes(model):
-    """{device: bytes of the model's weights held there}."""
-    per_device = collections.Counter()
-    for weight in model.weights:
-        for component in getattr(weight.value, "values", [weight.value]):
-            per_device[component.device.split("device:")[-1]] += component.numpy().nbytes
-    return per_device
-
-
 def per_device(sizes):
     """{device: bytes} on one line, by device: `CPU:0=1,024  CPU:1=1,024`."""
     return "  ".join(f"{device}={size:,}" for device, size in sorted(sizes.items()))
@@ -109,7 +99,7 @@ def per_device(sizes):
 
 def print_weight_bytes(model):
     """Prints the bytes of the model's weights each device holds."""
-    print(f"weight bytes per device: {per_device(weight_bytes(model))}")
+    print(f"weight bytes per device: {per_device(variable_bytes(model.weights))}")
 
 
 def print_unsplit_and_state_bytes(model):

@@ -96,7 +96,9 @@ def trained_reference(*, make=make_model, x=None, y=None, **train_kwargs):
 
     The recipe is `make` (a function: a lambda is a new recipe each time), the
     data (an array or a list of arrays), the other arguments of `train` and the
-    global dtype policy. Read the result; do not train its model further.
+    global dtype policy. The result is (losses, weights, None): the model is
+    not kept, so that a test process does not hold every reference model and
+    its traced steps (gigabytes over a tier).
 
     Example:
 
@@ -109,7 +111,8 @@ def trained_reference(*, make=make_model, x=None, y=None, **train_kwargs):
     arrays = tuple(np.asarray(a).tobytes() for a in tf.nest.flatten((x, y)))
     key = (make, arrays, repr(sorted(train_kwargs.items())), keras.config.dtype_policy().name)
     if key not in _REFERENCES:
-        _REFERENCES[key] = train(make=make, x=x, y=y, **train_kwargs)
+        losses, weights, _ = train(make=make, x=x, y=y, **train_kwargs)
+        _REFERENCES[key] = (losses, weights, None)
     return _REFERENCES[key]
 
 

@@ -14,7 +14,7 @@ from tfdist.pipeline import schedule as pipeline_schedule
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = tuple(pipeline_schedule.SCHEDULES)  # names `stage_orders` knows
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 # The strategies a config can be validated for (`validate(strategy=...)`).
 STRATEGIES = ("Strategy", "MultiWorkerStrategy", "ParameterServerStrategy")
 # Fields that must keep their default under the asynchronous parameter-server
@@ -48,7 +48,8 @@ class ParallelConfig:
             microbatches inside one step; gradients are accumulated locally
             and reduced once per step.
         zero: optimizer-state sharding stage: 0 off, 1 optimizer state
-            sharded, 2 optimizer state and gradients sharded.
+            sharded, 2 optimizer state and gradients sharded, 3 parameters
+            too (gathered layer by layer: `tfdist.optim.zero3`).
         precision: "float32", "mixed_float16" or "mixed_bfloat16".
         xla: jit-compile the per-replica compute with XLA.
         schedule: pipeline schedule: "gpipe", "1f1b", "zb1" (zero bubble:
@@ -162,15 +163,11 @@ class ParallelConfig:
                 raise ValueError(
                     f"`{name}` must be an int >= 1, got {value!r}."
                 )
-        if self.zero == 3:
-            raise NotImplementedError(
-                "`zero=3` (sharded parameters) is not supported yet; use "
-                "zero=1 (optimizer state sharded) or zero=2 (optimizer state "
-                "and gradients sharded).")
         if self.zero not in ZERO_STAGES:
             raise ValueError(
                 f"`zero` must be one of {ZERO_STAGES} (0: off, 1: optimizer "
-                f"state sharded, 2: optimizer state and gradients sharded), "
+                f"state sharded, 2: optimizer state and gradients sharded, 3: "
+                f"parameters too), "
                 f"got {self.zero!r}."
             )
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
@@ -188,6 +185,12 @@ class ParallelConfig:
                 f"`zero={self.zero}` shards optimizer state across the "
                 f"data-parallel replicas, but `data=1`: there is nothing to "
                 f"shard. Use data >= 2, or zero=0.")
+        if self.zero == 3 and (self.pipeline > 1 or self.tensor > 1 or self.xla):
+            raise NotImplementedError(
+                f"`zero=3` with {_named_off(self, ('pipeline', 'tensor', 'xla'))} is not "
+                f"supported in this version: zero=3 runs on data parallelism alone "
+                f"(with microbatches and precision). Use zero=2 with those options, "
+                f"or drop them.")
         if self.pipeline == 1 and (self.stage_boundaries is not None or self.remat):
             raise ValueError(
                 "`stage_boundaries` and `remat` apply to pipeline stages, but "
@@ -406,3 +409,10 @@ def check_boundary_count(boundaries, stages: int):
             f"`stage_boundaries` must name {stages - 1} layer(s) for "
             f"{stages} stages (the first layer of each stage after the "
             f"first), got {boundaries!r}.")
+
+
+def _named_off(config, names) -> str:
+    """`name=value` of each of `names` that is not at its default, joined by "and"."""
+    defaults = {field.name: field.default for field in dataclasses.fields(ParallelConfig)}
+    return " and ".join(f"{name}={getattr(config, name)!r}" for name in names
+                        if getattr(config, name) != defaults[name])

@@ -17,7 +17,6 @@ import inspect
 import itertools
 import sys
 import warnings
-import weakref
 
 import keras
 import tensorflow as tf
@@ -30,6 +29,7 @@ from tfdist.devices import check_devices
 from tfdist.engine.build import check_own_train_step
 from tfdist.engine.microbatch import check_divides
 from tfdist.engine.step import TrainStep
+from tfdist.optim import zero3
 from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline import summary as pipeline_summary
@@ -94,7 +94,6 @@ class _StepOwner:
             pipeline_summary.install()
             pipeline_stages.warn_of_bubble(config)
         self._config = config
-        self._train_steps = weakref.WeakKeyDictionary()
 
     @property
     def config(self) -> ParallelConfig:
@@ -161,6 +160,8 @@ class _StepOwner:
         layers. With `tensor` > 1: which layers are split (column /
         row-parallel Dense pairs, attention by heads, embeddings by
         vocabulary) and which stay replicated, and why. Both when both. With
+        `zero=3`: the units whose parameters are gathered together, their
+        bytes, and the bytes each device keeps (`tfdist.optim.zero3.describe`). With
         `pipeline` > 1 it ends with the schedule's grid: each stage's forward
         "F" and backward "B" of each microbatch per clock step, "." when idle
         (`tfdist.pipeline.schedule.grid`).
@@ -185,6 +186,8 @@ class _StepOwner:
                 sequence_length)
             parts.append(pipeline_stages.describe(
                 stages, pipeline_stages.stage_devices(self._config, self.pipeline_devices)))
+        if self._config.zero == 3:
+            parts.append(zero3.describe(model, self.num_replicas_in_sync))
         if self._config.tensor > 1 or not parts:
             parts.append(tensor_plan.describe(tensor_plan.plan(
                 model, self._config.tensor, self._config.vocab_parallel_classifier,
@@ -215,9 +218,13 @@ class _StepOwner:
         `model.fit` uses it automatically. Custom loops call it in replica
         context: `strategy.run(strategy.train_step(model), args=(batch,))`.
         """
-        step = self._train_steps.get(model)
+        # Kept on the model, not here: TensorFlow's gradient registry keeps
+        # strategies alive for good (their replica contexts' all-reduce
+        # gradients), and a strategy holding its models would keep them too.
+        step = vars(model).get(_STEP_ATTRIBUTE)
         if step is None:
-            step = self._train_steps[model] = TrainStep(model, self._config)
+            step = TrainStep(model, self._config)
+            object.__setattr__(model, _STEP_ATTRIBUTE, step)  # (not a tracked attribute)
         return step
 
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -236,8 +243,12 @@ class _StepOwner:
         if mesh is not None:  # a tensor group evaluates and predicts one batch
             if _keras_step_owner(fn, ("test_step",)) is not None:
                 fn = mesh.on_group_batch(fn)
-            elif _keras_predict_step(fn):
+            elif _keras_predict_model(fn) is not None:
                 fn = mesh.on_group_batch(fn, own_rows=True)
+        if self._config.zero == 3:  # evaluate and predict with the parameters whole
+            owner = _keras_step_owner(fn, ("test_step",)) or _keras_predict_model(fn)
+            if owner is not None:
+                fn = zero3.with_gathered_parameters(fn, owner)
         model = _keras_step_owner(fn, ("train_step",))
         if model is not None:
             usage_checks.check_built_in_scope(model, self)
@@ -279,6 +290,9 @@ class _StepOwner:
                 check_divides(global_batch // groups, self._config.microbatches, groups)
 
 
+_STEP_ATTRIBUTE = "_tfdist_train_step"
+
+
 def _keras_step_owner(fn, names):
     """The Keras model whose bound method `fn` is, if its name is in `names`."""
     owner = getattr(fn, "__self__", None)
@@ -287,12 +301,14 @@ def _keras_step_owner(fn, names):
     return None
 
 
-def _keras_predict_step(fn):
-    """Whether `fn` is the step Keras's `predict` runs (a closure over the
-    model named `one_step_on_data`, calling `predict_step`)."""
+def _keras_predict_model(fn):
+    """The model whose `predict` step `fn` is (a closure over the model named
+    `one_step_on_data`, calling `predict_step`), else None."""
     fn = inspect.unwrap(fn)  # under autograph's do_not_convert
-    return getattr(fn, "__name__", "") == "one_step_on_data" and any(
-        isinstance(cell.cell_contents, keras.Model) for cell in fn.__closure__ or ())
+    if getattr(fn, "__name__", "") != "one_step_on_data":
+        return None
+    return next((cell.cell_contents for cell in fn.__closure__ or ()
+                 if isinstance(cell.cell_contents, keras.Model)), None)
 
 
 @contextlib.contextmanager

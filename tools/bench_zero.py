@@ -1,14 +1,15 @@
-"""Benchmark: sharded optimizer state (zero=1, zero=2) against zero=0.
+"""Benchmark: ZeRO (zero=1, 2, 3) against zero=0.
 
     python tools/bench_zero.py [--rounds=30] [--out=results.jsonl]
+    python tools/bench_zero.py --rss_gib=1 [--out=results.jsonl]
 
-For N in {2, 4, 8} logical CPU devices, three models of the same digits MLP
-(Adam) are trained under `tfdist.Strategy(data=N, zero=z)` for z = 0, 1, 2:
+For N in {2, 4, 8} logical CPU devices, four models of the same digits MLP
+(Adam) are trained under `tfdist.Strategy(data=N, zero=z)` for z = 0, 1, 2, 3:
 
-- optimizer-state bytes per device (largest and smallest over the N devices,
-  summed over every physical component of every optimizer variable);
-- epoch time, the three models timed in alternation in one process, the order
-  reversed every round (0, 1, 2 then 2, 1, 0: each of zero=1 and zero=2 runs
+- optimizer-state and parameter bytes per device (largest and smallest over
+  the N devices, summed over every physical component of every variable);
+- epoch time, the four models timed in alternation in one process, the order
+  reversed every round (0, 1, 2, 3 then 3, 2, 1, 0: each of zero=1, 2, 3 runs
   as often just before zero=0 as just after). A shared machine is noisy: only
   ratios measured side by side mean anything. Reported: the median of the
   per-round ratios zero=z / zero=0 and their quartiles (the spread of the
@@ -19,6 +20,12 @@ For N in {2, 4, 8} logical CPU devices, three models of the same digits MLP
   is what counts).
 
 Writes one JSON line per result (stdout, and `--out` if given), then a table.
+
+With `--rss_gib=G` it measures memory instead: an MLP of 8 square Dense layers
+whose float32 parameters total about G GiB, trained with Adam for a few steps
+at N = 4 with zero=2 and with zero=3, each in a process of its own; reported:
+each process's peak resident set size, and its parameter and optimizer bytes
+per device.
 """
 
 import os
@@ -36,8 +43,12 @@ flags.DEFINE_integer("batch_size", 512, "Global batch size.")
 flags.DEFINE_integer("hidden", 512, "Hidden width of the MLP.")
 flags.DEFINE_list("devices", ["2", "4", "8"], "Values of N to measure.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
+flags.DEFINE_float("rss_gib", None, "Measure peak RSS of a model of this many GiB of "
+                   "float32 parameters at N=4, zero=2 against zero=3.")
+flags.DEFINE_integer("rss_zero", None, "(Internal) the zero level of one --rss_gib process.")
 FLAGS = flags.FLAGS
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
+RSS_DEVICES, RSS_LAYERS, RSS_STEPS = 4, 8, 3
 
 
 def timed_epoch(model, x, y):
@@ -57,7 +68,7 @@ def summary(times, reference):
 def measure(n, x, y):
     import digits
     import tfdist
-    from tfdist.callbacks.metrics import optimizer_state_bytes
+    from tfdist.callbacks.metrics import optimizer_state_bytes, variable_bytes
 
     names = [f"/cpu:{i}" for i in range(n)]
     models = {}
@@ -78,8 +89,10 @@ def measure(n, x, y):
     records = []
     for zero in STAGES:
         sizes = optimizer_state_bytes(models[zero].optimizer).values()
+        params = variable_bytes(models[zero].trainable_weights).values()
         record = {"bench": "zero", "devices": n, "zero": zero,
                   "optimizer_bytes_max": max(sizes), "optimizer_bytes_min": min(sizes),
+                  "parameter_bytes_max": max(params), "parameter_bytes_min": min(params),
                   "epoch_median_s": statistics.median(wall[zero]),
                   "epoch_cpu_median_s": statistics.median(cpu[zero]),
                   "wall_ratio": summary(wall[zero], wall[0]),
@@ -92,6 +105,58 @@ def measure(n, x, y):
     return records
 
 
+def peak_rss(zero):
+    """Trains the --rss_gib MLP for a few steps under zero=`zero`; emits its
+    peak resident set size and per-device bytes (run in a process of its own)."""
+    import resource
+
+    import keras
+    import numpy as np
+
+    import tfdist
+    from tfdist.callbacks.metrics import optimizer_state_bytes, variable_bytes
+
+    tfdist.use_virtual_devices(RSS_DEVICES)
+    width = int((FLAGS.rss_gib * 2**30 / 4 / RSS_LAYERS) ** 0.5)
+    strategy = tfdist.Strategy(data=RSS_DEVICES, zero=zero)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((width,))] + [
+            keras.layers.Dense(width, activation="relu" if i < RSS_LAYERS - 1 else None,
+                               use_bias=False) for i in range(RSS_LAYERS)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    batch = 2 * RSS_DEVICES
+    x = np.random.default_rng(0).normal(size=(batch * RSS_STEPS, width)).astype("float32")
+    model.fit(x, x, batch_size=batch, epochs=1, verbose=0)
+    record = {"bench": "zero_rss", "devices": RSS_DEVICES, "zero": zero,
+              "parameter_gib": model.count_params() * 4 / 2**30, "width": width,
+              "layers": RSS_LAYERS, "steps": RSS_STEPS,
+              "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+              "parameter_bytes_max": max(variable_bytes(model.trainable_weights).values()),
+              "optimizer_bytes_max": max(optimizer_state_bytes(model.optimizer).values())}
+    emit(record, FLAGS.out)
+
+
+def rss_table():
+    """Runs `peak_rss` for zero=2 and zero=3, each in a new process; prints a table."""
+    import json
+    import subprocess
+
+    rows = []
+    for zero in (2, 3):
+        done = subprocess.run(
+            [sys.executable, __file__, f"--rss_gib={FLAGS.rss_gib}", f"--rss_zero={zero}"]
+            + ([f"--out={FLAGS.out}"] if FLAGS.out else []),
+            capture_output=True, text=True, check=True)
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(done.stdout.strip().splitlines()[-1], flush=True)
+    print("\n| N | zero | parameters (GiB) | parameter bytes / device | optimizer bytes / "
+          "device | peak RSS (GiB) |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['devices']} | {r['zero']} | {r['parameter_gib']:.2f} | "
+              f"{r['parameter_bytes_max']:,} | {r['optimizer_bytes_max']:,} | "
+              f"{r['peak_rss_gib']:.2f} |")
+
+
 def main(argv):
     del argv
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "keras_examples"))
@@ -100,18 +165,22 @@ def main(argv):
     import tfdist
 
     digits.quiet_logs()
+    if FLAGS.rss_zero is not None:
+        return peak_rss(FLAGS.rss_zero)
+    if FLAGS.rss_gib is not None:
+        return rss_table()
     tfdist.use_virtual_devices(max(int(n) for n in FLAGS.devices))
     x, y = digits.load(FLAGS.examples)
     records = []
     for n in FLAGS.devices:
         records += measure(int(n), x, y)
-    print("\n| N | zero | optimizer bytes / device (max) | wall epoch (s) | wall ratio "
-          "(quartiles) | CPU epoch (s) | CPU ratio (quartiles) | load (1 min) |"
-          "\n|---|---|---|---|---|---|---|---|")
+    print("\n| N | zero | optimizer bytes / device (max) | parameter bytes / device (max) | "
+          "wall epoch (s) | wall ratio (quartiles) | CPU epoch (s) | CPU ratio (quartiles) | "
+          "load (1 min) |\n|---|---|---|---|---|---|---|---|---|")
     for r in records:
         wall, cpu = r["wall_ratio"], r["cpu_ratio"]
         print(f"| {r['devices']} | {r['zero']} | {r['optimizer_bytes_max']:,} | "
-              f"{r['epoch_median_s']:.3f} | "
+              f"{r['parameter_bytes_max']:,} | {r['epoch_median_s']:.3f} | "
               f"{wall['median']:.3f} ({wall['q1']:.2f}-{wall['q3']:.2f}) | "
               f"{r['epoch_cpu_median_s']:.3f} | "
               f"{cpu['median']:.3f} ({cpu['q1']:.2f}-{cpu['q3']:.2f}) | "

@@ -47,12 +47,15 @@ def test_demo_says_what_it_does_and_ends_with_a_summary():
     assert "eagerly" not in done.stderr, done.stderr
 
 
-def test_zero_example_prints_the_unsharded_bytes_and_the_ratio():
-    done = run("zero_adam.py", "--devices=4", "--zero=1", "--epochs=1")
+@pytest.mark.parametrize("zero, parameter_ratio", [(1, 1.0), (3, 0.25)])
+def test_zero_example_prints_the_unsharded_bytes_and_the_ratio(zero, parameter_ratio):
+    done = run("zero_adam.py", "--devices=4", f"--zero={zero}", "--epochs=1")
     assert done.returncode == 0, done.stderr[-2000:]
     # digits MLP: 85,002 float32 parameters; Adam's two slots of each.
-    match = re.search(r"CPU:3=([\d,]+)  \(unsharded: 680,016 per device; ratio ([\d.]+)\)",
-                      done.stdout)
-    assert match, done.stdout
-    assert int(match[1].replace(",", "")) / 680_016 == pytest.approx(float(match[2]), abs=0.005)
-    assert float(match[2]) == pytest.approx(0.25, abs=0.01)
+    for unsharded, ratio in ((680_016, 0.25), (340_008, parameter_ratio)):
+        match = re.search(rf"CPU:3=([\d,]+)  \(unsharded: {unsharded:,} per device; "
+                          rf"ratio ([\d.]+)\)", done.stdout)
+        assert match, done.stdout
+        assert int(match[1].replace(",", "")) / unsharded == pytest.approx(float(match[2]),
+                                                                          abs=0.005)
+        assert float(match[2]) == pytest.approx(ratio, abs=0.01)

@@ -16,7 +16,7 @@ SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "multiworker_fit.py"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("microbatches,zero", [(1, 0), (2, 0), (1, 1)])
+@pytest.mark.parametrize("microbatches,zero", [(1, 0), (2, 0), (1, 1), (2, 3)])
 def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, microbatches, zero):
     out = tmp_path / "worker0.json"
     done = subprocess.run(
@@ -27,8 +27,8 @@ def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, micro
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
     workers = json.loads(out.read_text())
     assert workers["replicas"] == 2
-    # zero=1 shards the optimizer state across the two processes; the local run
-    # does not, so this is also zero=1 against zero=0.
+    # zero=1 shards the optimizer state across the two processes (zero=3 the
+    # parameters too); the local run does not, so this is also zero against zero=0.
     local = train(tfdist.Strategy(data=2, microbatches=microbatches, devices=devices(2)))
     # Across processes the all-reduce is the same two-term sum: tight tolerance.
     assert_parity((workers["losses"], [np.array(w) for w in workers["weights"]], None),
@@ -42,6 +42,10 @@ def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, micro
         assert worker_bytes - scalars == (local_bytes - scalars) // 2
     else:
         assert worker_bytes == local_bytes
+    (parameter_bytes,) = workers["parameter_bytes"].values()
+    whole = sum(w.numpy().nbytes for w in local[2].trainable_weights)
+    # (the test MLP's variables split evenly in two)
+    assert parameter_bytes == (whole // 2 if zero == 3 else whole)
 
 
 @pytest.mark.multiprocess

@@ -222,7 +222,8 @@ def test_model_garden_resnet_under_zero_matches_one_device(resnet_reference):
 
 
 @pytest.mark.parametrize("options, named", [(dict(tensor=2), "tensor=2"),
-                                            (dict(pipeline=2), "pipeline=2")])
+                                            (dict(pipeline=2), "pipeline=2"),
+                                            (dict(zero=3), "zero=3")])
 def test_keras3_only_modes_are_refused_for_tf_keras_models(options, named):
     size = 2 * options.get("tensor", 1) * options.get("pipeline", 1)
     strategy = tfdist.Strategy(data=2, devices=devices(size), **options)

@@ -2,9 +2,9 @@
 
 Takes its cluster from TF_CONFIG and its ParallelConfig from TFDIST_CONFIG (both
 set by the launcher), trains the test MLP with `model.fit` and writes the
-reported losses, final weights, optimizer state (read whole: under `zero` every
-worker takes part in gathering it) and optimizer-state bytes per device to `--out`
-(worker 0 only).
+reported losses, final weights and optimizer state (read whole: under `zero` every
+worker takes part in gathering them), and optimizer-state and parameter bytes per
+device to `--out` (worker 0 only).
 """
 
 import json
@@ -34,7 +34,7 @@ def main(argv):
     strategy = tfdist.MultiWorkerStrategy(config=config, timeout_seconds=120)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from helpers import data, train
-    from tfdist.callbacks.metrics import optimizer_state_bytes
+    from tfdist.callbacks.metrics import optimizer_state_bytes, variable_bytes
 
     x, y = data(FLAGS.examples)
     losses, weights, model = train(strategy, x=x, y=y, batch_size=FLAGS.batch_size)
@@ -45,6 +45,7 @@ def main(argv):
             json.dump({"losses": losses, "weights": [w.tolist() for w in weights],
                        "optimizer": optimizer,
                        "optimizer_bytes": optimizer_state_bytes(model.optimizer),
+                       "parameter_bytes": variable_bytes(model.trainable_weights),
                        "replicas": strategy.num_replicas_in_sync}, f)
 
 

@@ -24,8 +24,12 @@ def test_json_and_dict_round_trip():
         ({"pipeline": -2}, ValueError, r"`pipeline` must be an int >= 1, got -2"),
         ({"tensor": 0}, ValueError, r"`tensor` must be an int >= 1"),
         ({"microbatches": 0}, ValueError, r"`microbatches` must be an int >= 1, got 0"),
-        ({"zero": 3}, NotImplementedError, r"`zero=3` \(sharded parameters\) is not supported yet"),
-        ({"zero": 4}, ValueError, r"`zero` must be one of \(0, 1, 2\).*got 4"),
+        ({"zero": 3, "data": 2, "pipeline": 2}, NotImplementedError,
+         r"`zero=3` with pipeline=2 is not supported in this version: zero=3 runs on data "
+         r"parallelism alone"),
+        ({"zero": 3, "data": 2, "tensor": 2, "xla": True}, NotImplementedError,
+         r"`zero=3` with tensor=2 and xla=True is not supported"),
+        ({"zero": 4}, ValueError, r"`zero` must be one of \(0, 1, 2, 3\).*got 4"),
         ({"zero": -1}, ValueError, r"`zero` must be one of"),
         ({"precision": "float16"}, ValueError,
          r"`precision` must be one of \('float32', 'mixed_float16', 'mixed_bfloat16'\), "
@@ -99,8 +103,8 @@ def test_config_and_keywords_are_exclusive():
 
 
 def test_modes_of_later_versions_say_so():
-    with pytest.raises(NotImplementedError, match=r"`zero=3`"):
-        tfdist.Strategy(devices=devices(4), zero=3)
+    with pytest.raises(NotImplementedError, match=r"`zero=3` with tensor=2"):
+        tfdist.Strategy(devices=devices(4), zero=3, tensor=2)
     # Refused before connecting to any other task.
     with pytest.raises(NotImplementedError, match=r"`pipeline=2` with `tensor=2` runs "
                                                   r"on one host"):

@@ -73,8 +73,10 @@ def slots_found_by(optimizer, buffers, indices):
         inner.update_step(gradient_shard, buffers[0], learning_rate)
     ```
     """
-    keys = {optimizer._var_key(b): i for b, i in zip(buffers, indices)}
     table = optimizer._trainable_variables_indices
+    # (A buffer that is the variable's own storage, zero=3's, is known already.)
+    keys = {key: i for key, i in ((optimizer._var_key(b), i) for b, i in zip(buffers, indices))
+            if key not in table}
 
     def uninstall():
         for key in keys:

@@ -4,7 +4,14 @@ A strategy's `extended` knows which replica of the sync group each local
 device is and holds the collective group keys; none of it is public.
 """
 
-from tensorflow.python.distribute import multi_worker_util, values_util
+import tensorflow as tf
+from tensorflow.python.distribute import (
+    collective_util,
+    distribute_lib,
+    multi_worker_util,
+    values_util,
+)
+from tensorflow.python.util import nest
 
 
 def replica_id_in_sync_group(extended, local: int) -> int:
@@ -79,3 +86,37 @@ def id_in_cluster(spec, job: str, index: int) -> int:
     ```
     """
     return multi_worker_util.id_in_cluster(spec, job, index)
+
+
+def summed_across_replicas(values):
+    """Each tensor (or `tf.IndexedSlices`) of the structure `values` summed
+    over every replica, in replica context.
+
+    What `ReplicaContext.all_reduce(SUM, values)` computes, by the same calls
+    (`batch_reduce_to` in a merge call, or the strategy's replica-context
+    all-reduce), without the differentiable wrapper it adds: traced in a
+    function, that wrapper's gradient is registered in TensorFlow's global
+    gradient registry for good, which then keeps the replica context, its
+    strategy and everything the strategy reaches alive. Nothing tfdist
+    reduces is differentiated.
+
+    Example:
+
+    ```python
+    total = summed_across_replicas(tf.constant(1.0))   # in replica context: N
+    ```
+    """
+    context = tf.distribute.get_replica_context()
+    flat = nest.flatten(values)
+    extended = context.strategy.extended
+    options = collective_util.Options()
+    sum_ = tf.distribute.ReduceOp.SUM
+    if extended._use_merge_call():
+        def batch_sum(strategy, *flat):
+            return strategy.extended.batch_reduce_to(
+                sum_, [(v, distribute_lib._batch_reduce_destination(v)) for v in flat], options)
+
+        reduced = context.merge_call(batch_sum, args=flat)
+    else:
+        reduced = extended._replica_ctx_all_reduce(sum_, flat, options)
+    return nest.pack_sequence_as(values, reduced)

@@ -133,8 +133,24 @@ def optimizer_state_bytes(optimizer) -> dict:
     >>> optimizer_state_bytes(optimizer)  # momentum 400 + iterations 8 + learning rate 4
     {'CPU:0': 412, 'CPU:1': 412}
     """
+    return variable_bytes(optimizer.variables)
+
+
+def variable_bytes(variables) -> dict:
+    """{device: bytes} of every physical component of `variables` (Keras or
+    TensorFlow variables): a mirrored variable counts on each of its devices,
+    a split or sharded one its part on each.
+
+    Example:
+
+    >>> strategy = tfdist.Strategy(data=2, devices=["CPU:0", "CPU:1"])
+    >>> with strategy.scope():
+    ...     weight = keras.Variable(np.zeros((10, 10), "float32"))
+    >>> variable_bytes([weight])
+    {'CPU:0': 400, 'CPU:1': 400}
+    """
     sizes = collections.Counter()
-    for variable in optimizer.variables:
+    for variable in variables:
         value = variable.value if isinstance(variable, keras.Variable) else variable
         for component in getattr(value, "values", (value,)):
             device = tf.DeviceSpec.from_string(component.device)

@@ -11,10 +11,12 @@ before the first step. `assemble` then picks the step's three parts (see
 | (default)           | `LocalCompute`     | `AllReduce`          | `KerasApply`   |
 | `tensor` > 1        | `LocalCompute`     | `DataGroupAllReduce` | `KerasApply`   |
 | `pipeline` > 1      | `PipelinedCompute` | (as above)           | (as above)     |
-| `zero` > 0          | (as above)         | `ShardedReduce`      | `ShardedUpdate`|
+| `zero` 1, 2         | (as above)         | `ShardedReduce`      | `ShardedUpdate`|
+| `zero` 3            | `PipelinedCompute` | `AlreadyReduced`     | `ShardedUpdate`|
 | a tf_keras model    | `LocalCompute`     | `AllReduce`          | `TfKerasApply` |
 
-(a tf_keras model's microbatch loss is `TfKerasLoss`: `tfdist.engine.tf_keras`).
+(`zero=3`'s `PipelinedCompute` runs `GatheredUnits`: `tfdist.optim.zero3`;
+a tf_keras model's microbatch loss is `TfKerasLoss`: `tfdist.engine.tf_keras`).
 """
 
 import keras
@@ -24,9 +26,10 @@ from tfdist._compat.keras_functional import nested_sublayers
 from tfdist.config import ParallelConfig
 from tfdist.engine import tf_keras
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
-from tfdist.engine.reduce import AllReduce, DataGroupAllReduce, ShardedReduce
+from tfdist.engine.reduce import AllReduce, AlreadyReduced, DataGroupAllReduce, ShardedReduce
 from tfdist.engine.tf_keras import check_tf_keras_model, is_tf_keras
 from tfdist.engine.update import KerasApply
+from tfdist.optim import zero3
 from tfdist.optim.zero import ShardedUpdate, check_shardable
 from tfdist.pipeline.compute import pipeline_compute
 from tfdist.tensor.plan import partition_model
@@ -75,6 +78,8 @@ def check_model(model, config: ParallelConfig):
     check_synchronized_batch_norm(model, config)
     if config.zero:
         check_shardable(optimizer, config.zero)
+    if config.zero == 3:
+        zero3.check_model(model)
     if config.tensor > 1:  # split weights are updated shard by shard
         check_shardable(optimizer, config.zero, mode=f"`tensor={config.tensor}`",
                         elementwise_only=True)
@@ -202,6 +207,11 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
             "The optimizer is not built: call `TrainStep.build(...)` "
             "(or `model.fit`, which builds it) before running the step.")
     k = config.microbatches
+    if config.zero == 3:  # the parameters sharded first: the units gather them
+        with tf.init_scope():
+            update = ShardedUpdate(model, 3)
+        units = zero3.GatheredUnits(model, update.layouts, strategy.pipeline_devices)
+        return PipelinedCompute(model, k, units), AlreadyReduced(), update
     if config.pipeline > 1:
         compute = PipelinedCompute(model, k, pipeline_compute(model, strategy, sequence_length),
                                    mesh)

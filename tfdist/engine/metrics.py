@@ -12,6 +12,8 @@ returns the global value.
 
 import tensorflow as tf
 
+from tfdist._compat.tf_distribute import summed_across_replicas
+
 
 def synced_results(model, local_results, copies: int = 1):
     """`local_results` with each metric of `model` recomputed from the sum of
@@ -38,7 +40,7 @@ def synced_results(model, local_results, copies: int = 1):
     states = [tf.identity(v.value) for m in metrics for v in m.variables]  # local values
     if not states:
         return local_results
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, states)
+    summed = summed_across_replicas(states)
     if copies > 1:
         summed = [s / tf.cast(copies, s.dtype) for s in summed]
     results = dict(local_results)

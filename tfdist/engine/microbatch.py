@@ -30,6 +30,7 @@ from keras import tree
 from tfdist import sparse_gradients
 from tfdist._compat import keras_trainer
 from tfdist._compat.keras_losses import unscale_loss_for_distribution
+from tfdist._compat.tf_distribute import summed_across_replicas
 from tfdist.tensor.plan import sharded_classifier
 from tfdist.tensor.softmax import sharded_logits
 
@@ -107,7 +108,7 @@ def global_rows(rows):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return None, 1
-    total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(rows, tf.float32))
+    total = summed_across_replicas(tf.cast(rows, tf.float32))
     return total, context.num_replicas_in_sync
 
 

@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat.keras_functional import nested_sublayers
+from tfdist._compat.tf_distribute import summed_across_replicas
 
 
 class MovingStatistics:
@@ -75,7 +76,7 @@ class MovingStatistics:
             return
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
-            totals = context.all_reduce(tf.distribute.ReduceOp.SUM, totals)
+            totals = summed_across_replicas(totals)
         *sums, rows = totals
         for v, old, total in zip(self.variables, start, sums):
             v.assign(tf.where(rows > 0, total / tf.maximum(rows, 1.0), old))

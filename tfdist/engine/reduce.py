@@ -14,6 +14,8 @@ once per step, whatever the number of microbatches:
 - `ShardedReduce`: ZeRO's: each replica gets only its element shard of every
   reduced gradient, by all-reduce then slicing (`zero=1`) or by
   reduce-scatter (`zero=2`), over every replica or the data group.
+- `AlreadyReduced`: `zero=3`'s compute reduce-scatters each unit's gradients
+  as soon as its backward makes them (`tfdist.optim.zero3`): nothing is left.
 
 Sparse gradients (`tf.IndexedSlices`, an Embedding's) are never summed: their
 slices are gathered, as `tf.distribute`'s own all-reduce does, so the
@@ -28,6 +30,7 @@ import tensorflow as tf
 
 from tfdist import sparse_gradients
 from tfdist._compat import tf_collectives
+from tfdist._compat.tf_distribute import summed_across_replicas
 from tfdist.sharding.collectives import non_finite_count, packed_reduce_scatter
 
 
@@ -46,7 +49,7 @@ class AllReduce:
         if context is None or context.num_replicas_in_sync == 1:
             return grads
         present = [g for g in grads if g is not None]
-        reduced = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+        reduced = iter(summed_across_replicas(present))
         return [None if g is None else next(reduced) for g in grads]
 
 
@@ -95,6 +98,20 @@ class DataGroupAllReduce:
                 present[k], lambda v: v + tf.cast(poison, v.dtype))
         reduced = iter(present)
         return [None if g is None else next(reduced) for g in grads]
+
+
+class AlreadyReduced:
+    """The reduce part of `zero=3`, whose compute part already gives this
+    replica's shard of every reduced gradient: they pass through.
+
+    Example:
+
+    >>> AlreadyReduced()([None])
+    [None]
+    """
+
+    def __call__(self, grads):
+        return grads
 
 
 def _data_group_sum(grads, launcher):

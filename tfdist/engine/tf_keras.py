@@ -71,11 +71,11 @@ def check_tf_keras_model(model, config: ParallelConfig, optimizer=None):
     """
     name = getattr(model, "name", model)
     keras3_only = [f"{field}={getattr(config, field)}" for field in ("pipeline", "tensor")
-                   if getattr(config, field) != 1]
+                   if getattr(config, field) != 1] + (["zero=3"] if config.zero == 3 else [])
     if keras3_only:
         raise NotImplementedError(
             f"{name!r} is a tf_keras (Keras 2) model: tfdist's step gives it data "
-            f"parallelism, microbatches, precision, xla and zero, but not "
+            f"parallelism, microbatches, precision, xla and zero 1/2, but not "
             f"{' or '.join(keras3_only)} (Keras 3 models only). Remove "
             f"{'that option' if len(keras3_only) == 1 else 'those options'}, or "
             f"build the model with Keras 3 (`import keras`).")

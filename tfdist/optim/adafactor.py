@@ -42,6 +42,7 @@ from keras import ops
 
 from tfdist import sparse_gradients
 from tfdist._compat import keras_optimizer
+from tfdist._compat.tf_distribute import summed_across_replicas
 
 
 def replicated_state(optimizer):
@@ -63,12 +64,10 @@ def updates(optimizer, gradients, values, layouts, indices, learning_rate):
     replica = context.replica_id_in_sync_group
     steps = [_Step(optimizer, g, value, layout, i, replica, learning_rate)
              for g, value, layout, i in zip(gradients, values, layouts, indices)]
-    sums = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                              [t for step in steps for t in step.partial_sums()])
+    sums = summed_across_replicas([t for step in steps for t in step.partial_sums()])
     for step in steps:
         sums = step.second_moment(sums)
-    update_sums = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                     tf.stack([step.update_square_sum for step in steps]))
+    update_sums = summed_across_replicas(tf.stack([step.update_square_sum for step in steps]))
     new_values = [step.finish(update_sums[k]) for k, step in enumerate(steps)]
     return [pair for step in steps for pair in step.state], new_values
 

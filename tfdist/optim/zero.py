@@ -48,9 +48,11 @@ import tensorflow as tf
 from tfdist import sparse_gradients
 from tfdist._compat import keras_optimizer
 from tfdist._compat.keras_optimizer import slots_found_by
+from tfdist._compat.tf_distribute import summed_across_replicas
 from tfdist._compat.tf_variables import storage_of
 from tfdist.optim import adafactor
 from tfdist.sharding.collectives import non_finite_count, packed_all_gather
+from tfdist.sharding.keys import optimizer_keys_follow
 from tfdist.sharding.layout import MeshShardLayout
 from tfdist.sharding.slots import optimizer_slots
 from tfdist.sharding.storage import (
@@ -194,12 +196,16 @@ class ShardedUpdate:
             self._shard_slots(optimizer_slots(self.inner, self.variables, for_sharding=True,
                                               replicated=self._replicated()),
                               storage, strategy)
-            # The parameter shards each replica updates (working buffers).
-            self.buffers = [
-                ShardedStorage.create(strategy, layout, None, f"{_flat_name(v)}_shard",
-                                      v.dtype, devices=copy_devices(v, strategy))
-                for v, layout in zip(self.variables, storage)
-            ]
+            if zero == 3:  # the parameters themselves, sharded: updated in place
+                with optimizer_keys_follow(model):
+                    self.buffers = [shard_keras_variable(v, layout, strategy)
+                                    for v, layout in zip(self.variables, storage)]
+            else:  # the parameter shards each replica updates (working buffers)
+                self.buffers = [
+                    ShardedStorage.create(strategy, layout, None, f"{_flat_name(v)}_shard",
+                                          v.dtype, devices=copy_devices(v, strategy))
+                    for v, layout in zip(self.variables, storage)
+                ]
 
     # The optimizer's interface, Keras 3's here (a subclass gives tf_keras's).
 
@@ -256,12 +262,12 @@ class ShardedUpdate:
         with tf.name_scope("apply"):
             # One decision on every replica (of every tensor rank): the
             # shards of all replicas cover every reduced gradient.
-            finite = self.scaler and tf.equal(context.all_reduce(
-                tf.distribute.ReduceOp.SUM,
+            finite = self.scaler and tf.equal(summed_across_replicas(
                 non_finite_count([sparse_gradients.values(g) for g in shards])), 0.0)
-            for i in indices:
-                self.buffers[i].assign(self._by_index[i].shard(
-                    tf.convert_to_tensor(self.variables[i]), replica))
+            if self.zero < 3:  # (zero=3's buffers are the parameters' shards)
+                for i in indices:
+                    self.buffers[i].assign(self._by_index[i].shard(
+                        tf.convert_to_tensor(self.variables[i]), replica))
             if self.scaler is not None:
                 scale = self.scaler.dynamic_scale
                 shards = [sparse_gradients.map_values(g, lambda v: v / scale) for g in shards]
@@ -275,6 +281,12 @@ class ShardedUpdate:
                 applied = tf.cast(finite, keras_optimizer.iterations_variable(self.inner).dtype)
             # After the update (which reads it), outside the cond (a merge call).
             self._count_step(applied)
+        if self.zero < 3:
+            self._gather(indices, layouts, launcher)
+
+    def _gather(self, indices, layouts, launcher):
+        """Every replica writes the updated parameters, gathered from the
+        shards, back into its copy."""
         with tf.name_scope("gather"):
             updated = [self.buffers[i].value() for i in indices]
             full = packed_all_gather(updated, layouts, launcher)

@@ -64,48 +64,33 @@ def _meet(per_stage):
             for grads in zip(*per_stage)]
 
 
-class PipelineCompute:
-    """Gradients of one replica's batch through the stages, in schedule order.
+class StagedCompute:
+    """What computes a replica's gradients stage by stage shares: the
+    replica's stage runners, the last stage's loss, the BatchNormalization
+    statistics' step end. Subclasses implement `_run_actions`.
 
     Args:
         model: the compiled Keras model.
-        stages: its `Stage`s (`plan_stages`).
-        devices: `devices[r][d]`, pipeline device d of data replica r (stage
-            s runs on device `stage_device(kind, s, p)`: s mod p, or ZB-V's V).
-        microbatches: microbatches per replica batch.
-        kind: the schedule, a key of `tfdist.pipeline.schedule.SCHEDULES`.
-        remat: recompute each stage's forward in its backward.
-        xla: compile each stage's layers with XLA.
-        virtual_stages: stages per device ("interleaved", "zbv").
-
-    After a step is traced, `peak_held[d]` is the largest number of (stage,
-    microbatch) activations device d held at once (`held_activations` of
-    the schedule).
+        stages: its `Stage`s.
+        devices: `devices[r][d]`, device d of data replica r.
+        device_of: the device index (into `devices[r]`) of each stage.
+        runners: each stage's `StageRunner`.
 
     Example:
 
     ```python
-    compute = PipelineCompute(model, plan_stages(model, 2), [["CPU:0", "CPU:1"]], 4, "1f1b")
     grads, metrics = compute(slices)   # inside strategy.run: one (x, y, sw, share, size)
                                        # per microbatch
     ```
     """
 
-    def __init__(self, model, stages, devices, microbatches, kind, remat=False, xla=False,
-                 copies=None, virtual_stages=1):
+    def __init__(self, model, stages, devices, device_of, runners):
         self.model = model
         self.graph = stages[0].graph
         self.stages = stages
         self.devices = devices
-        self.pipeline = len(stages) // virtual_stages
-        self.device_of = [stage_device(kind, s, self.pipeline) for s in range(len(stages))]
-        self.order = emission_order(stage_orders(kind, self.pipeline, microbatches,
-                                                 virtual_stages))
-        self.split_backward = any(action.kind == WEIGHTS for action in self.order)
-        self.remat = remat
-        self.peak_held = [0] * self.pipeline
-        self.runners = [StageRunner(stage, model.trainable_weights, xla=xla, copies=copies)
-                        for stage in stages]
+        self.device_of = device_of
+        self.runners = runners
         self.loss = MicrobatchLoss(model, getattr(model.distribute_strategy, "tensor_mesh", None))
         self._per_replica = {}  # with tensor groups: local replica -> its tf.function
 
@@ -135,12 +120,6 @@ class PipelineCompute:
                 functools.partial(self._replica_actions, local=local, mesh=mesh))
         return self._finish(*self._per_replica[local](slices), local)
 
-    def split_copies(self):
-        """After tensor groups split the model: splits the tied weights' copies
-        alike (`StageRunner.split_copies`)."""
-        for runner in self.runners:
-            runner.split_copies(self.model.distribute_strategy)
-
     def _finish(self, totals, metrics, starts, moved, local):
         """The step's end for the stages' BatchNormalization statistics (one
         update per step, equal on every replica: `MovingStatistics`)."""
@@ -153,6 +132,87 @@ class PipelineCompute:
         # A class-split classifier gives its logit slice to the sharded loss.
         with self.loss.logits():
             return self._run_actions(slices, local, mesh)
+
+    def _run_actions(self, slices, local, mesh):
+        """(totals, metrics, each stage's statistics at the start, their
+        moves) of this replica's microbatches `slices`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _add(totals, runner, weights):
+        """Adds a backward's weight gradients to the stage's totals; returns
+        their tensors."""
+        _accumulate(totals, runner.weights, weights)
+        return [g for g in tf.nest.flatten(weights, expand_composites=True) if g is not None]
+
+    def _last_stage_loss(self, microbatch, track, values):
+        """The last stage's loss of `microbatch` (its (x, y, sample_weight,
+        share, size)) from the stage's `values`: (loss, loss weighted by the
+        microbatch's share and scaled by the optimizer, metrics). With `track`
+        (the first forward, not a remat replay) it also updates the loss
+        tracker and the compiled metrics; otherwise metrics is None."""
+        part = Microbatch(*microbatch)
+        outputs = [values[id(sym)] for sym in self.graph.outputs]
+        structure = keras_functional.outputs_structure(self.graph.model)
+        y_pred = tree.pack_sequence_as(structure, outputs)
+        loss = self.loss.loss(part, y_pred)
+        scaled = self.loss.target(loss, part.share)
+        if not track:
+            return loss, scaled, None
+        return loss, scaled, self.loss.record(part, loss, y_pred)
+
+    def _inputs(self, x):
+        return {id(sym): value for sym, value in
+                zip(self.graph.inputs,
+                    tree.flatten(keras_functional.standardize_inputs(self.graph.model, x)))}
+
+
+class PipelineCompute(StagedCompute):
+    """Gradients of one replica's batch through the stages, in schedule order.
+
+    Args:
+        model: the compiled Keras model.
+        stages: its `Stage`s (`plan_stages`).
+        devices: `devices[r][d]`, pipeline device d of data replica r (stage
+            s runs on device `stage_device(kind, s, p)`: s mod p, or ZB-V's V).
+        microbatches: microbatches per replica batch.
+        kind: the schedule, a key of `tfdist.pipeline.schedule.SCHEDULES`.
+        remat: recompute each stage's forward in its backward.
+        xla: compile each stage's layers with XLA.
+        virtual_stages: stages per device ("interleaved", "zbv").
+
+    After a step is traced, `peak_held[d]` is the largest number of (stage,
+    microbatch) activations device d held at once (`held_activations` of
+    the schedule).
+
+    Example:
+
+    ```python
+    compute = PipelineCompute(model, plan_stages(model, 2), [["CPU:0", "CPU:1"]], 4, "1f1b")
+    grads, metrics = compute(slices)   # inside strategy.run: one (x, y, sw, share, size)
+                                       # per microbatch
+    ```
+    """
+
+    def __init__(self, model, stages, devices, microbatches, kind, remat=False, xla=False,
+                 copies=None, virtual_stages=1):
+        self.pipeline = len(stages) // virtual_stages
+        super().__init__(
+            model, stages, devices,
+            [stage_device(kind, s, self.pipeline) for s in range(len(stages))],
+            [StageRunner(stage, model.trainable_weights, xla=xla, copies=copies)
+             for stage in stages])
+        self.order = emission_order(stage_orders(kind, self.pipeline, microbatches,
+                                                 virtual_stages))
+        self.split_backward = any(action.kind == WEIGHTS for action in self.order)
+        self.remat = remat
+        self.peak_held = [0] * self.pipeline
+
+    def split_copies(self):
+        """After tensor groups split the model: splits the tied weights' copies
+        alike (`StageRunner.split_copies`)."""
+        for runner in self.runners:
+            runner.split_copies(self.model.distribute_strategy)
 
     def _run_actions(self, slices, local, mesh):
         """Every action of the schedule, in emission order, each on its
@@ -213,34 +273,6 @@ class PipelineCompute:
         with tf.device(devices[0]):
             totals = [None if g is None else tf.identity(g) for g in _meet(totals)]
         return totals, metrics, starts, moved
-
-    @staticmethod
-    def _add(totals, runner, weights):
-        """Adds a backward's weight gradients to the stage's totals; returns
-        their tensors."""
-        _accumulate(totals, runner.weights, weights)
-        return [g for g in tf.nest.flatten(weights, expand_composites=True) if g is not None]
-
-    def _last_stage_loss(self, microbatch, track, values):
-        """The last stage's loss of `microbatch` (its (x, y, sample_weight,
-        share, size)) from the stage's `values`: (loss, loss weighted by the
-        microbatch's share and scaled by the optimizer, metrics). With `track`
-        (the first forward, not a remat replay) it also updates the loss
-        tracker and the compiled metrics; otherwise metrics is None."""
-        part = Microbatch(*microbatch)
-        outputs = [values[id(sym)] for sym in self.graph.outputs]
-        structure = keras_functional.outputs_structure(self.graph.model)
-        y_pred = tree.pack_sequence_as(structure, outputs)
-        loss = self.loss.loss(part, y_pred)
-        scaled = self.loss.target(loss, part.share)
-        if not track:
-            return loss, scaled, None
-        return loss, scaled, self.loss.record(part, loss, y_pred)
-
-    def _inputs(self, x):
-        return {id(sym): value for sym, value in
-                zip(self.graph.inputs,
-                    tree.flatten(keras_functional.standardize_inputs(self.graph.model, x)))}
 
 
 def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:

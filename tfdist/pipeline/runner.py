@@ -43,6 +43,9 @@ class Activations:
             and scaled by the optimizer: what the backward differentiates.
         metrics: last stage only, when tracked: the model's metrics after
             this microbatch.
+        weights: with a `gather` (sharded parameters), the full values of the
+            stage's weights the forward computed with, which the tape
+            differentiates; None: the weights themselves.
 
     Example:
 
@@ -60,12 +63,23 @@ class Activations:
     loss: Any = None
     scaled: Any = None
     metrics: Any = None
+    weights: list | None = None
 
 
 @contextlib.contextmanager
-def _reading(copies):
+def substituted(copies):
     """Inside, each Keras variable of `copies` ((variable, copy) pairs) reads
-    and is differentiated as its copy (a tied layer on the last stage)."""
+    and is differentiated as its copy (a tied layer on the last stage; a
+    tensor: a sharded parameter's gathered value).
+
+    Example:
+
+    ```python
+    with substituted([(layer.kernel, full_kernel)]):
+        y = layer(x)          # computes with full_kernel
+    ```
+    """
+    copies = list(copies)
     held = [storage_of(v) for v, _ in copies]
     for v, copy in copies:
         set_storage(v, copy)
@@ -83,7 +97,7 @@ def _call_layers(stage, copies, sources):
     model's inputs and outputs, `LayerGraph`), which its nodes' arguments use.
     Tied layers compute with the stage's `copies` of their weights.
     """
-    with _reading(copies):
+    with substituted(copies):
         return _run_nodes(stage, sources)
 
 
@@ -171,6 +185,10 @@ class StageRunner:
             stage, replica and microbatch shape; the order stays the engine's).
         copies: the copies of the stage's `tied` layers' weights, by `id` of
             the Keras variable (`place_stages`).
+        gather: with sharded parameters (ZeRO-3), a function from the
+            stage's weights to their full values: called by every forward
+            and replay, whose layers compute with those values (nothing kept
+            from one call to the next) and whose backward differentiates them.
 
     Attributes:
         weights: (index in `trainable_weights`, variable) of each of the
@@ -189,15 +207,17 @@ class StageRunner:
     ```
     """
 
-    def __init__(self, stage, trainable_weights, xla=False, copies=None):
+    def __init__(self, stage, trainable_weights, xla=False, copies=None, gather=None):
         self.stage = stage
+        self.gather = gather
         self.state = [v for layer in stage.layers
                       for v in getattr(layer, "non_trainable_variables", ())]
         self.moving = MovingStatistics(stage.layers)
         index = {id(v): i for i, v in enumerate(trainable_weights)}
         self._index = index
-        self._own = [(index[id(v)], v) for layer in stage.layers
-                     for v in getattr(layer, "trainable_weights", ())]
+        own = {id(v): (index[id(v)], v) for layer in stage.layers
+               for v in getattr(layer, "trainable_weights", ())}  # a shared one once
+        self._own = list(own.values())
         self.copies = [(v, copies[id(v)]) for layer in stage.tied for v in layer.trainable_weights]
 
         def stage_layers(sources):  # XLA's modules: a_forward_stage_layers_*, *backward*
@@ -265,7 +285,9 @@ class StageRunner:
         found, to be started later (`StageGradients.start_weights`, its "W").
         """
         stage = self.stage
-        weights = [v for _, v in self.weights]
+        weights = activations.weights
+        if weights is None:
+            weights = [v for _, v in self.weights]
         sources = activations.sources
         floating = [t for t in sources if t.dtype.is_floating]
         is_last = activations.scaled is not None
@@ -307,10 +329,14 @@ class StageRunner:
         inputs = {id(sym): values[id(sym)] for sym in self.stage.inputs}
         sources = [inputs[id(sym)] for sym in self.stage.inputs]
         tape = tf.GradientTape() if record else None
+        variables = [v for _, v in self.weights]
+        full = None if self.gather is None else self.gather(variables)
         with tape if record else contextlib.nullcontext():
             if record:
-                tape.watch([t for t in sources if t.dtype.is_floating])
-            activations = Activations(inputs, sources, self._call(sources), tape)
+                tape.watch([t for t in sources if t.dtype.is_floating] + (full or []))
+            with contextlib.nullcontext() if full is None else substituted(zip(variables, full)):
+                outputs = self._call(sources)
+            activations = Activations(inputs, sources, outputs, tape, weights=full)
             if head is not None:
                 seen = dict(inputs)
                 seen.update((id(sym), value) for sym, value in

@@ -117,7 +117,7 @@ def plan_stages(model, stages: int, boundaries=None, sequence_length=None) -> li
                if index == 0 or node.operation not in tied]
         result.append(Stage(index, group, [], [], sum(own), sum(costs[a:b]), graph,
                             tied if index == stages - 1 and index else []))
-    _connect(graph, result)
+    connect(graph, result)
     return result
 
 
@@ -196,7 +196,7 @@ def _tied_layers(groups):
     return tied
 
 
-def _connect(graph, stages):
+def connect(graph, stages):
     """Fills in each stage's crossing inputs and outputs."""
     produced_by = {id(x): -1 for x in graph.inputs}
     for stage in stages:

@@ -1,0 +1,291 @@
+"""ZeRO-3 (`zero=3`, sharded parameters): parity with zero=0 on the same mesh
+and with one device, what each device keeps, what a step gathers at once and
+sends, checkpoints, evaluate and predict, refusals."""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from helpers import assert_parity, data, devices, make_model, train, trained_reference
+from test_tensor_transformer import lm_data, make_lm
+from test_zero import _step_graph
+from tfdist.callbacks.metrics import variable_bytes
+from tfdist.optim.zero3 import plan_units
+
+keras_hub = pytest.importorskip("keras_hub")
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(1e-3),
+    "adamw": lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.05),
+}
+_RECIPES = {}
+
+
+def lm(optimizer):
+    """The Transformer LM (Embedding, MultiHeadAttention, Dense pair,
+    LayerNormalization, vocabulary classifier) compiled with `optimizer`: one
+    recipe per name, so that `trained_reference` trains each once."""
+    if optimizer not in _RECIPES:
+        def make(seed=0):
+            model = make_lm(seed)
+            model.compile(optimizer=OPTIMIZERS[optimizer](), loss=model.loss)
+            return model
+        _RECIPES[optimizer] = make
+    return _RECIPES[optimizer]
+
+
+def lm_run(n, optimizer, **config):
+    x, y = lm_data()
+    return train(tfdist.Strategy(data=n, devices=devices(n), **config), make=lm(optimizer),
+                 x=x, y=y, batch_size=16)
+
+
+@pytest.mark.parametrize("n, optimizer, microbatches", [
+    (2, "sgd", 1), (4, "adam", 1), (8, "adamw", 1), (2, "adam", 2), (4, "sgd", 2)])
+def test_transformer_lm_matches_zero0_and_one_device(n, optimizer, microbatches):
+    x, y = lm_data()
+    result = lm_run(n, optimizer, zero=3, microbatches=microbatches)
+    # The same arithmetic as zero=0 on the same mesh except the order of the
+    # gradient sums (reduce-scattered per microbatch, summed after).
+    assert_parity(result, lm_run(n, optimizer, microbatches=microbatches), rtol=1e-5, atol=1e-6)
+    assert_parity(result, trained_reference(make=lm(optimizer), x=x, y=y, batch_size=16))
+    # Every trainable weight is held as n element shards, one per device.
+    for weight in result[2].trainable_weights:
+        components = weight.value.values
+        assert len({c.device for c in components}) == n
+        assert [c.shape for c in components] == [(-(-weight.shape.num_elements() // n),)] * n
+
+
+def test_mixed_float16_matches_zero0_on_the_same_mesh():
+    # Without gradients summed across units: the same arithmetic, Adam included.
+    def make():
+        return make_model(optimizer=keras.optimizers.Adam(1e-2))
+
+    for zero in (0, 3):
+        strategy = tfdist.Strategy(data=2, zero=zero, precision="mixed_float16",
+                                   devices=devices(2))
+        runs = locals().get("runs", []) + [train(strategy, make=make)]
+    assert_parity(runs[1], runs[0], rtol=1e-5, atol=1e-6)
+    scaler, ref_scaler = runs[1][2].optimizer, runs[0][2].optimizer
+    assert float(scaler.dynamic_scale.numpy()) == float(ref_scaler.dynamic_scale.numpy())
+    # The LM's embedding output feeds attention and the residual in the unit
+    # after it: its float16 gradient is summed by that unit's tape, in another
+    # order than the whole model's tape sums it (4 terms; 1e-3 apart in float16).
+    result = lm_run(2, "sgd", zero=3, precision="mixed_float16")
+    reference = lm_run(2, "sgd", precision="mixed_float16")
+    np.testing.assert_allclose(result[0], reference[0], rtol=1e-4)
+    for weight, other in zip(result[1], reference[1]):
+        np.testing.assert_allclose(weight, other, atol=1e-3)
+
+
+def make_gpt2_adam(seed=0):
+    from test_tensor_blocks import make_gpt2
+
+    model = make_gpt2(seed)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=model.loss, weighted_metrics=[])
+    return model
+
+
+@pytest.mark.parametrize("name, n, microbatches", [
+    ("gpt2_adam", 2, 1), ("gpt2", 4, 2), ("causal_lm", 2, 1)])
+def test_keras_hub_gpt2_matches_one_device(name, n, microbatches):
+    from test_tensor_blocks import lm_data as hub_data
+    from test_tensor_blocks import make_gpt2
+    from test_tied_embeddings import EXAMPLES, make_causal_lm
+
+    make = {"gpt2_adam": make_gpt2_adam, "gpt2": make_gpt2, "causal_lm": make_causal_lm}[name]
+    x, y = hub_data("gpt2", n=EXAMPLES if name == "causal_lm" else 192)
+    reference = trained_reference(make=make, x=x, y=y, batch_size=16)
+    strategy = tfdist.Strategy(data=n, zero=3, microbatches=microbatches, devices=devices(n))
+    result = train(strategy, make=make, x=x, y=y, batch_size=16)
+    assert_parity(result, reference, steps=12)
+    # Each transformer block is a unit of its own; the tied embedding of the
+    # causal LM is gathered by the first unit and by the last (its reverse call).
+    units = [[layer.name for layer in unit.layers] for unit in plan_units(result[2])]
+    blocks = [names for names in units if any(n.startswith("transformer_layer") for n in names)]
+    assert blocks == [["transformer_layer_0"], ["transformer_layer_1"]]
+    if name == "causal_lm":
+        assert units[0] == ["token_embedding"] and units[-1] == ["token_embedding"]
+
+
+def _trained_uneven(n, zero):
+    """test_zero's model whose variables do not split evenly into 4 shards,
+    after a few steps with Adam."""
+    from test_zero import make_uneven_model
+
+    strategy = tfdist.Strategy(data=n, zero=zero, devices=devices(n))
+    with strategy.scope():
+        model = make_uneven_model(keras.optimizers.Adam(1e-3))
+    model.fit(*data(64), batch_size=16, verbose=0)
+    return model
+
+
+def test_each_device_keeps_its_shard_of_the_parameters_and_their_state():
+    n = 4
+    model = _trained_uneven(n, zero=3)
+    trainable = model.trainable_weights
+    shard_elements = sum(-(-w.shape.num_elements() // n) for w in trainable)
+    params = sum(w.shape.num_elements() for w in trainable)
+    padding = n * shard_elements - params
+    assert padding == 3 + 2 + 1  # biases of 5 and 7, the kernel of 70
+    weights = variable_bytes(trainable)
+    state = variable_bytes(model.optimizer.variables)
+    for device in (f"CPU:{i}" for i in range(n)):
+        # (params + padding) / n of parameters; Adam's m and v alike; its
+        # iteration counter (int64) and learning rate (float32) whole.
+        assert weights[device] == 4 * (params + padding) // n
+        assert state[device] == 2 * 4 * (params + padding) // n + 8 + 4
+    # zero=2 keeps every parameter whole on every device.
+    assert variable_bytes(_trained_uneven(n, zero=2).trainable_weights) == {
+        f"CPU:{i}": 4 * params for i in range(n)}
+
+
+def _gathers_and_scatters(graph, replica_device):
+    """(gather ops, all-to-all ops) of the replica on `replica_device`."""
+    ops = [op for op in graph.get_operations() if op.device.endswith(replica_device)]
+    return ([op for op in ops if op.type == "CollectiveGatherV2"],
+            [op for op in ops if op.type == "CollectiveAllToAllV2"])
+
+
+def _ancestors(op):
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def test_a_step_gathers_at_most_two_units_at_once_and_sends_what_zero_says():
+    n, microbatches = 4, 2
+    x, y = lm_data(64)
+    strategy = tfdist.Strategy(data=n, zero=3, microbatches=microbatches, devices=devices(n))
+    with strategy.scope():
+        model = lm("sgd")()
+    model.fit(x, y, batch_size=16, verbose=0)
+    graph = _step_graph(model)
+    gathers, scatters = _gathers_and_scatters(graph, "CPU:0")
+    # The embedding's sparse gradient: its slices gathered (values and
+    # indices), each replica keeping those inside its shard.
+    slices = [op for op in gathers if "/gather/" not in op.name]
+    assert len(slices) == microbatches and all("/reduce_scatter/" in op.name for op in slices)
+    gathers = [op for op in gathers if op not in slices]
+    units = plan_units(model)
+    unit_bytes = [4 * sum(w.shape.num_elements() for layer in unit.layers
+                          for w in getattr(layer, "trainable_weights", ())) for unit in units]
+    # One gather per unit in each forward and each backward of each microbatch.
+    assert len(gathers) == 2 * len(units) * microbatches
+
+    def action(op):  # (microbatch, position in the step's unit order)
+        unit, kind, mb = re.search(r"unit(\d+)/(fwd|bwd)/mb(\d+)/", op.name).groups()
+        u = int(unit)
+        return int(mb), u if kind == "fwd" else 2 * len(units) - 1 - u
+
+    gathers.sort(key=action)
+    # A gather's parameters are alive until every op of its unit's work that
+    # computes from them has run: the later gathers that do not wait for all
+    # of those hold theirs at the same time.
+    scope = {}
+    for op in graph.get_operations():
+        found = re.search(r"unit\d+/(fwd|bwd)/mb\d+/", op.name)
+        if op.device.endswith("CPU:0") and found:
+            scope[op] = action(op)
+    users = [{op for op in _descendants(gather) if scope.get(op) == action(gather)}
+             for gather in gathers]
+    largest = 0
+    for k, gather in enumerate(gathers):
+        before = _ancestors(gather)
+        alive = [j for j in range(k) if not users[j] <= before]
+        assert len(alive) <= 1, (gather.name, [gathers[j].name for j in alive])
+        largest = max(largest, sum(_received_bytes(gathers[j], n) for j in alive + [k]))
+    two_largest = sum(sorted(unit_bytes)[-2:])
+    padded = sum(unit_bytes)
+    assert largest <= two_largest + 4 * n * len(model.trainable_weights) < padded
+    # Per microbatch: the parameters gathered twice, their gradients
+    # reduce-scattered once (dense ones; the embedding's slices are gathered).
+    embeddings = model.layers[1].embeddings
+    gathered = sum(_received_bytes(op, n) for op in gathers)
+    shard_bytes = sum(4 * -(-w.shape.num_elements() // n) for w in model.trainable_weights)
+    assert gathered == 2 * microbatches * n * shard_bytes
+    scattered = sum(_received_bytes(op, n) for op in scatters)
+    dense_shards = sum(4 * -(-w.shape.num_elements() // n) for w in model.trainable_weights
+                       if w is not embeddings)
+    assert scattered == microbatches * n * dense_shards
+
+
+def _received_bytes(op, n):
+    """Bytes an all-gather or all-to-all of `n` replicas gives this replica
+    (its own part included)."""
+    data = op.inputs[0]
+    factor = n if op.type == "CollectiveGatherV2" else 1  # all-to-all: (n, m) in and out
+    return factor * data.shape.num_elements() * data.dtype.size
+
+
+def _descendants(op):
+    seen, todo = set(), [op]
+    while todo:
+        for child in [c for t in todo.pop().outputs for c in t.consumers()]:
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def test_evaluate_and_predict_see_the_whole_parameters():
+    x, y = lm_data(64)
+    runs = {zero: lm_run(4, "adam", zero=zero) for zero in (0, 3)}
+    sharded, plain = runs[3][2], runs[0][2]
+    assert type(sharded.trainable_weights[0].value).__name__ == "ShardedStorage"
+    np.testing.assert_allclose(sharded.evaluate(x, y, batch_size=16, verbose=0),
+                               plain.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(sharded.predict(x, batch_size=16, verbose=0),
+                               plain.predict(x, batch_size=16, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_describe_lists_the_units_and_the_bytes_each_device_keeps():
+    strategy = tfdist.Strategy(data=4, zero=3, devices=devices(4))
+    with strategy.scope():
+        model = lm("sgd")()
+    lines = strategy.describe(model).splitlines()
+    params = sum(w.shape.num_elements() for w in model.trainable_weights)
+    assert [re.sub(r"_\d+", "", line.split("layers: ")[1]) for line in lines[:-1]] == [
+        "embedding", "multi_head_attention, add", "layer_normalization", "dense",
+        "dense, add", "layer_normalization", "dense"]
+    assert lines[1].startswith(f"unit 1  params {4 * 16 * 4 * 3 + 4 * 4 * 3 + 16 * 16 + 16:,}"
+                               f"  gathered")
+    assert lines[-1] == (f"zero=3 over 4 replicas: parameters {4 * params:,} B, "
+                         f"{params:,} B per device (the largest two units gathered at once)")
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Subclassed(), r"`zero=3` gathers the parameters unit by unit along the "
+                           r"model's graph of layer calls, which 'subclassed' does not have"),
+    (lambda: keras.Sequential([keras.Input((16,)), keras.layers.BatchNormalization(
+        synchronized=True), keras.layers.Dense(4)]), r"BatchNormalization\(synchronized=True\)"),
+    (lambda: keras.Sequential([keras.Input((16,)), keras.layers.Dense(
+        4, kernel_regularizer="l2")]), r"'sequential.*/dense.*/kernel' has a regularizer"),
+    (lambda: keras.Sequential([keras.Input((16,)), keras.layers.Dense(
+        4, activity_regularizer="l2")]), r"'dense.*' has an activity regularizer"),
+])
+def test_what_zero3_cannot_shard_is_refused_before_the_first_step(make, message):
+    strategy = tfdist.Strategy(data=2, zero=3, devices=devices(2))
+    with strategy.scope():
+        model = make()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(NotImplementedError, match=message):
+        model.fit(*data(32), batch_size=16, verbose=0)

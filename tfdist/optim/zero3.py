@@ -1,0 +1,286 @@
+"""ZeRO-3: trainable parameters sharded across the replicas, gathered unit by unit.
+
+With `zero=3` every trainable variable is stored as N element shards
+(`ShardLayout`, one per replica), as its optimizer slots are under zero 1/2
+(`ShardedUpdate` moves both): each device persistently holds 1/N of the
+parameters and of their optimizer state. Non-trainable variables
+(BatchNormalization statistics, seed counters) stay replicated.
+
+A step runs the model's graph (`LayerGraph`: nested functional models, such
+as a keras-hub task model's backbone, are flattened) as a sequence of units:
+each layer call with trainable weights starts one, and calls without join the
+unit before them, so a keras-hub transformer block is a unit of its own. For
+each microbatch, on each replica:
+
+1. forward, unit by unit: the unit's parameters are all-gathered (one packed
+   collective), its layers run on those values, and the values are dropped;
+   only the unit's inputs are kept (its forward is recomputed in 2);
+2. backward, units in reverse: the parameters are gathered again (not kept
+   from the forward), the unit's forward is replayed under a tape (the same
+   dropout masks: `StageRunner.replay`), and the gradients of the full
+   parameters are reduce-scattered at once: a replica keeps only its shard
+   of each reduced gradient, summed over the microbatches;
+3. the update is zero=2's (`ShardedUpdate`) on the parameter shards
+   themselves; nothing is gathered after it.
+
+Each unit's work (gather, layers, and in the backward the reduce-scatter)
+waits for every op of the unit's work two before it in that order: at most
+two units' gathered parameters are alive at once, the current one's and the
+next one's, fetched while the current one computes.
+
+Per microbatch a replica all-gathers the parameters twice and reduce-scatters
+their gradients once: 3 x (N - 1)/N x the parameters' bytes, ZeRO's 1.5x of
+data parallelism's all-reduce (2 x (N - 1)/N).
+
+Ops are named `tfdist/unit{u}/{fwd|bwd}/mb{i}/...`, the collectives
+`.../gather/...` and `.../reduce_scatter/...`.
+"""
+
+import contextlib
+import functools
+
+import keras
+import tensorflow as tf
+
+from tfdist._compat.keras_functional import nested_sublayers
+from tfdist._compat.tf_variables import storage_of
+from tfdist.engine.reduce import ShardedReduce
+from tfdist.pipeline.compute import StagedCompute
+from tfdist.pipeline.graph import LayerGraph, graph_of
+from tfdist.pipeline.runner import StageRunner, substituted
+from tfdist.pipeline.stages import Stage, connect
+from tfdist.sharding.collectives import packed_all_gather
+from tfdist.sharding.storage import storage_layout
+
+
+def check_model(model):
+    """Errors for a model whose parameters `zero=3` cannot shard, before the
+    first step, with what to change.
+
+    Example:
+
+    ```python
+    check_model(subclassed_model)   # NotImplementedError: ... functional API
+    ```
+    """
+    try:
+        graph_of(model)
+    except ValueError as error:
+        raise NotImplementedError(
+            f"`zero=3` gathers the parameters unit by unit along the model's "
+            f"graph of layer calls, which {model.name!r} does not have: "
+            f"{error}") from None
+    for layer in nested_sublayers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized:
+            raise NotImplementedError(
+                f"{layer.name!r} is a BatchNormalization(synchronized=True), not "
+                f"supported with `zero=3` in this version: use synchronized=False, "
+                f"or zero <= 2.")
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise NotImplementedError(
+                f"{layer.name!r} has an activity regularizer, not supported with "
+                f"`zero=3` in this version (its loss is added during the call): "
+                f"drop it, or use zero <= 2.")
+    for variable in model.trainable_weights:
+        for name in ("regularizer", "constraint"):
+            if getattr(variable, name, None) is not None:
+                raise NotImplementedError(
+                    f"{variable.path!r} has a {name}, which needs the whole "
+                    f"weight: not supported with `zero=3` in this version "
+                    f"(each replica holds 1/N of it). Drop it, or use zero <= 2.")
+
+
+def plan_units(model) -> list[Stage]:
+    """`model`'s units: each layer call with trainable weights starts one;
+    calls without any (a residual add, dropout) join the unit before them.
+
+    Example:
+
+    ```python
+    [[layer.name for layer in unit.layers] for unit in plan_units(gpt2_backbone)]
+    # [['token_embedding'], ['position_embedding', 'embeddings_add', ...],
+    #  ['transformer_layer_0'], ..., ['layer_norm']]
+    ```
+    """
+    graph = LayerGraph(model)
+    nodes = graph.nodes
+    starts = [0] + [k for k, node in enumerate(nodes)
+                    if k and getattr(node.operation, "trainable_weights", ())]
+    ends = starts[1:] + [len(nodes)]
+    units = []
+    for index, (a, b) in enumerate(zip(starts, ends)):
+        unit = Stage(index, nodes[a:b], [], [], 0, 0.0, graph)
+        unit.params = sum(v.shape.num_elements() for v in _weights(unit))
+        units.append(unit)
+    connect(graph, units)
+    return units
+
+
+def describe(model, num_shards: int) -> str:
+    """One line per unit: its parameters, their bytes gathered, the bytes each
+    device keeps of them, and its layers; then the totals.
+
+    Example:
+
+    ```python
+    print(describe(model, 4))
+    # unit 0  params 4,096  gathered 16,384 B  per device 4,096 B  layers: token_embedding
+    # ...
+    ```
+    """
+    lines, total, kept = [], 0, 0
+    for unit in plan_units(model):
+        full = sum(_bytes(v) for v in _weights(unit))
+        own = sum(_shard_bytes(v, num_shards) for v in _weights(unit))
+        total, kept = total + full, kept + own
+        names = ", ".join(layer.name for layer in unit.layers)
+        lines.append(f"unit {unit.index}  params {unit.params:,}  gathered {full:,} B  "
+                     f"per device {own:,} B  layers: {names}")
+    lines.append(f"zero=3 over {num_shards} replicas: parameters {total:,} B, "
+                 f"{kept:,} B per device (the largest two units gathered at once)")
+    return "\n".join(lines)
+
+
+def _weights(unit):
+    """The unit's trainable variables, each once."""
+    return list({id(v): v for layer in unit.layers
+                 for v in getattr(layer, "trainable_weights", ())}.values())
+
+
+def _bytes(variable):
+    return variable.shape.num_elements() * tf.as_dtype(variable.dtype).size
+
+
+def _shard_bytes(variable, num_shards):
+    return -(-variable.shape.num_elements() // num_shards) * tf.as_dtype(variable.dtype).size
+
+
+def gather(variables, layouts):
+    """The full values of sharded `variables` (their `ShardLayout`s
+    `layouts`), all-gathered in one packed collective (replica context).
+
+    Example:
+
+    ```python
+    full = gather(unit_variables, unit_layouts)   # inside strategy.run
+    ```
+    """
+    with tf.name_scope("gather"):
+        return packed_all_gather([storage_of(v).value() for v in variables], layouts)
+
+
+def with_gathered_parameters(fn, model):
+    """`fn` (a Keras test or predict step) running with `model`'s sharded
+    parameters gathered whole, for `evaluate` and `predict` under `zero=3`.
+
+    Example:
+
+    ```python
+    strategy.run(with_gathered_parameters(model.test_step, model), args=(batch,))
+    ```
+    """
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        sharded = [v for v in model.trainable_weights if storage_layout(v) is not None]
+        if not sharded:
+            return fn(*args, **kwargs)
+        full = gather(sharded, [storage_layout(v).part for v in sharded])
+        with substituted(zip(sharded, full)):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+class GatheredUnits(StagedCompute):
+    """A replica's gradient shards of its batch, unit by unit with gathered
+    parameters (the module's steps 1 and 2).
+
+    Args:
+        model: the compiled Keras model, its trainable weights sharded.
+        layouts: each trainable weight's `ShardLayout` (aligned with
+            `model.trainable_weights`: `ShardedUpdate.layouts`).
+        devices: `devices[r][0]`, the device of data replica r.
+
+    Called in replica context with one (x, y, sample_weight, share, size)
+    per microbatch; returns (this replica's shard of each reduced gradient,
+    aligned with `model.trainable_weights`, metrics).
+
+    Example:
+
+    ```python
+    compute = PipelinedCompute(model, 2, GatheredUnits(model, update.layouts,
+                                                         strategy.pipeline_devices))
+    ```
+    """
+
+    def __init__(self, model, layouts, devices):
+        units = plan_units(model)
+        index = {id(v): i for i, v in enumerate(model.trainable_weights)}
+        self.layouts = layouts
+
+        def gather_unit(variables):
+            return gather(variables, [layouts[index[id(v)]] for v in variables])
+
+        super().__init__(model, units, devices, [0] * len(units),
+                         [StageRunner(unit, model.trainable_weights, gather=gather_unit)
+                          for unit in units])
+
+    def _run_actions(self, slices, local, mesh):
+        device = self.devices[local][0]
+        last = len(self.runners) - 1
+        totals = [None] * len(self.model.trainable_weights)
+        metrics, moved = None, [None] * len(self.runners)
+        with tf.device(device):
+            starts = [runner.moving.start() for runner in self.runners]
+        done = [[], []]  # the last ops of each unit's work so far
+        for i, microbatch in enumerate(slices):
+            env, out_grads, kept = self._inputs(microbatch[0]), {}, []
+            for u, runner in enumerate(self.runners):
+                head = functools.partial(self._last_stage_loss, microbatch, True)
+                with tf.name_scope(f"unit{u}/fwd/mb{i}"), tf.device(device), \
+                        tf.control_dependencies(done[-2]), _recording(done, device):
+                    runner.moving.reset(starts[u])
+                    activations = runner.forward(env, head if u == last else None, remat=True)
+                    moved[u] = runner.moving.add(moved[u], microbatch[4])
+                env.update((id(sym), value) for sym, value in
+                           zip(runner.stage.outputs, activations.outputs))
+                kept.append(activations)
+            metrics = kept[last].metrics
+            for u in reversed(range(len(self.runners))):
+                runner = self.runners[u]
+                head = functools.partial(self._last_stage_loss, microbatch, False)
+                with tf.name_scope(f"unit{u}/bwd/mb{i}"), tf.device(device), \
+                        tf.control_dependencies(done[-2]), _recording(done, device):
+                    replayed = runner.replay(kept[u], head if u == last else None)
+                    grads = runner.backward(replayed, out_grads)
+                    with tf.name_scope("reduce_scatter"):
+                        shards = self._reduce_scatter(runner, grads.weights)
+                    self._add(totals, runner, shards)
+        return totals, metrics, starts, moved
+
+    def _reduce_scatter(self, runner, grads):
+        """This replica's shard of each of a unit's reduced weight gradients."""
+        if all(g is None for g in grads):
+            return grads
+        return ShardedReduce([self.layouts[index] for index, _ in runner.weights], 2)(grads)
+
+
+@contextlib.contextmanager
+def _recording(done, device):
+    """Appends to `done` the last ops of what the block builds on `device`
+    (those no other op of the block reads; its gradients included): once
+    they have run, the block's work is over and its gathered values released."""
+    graph = tf.compat.v1.get_default_graph()
+    built = len(graph.get_operations())
+    yield
+    # (Other replicas' ops, built in between at a merge call, are on their
+    # devices; this task's devices differ in type or index.)
+    here = _local_device(device)
+    ops = [op for op in graph.get_operations()[built:] if _local_device(op.device) == here]
+    read = {t.op for op in ops for t in op.inputs} | {c for op in ops for c in op.control_inputs}
+    done.append([op for op in ops if op not in read])
+
+
+def _local_device(name):
+    spec = tf.DeviceSpec.from_string(name)
+    return spec.device_type, spec.device_index
