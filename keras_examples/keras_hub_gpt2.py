@@ -30,7 +30,8 @@ flags.DEFINE_integer("devices", 4, "Logical CPU devices (data x pipeline x tenso
 flags.DEFINE_integer("tensor", 2, "Devices per tensor group (splits of each weight).")
 flags.DEFINE_integer("pipeline", 1, "Pipeline stages.")
 flags.DEFINE_integer("microbatches", 1, "Microbatches per replica batch.")
-flags.DEFINE_integer("zero", 0, "ZeRO stage (0, 1, 2) over each data group.")
+flags.DEFINE_integer("zero", 0, "ZeRO stage (0, 1, 2 over each data group; 3: parameters "
+                     "sharded too, with --tensor=1 --pipeline=1).")
 flags.DEFINE_integer("layers", 2, "Transformer blocks.")
 flags.DEFINE_integer("width", 64, "Hidden size (4 heads).")
 flags.DEFINE_integer("epochs", 3, "Epochs.")

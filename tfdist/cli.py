@@ -55,6 +55,8 @@ flags.DEFINE_boolean("remat", None, "Pipeline: recompute each stage's forward in
                      "its backward.")
 flags.DEFINE_boolean("vocab_parallel_classifier", None, "Tensor: split the final "
                      "classifier by classes, with a sharded softmax loss.")
+flags.DEFINE_integer("zero3_unit_params", None, "zero=3: the fewest parameters of a "
+                     "gathered unit (0: one unit per layer with weights).")
 # The tasks of a job (launch, tfjob).
 flags.DEFINE_boolean("chief", False, "Add a chief task.")
 flags.DEFINE_integer("workers", 1, "Worker tasks (>= 1).")
@@ -83,7 +85,7 @@ flags.DEFINE_integer("duration-ms", 2000, "How long to record, in milliseconds."
 
 _CONFIG_FIELDS = ("data", "pipeline", "tensor", "microbatches", "zero",
                   "precision", "xla", "schedule", "virtual_stages", "stage_boundaries", "remat",
-                  "vocab_parallel_classifier")
+                  "vocab_parallel_classifier", "zero3_unit_params")
 _CONFIG_FLAGS = ("config",) + _CONFIG_FIELDS
 _TASK_FLAGS = ("chief", "workers", "ps", "evaluator")
 

@@ -69,6 +69,10 @@ class ParallelConfig:
             Dense by classes and compute its sparse softmax cross-entropy
             sharded (the model must be compiled with
             `SparseCategoricalCrossentropy(from_logits=True)`).
+        zero3_unit_params: with `zero=3`, the fewest parameters a unit (what
+            is gathered at once) holds: consecutive layer calls join one unit
+            until it has at least this many (FSDP's size-based wrapping);
+            0 (the default): one unit per layer call with weights.
 
     Every rule on how the fields combine is checked by `validate`, which
     every entry point runs (the strategies, `tfdist config`, `tfdist launch`,
@@ -96,6 +100,7 @@ class ParallelConfig:
     stage_boundaries: tuple[str, ...] | None = None
     remat: bool = False
     vocab_parallel_classifier: bool = False
+    zero3_unit_params: int = 0
 
     def __post_init__(self):
         if isinstance(self.stage_boundaries, list):  # from JSON: kept immutable
@@ -133,7 +138,8 @@ class ParallelConfig:
         return self
 
     def _check_types(self):
-        for name in ("data", "pipeline", "tensor", "microbatches", "zero", "virtual_stages"):
+        for name in ("data", "pipeline", "tensor", "microbatches", "zero", "virtual_stages",
+                     "zero3_unit_params"):
             value = getattr(self, name)
             if name == "data" and value is None:
                 continue
@@ -185,6 +191,13 @@ class ParallelConfig:
                 f"`zero={self.zero}` shards optimizer state across the "
                 f"data-parallel replicas, but `data=1`: there is nothing to "
                 f"shard. Use data >= 2, or zero=0.")
+        if self.zero3_unit_params < 0:
+            raise ValueError(
+                f"`zero3_unit_params` must be an int >= 0, got {self.zero3_unit_params!r}.")
+        if self.zero3_unit_params and self.zero != 3:
+            raise ValueError(
+                f"`zero3_unit_params={self.zero3_unit_params}` sizes the units `zero=3` "
+                f"gathers, but `zero={self.zero}`: use zero=3, or drop it.")
         if self.zero == 3 and (self.pipeline > 1 or self.tensor > 1 or self.xla):
             raise NotImplementedError(
                 f"`zero=3` with {_named_off(self, ('pipeline', 'tensor', 'xla'))} is not "

@@ -187,7 +187,8 @@ class _StepOwner:
             parts.append(pipeline_stages.describe(
                 stages, pipeline_stages.stage_devices(self._config, self.pipeline_devices)))
         if self._config.zero == 3:
-            parts.append(zero3.describe(model, self.num_replicas_in_sync))
+            parts.append(zero3.describe(model, self.num_replicas_in_sync,
+                                        self._config.zero3_unit_params))
         if self._config.tensor > 1 or not parts:
             parts.append(tensor_plan.describe(tensor_plan.plan(
                 model, self._config.tensor, self._config.vocab_parallel_classifier,

@@ -110,6 +110,11 @@ def test_keras_hub_gpt2_matches_one_device(name, n, microbatches):
     assert blocks == [["transformer_layer_0"], ["transformer_layer_1"]]
     if name == "causal_lm":
         assert units[0] == ["token_embedding"] and units[-1] == ["token_embedding"]
+    # What describe says each device keeps is what it holds (a tied table once).
+    held = set(variable_bytes(result[2].trainable_weights).values())
+    assert len(held) == 1
+    assert strategy.describe(result[2]).splitlines()[-1].endswith(
+        f", {held.pop():,} B per device (the largest two units gathered at once)")
 
 
 def _trained_uneven(n, zero):
@@ -261,6 +266,20 @@ def test_describe_lists_the_units_and_the_bytes_each_device_keeps():
                                f"  gathered")
     assert lines[-1] == (f"zero=3 over 4 replicas: parameters {4 * params:,} B, "
                          f"{params:,} B per device (the largest two units gathered at once)")
+
+
+def test_zero3_unit_params_joins_layers_into_units_and_keeps_parity():
+    n, least = 2, 600
+    strategy = tfdist.Strategy(data=n, zero=3, zero3_unit_params=least, devices=devices(n))
+    with strategy.scope():
+        model = lm("sgd")()
+    units = plan_units(model, least)
+    # The embedding (384) joins attention; each unit then holds >= 600 but the last.
+    assert [unit.params >= least for unit in units] == [True] * (len(units) - 1) + [False]
+    assert len(units) < len(plan_units(model))
+    assert len(strategy.describe(model).splitlines()) == len(units) + 1
+    assert_parity(lm_run(n, "sgd", zero=3, zero3_unit_params=least), lm_run(n, "sgd"),
+                  rtol=1e-5, atol=1e-6)
 
 
 class Subclassed(keras.Model):

@@ -30,6 +30,12 @@ def test_json_and_dict_round_trip():
         ({"zero": 3, "data": 2, "tensor": 2, "xla": True}, NotImplementedError,
          r"`zero=3` with tensor=2 and xla=True is not supported"),
         ({"zero": 4}, ValueError, r"`zero` must be one of \(0, 1, 2, 3\).*got 4"),
+        ({"zero": 2, "data": 2, "zero3_unit_params": 1000}, ValueError,
+         r"`zero3_unit_params=1000` sizes the units `zero=3` gathers, but `zero=2`"),
+        ({"zero": 3, "data": 2, "zero3_unit_params": -1}, ValueError,
+         r"`zero3_unit_params` must be an int >= 0, got -1"),
+        ({"zero": 3, "data": 2, "zero3_unit_params": 1.5}, TypeError,
+         r"`zero3_unit_params` must be an int, got 1.5"),
         ({"zero": -1}, ValueError, r"`zero` must be one of"),
         ({"precision": "float16"}, ValueError,
          r"`precision` must be one of \('float32', 'mixed_float16', 'mixed_bfloat16'\), "

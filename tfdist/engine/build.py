@@ -210,7 +210,8 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
     if config.zero == 3:  # the parameters sharded first: the units gather them
         with tf.init_scope():
             update = ShardedUpdate(model, 3)
-        units = zero3.GatheredUnits(model, update.layouts, strategy.pipeline_devices)
+        units = zero3.GatheredUnits(model, update.layouts, strategy.pipeline_devices,
+                                    config.zero3_unit_params)
         return PipelinedCompute(model, k, units), AlreadyReduced(), update
     if config.pipeline > 1:
         compute = PipelinedCompute(model, k, pipeline_compute(model, strategy, sequence_length),

@@ -90,9 +90,11 @@ def check_model(model):
                     f"(each replica holds 1/N of it). Drop it, or use zero <= 2.")
 
 
-def plan_units(model) -> list[Stage]:
+def plan_units(model, min_params: int = 0) -> list[Stage]:
     """`model`'s units: each layer call with trainable weights starts one;
     calls without any (a residual add, dropout) join the unit before them.
+    With `min_params`, consecutive units are joined until each holds at least
+    that many parameters (the last may hold fewer).
 
     Example:
 
@@ -106,17 +108,18 @@ def plan_units(model) -> list[Stage]:
     nodes = graph.nodes
     starts = [0] + [k for k, node in enumerate(nodes)
                     if k and getattr(node.operation, "trainable_weights", ())]
-    ends = starts[1:] + [len(nodes)]
     units = []
-    for index, (a, b) in enumerate(zip(starts, ends)):
-        unit = Stage(index, nodes[a:b], [], [], 0, 0.0, graph)
-        unit.params = sum(v.shape.num_elements() for v in _weights(unit))
-        units.append(unit)
+    for a, b in zip(starts, starts[1:] + [len(nodes)]):
+        if units and units[-1].params < min_params:
+            units[-1].nodes += nodes[a:b]
+        else:
+            units.append(Stage(len(units), nodes[a:b], [], [], 0, 0.0, graph))
+        units[-1].params = sum(v.shape.num_elements() for v in _weights(units[-1]))
     connect(graph, units)
     return units
 
 
-def describe(model, num_shards: int) -> str:
+def describe(model, num_shards: int, min_params: int = 0) -> str:
     """One line per unit: its parameters, their bytes gathered, the bytes each
     device keeps of them, and its layers; then the totals.
 
@@ -128,14 +131,16 @@ def describe(model, num_shards: int) -> str:
     # ...
     ```
     """
-    lines, total, kept = [], 0, 0
-    for unit in plan_units(model):
+    lines, every = [], {}
+    for unit in plan_units(model, min_params):
         full = sum(_bytes(v) for v in _weights(unit))
         own = sum(_shard_bytes(v, num_shards) for v in _weights(unit))
-        total, kept = total + full, kept + own
+        every.update((id(v), v) for v in _weights(unit))  # a tied weight counts once
         names = ", ".join(layer.name for layer in unit.layers)
         lines.append(f"unit {unit.index}  params {unit.params:,}  gathered {full:,} B  "
                      f"per device {own:,} B  layers: {names}")
+    total = sum(_bytes(v) for v in every.values())
+    kept = sum(_shard_bytes(v, num_shards) for v in every.values())
     lines.append(f"zero=3 over {num_shards} replicas: parameters {total:,} B, "
                  f"{kept:,} B per device (the largest two units gathered at once)")
     return "\n".join(lines)
@@ -200,6 +205,7 @@ class GatheredUnits(StagedCompute):
         layouts: each trainable weight's `ShardLayout` (aligned with
             `model.trainable_weights`: `ShardedUpdate.layouts`).
         devices: `devices[r][0]`, the device of data replica r.
+        min_params: the fewest parameters of a unit (`plan_units`).
 
     Called in replica context with one (x, y, sample_weight, share, size)
     per microbatch; returns (this replica's shard of each reduced gradient,
@@ -213,8 +219,8 @@ class GatheredUnits(StagedCompute):
     ```
     """
 
-    def __init__(self, model, layouts, devices):
-        units = plan_units(model)
+    def __init__(self, model, layouts, devices, min_params=0):
+        units = plan_units(model, min_params)
         index = {id(v): i for i, v in enumerate(model.trainable_weights)}
         self.layouts = layouts
 
