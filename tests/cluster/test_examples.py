@@ -33,7 +33,7 @@ def test_profile_fit_example_writes_a_trace_and_scalars(tmp_path):
 
 def test_zero_adam_example_prints_loss_and_a_quarter_of_the_state_per_device():
     out = run_example("zero_adam.py", "--devices=4", "--zero=2", "--epochs=2")
-    epochs = re.findall(r"epoch (\d): loss ([\d.]+)  optimizer bytes (.*)", out)
+    epochs = re.findall(r"epoch (\d): loss ([\d.]+)  optimizer bytes (.*)  parameter bytes", out)
     assert [e[0] for e in epochs] == ["1", "2"]
     assert float(epochs[1][1]) < float(epochs[0][1])
     sizes = dict(re.findall(r"(CPU:\d)=([\d,]+)", epochs[1][2]))

@@ -65,11 +65,13 @@ def check_model(model):
     """
     try:
         graph_of(model)
-    except ValueError as error:
+    except ValueError:
         raise NotImplementedError(
             f"`zero=3` gathers the parameters unit by unit along the model's "
-            f"graph of layer calls, which {model.name!r} does not have: "
-            f"{error}") from None
+            f"graph of layer calls, which {model.name!r} does not have before it "
+            f"runs (a subclassed model, or a Sequential model without "
+            f"`keras.Input`). Build it with the functional API or start it with "
+            f"`keras.Input(...)`, or use zero <= 2.") from None
     for layer in nested_sublayers(model):
         if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized:
             raise NotImplementedError(
