@@ -45,19 +45,29 @@ def lm_run(n, optimizer, **config):
 
 
 @pytest.mark.parametrize("n, optimizer, microbatches", [
-    (2, "sgd", 1), (4, "adam", 1), (8, "adamw", 1), (2, "adam", 2), (4, "sgd", 2)])
+    (2, "sgd", 1), (4, "adam", 1), (8, "adamw", 1), (2, "adam", 2)])
 def test_transformer_lm_matches_zero0_and_one_device(n, optimizer, microbatches):
     x, y = lm_data()
     result = lm_run(n, optimizer, zero=3, microbatches=microbatches)
+    plain = lm_run(n, optimizer, microbatches=microbatches)
     # The same arithmetic as zero=0 on the same mesh except the order of the
     # gradient sums (reduce-scattered per microbatch, summed after).
-    assert_parity(result, lm_run(n, optimizer, microbatches=microbatches), rtol=1e-5, atol=1e-6)
+    assert_parity(result, plain, rtol=1e-5, atol=1e-6)
     assert_parity(result, trained_reference(make=lm(optimizer), x=x, y=y, batch_size=16))
     # Every trainable weight is held as n element shards, one per device.
     for weight in result[2].trainable_weights:
         components = weight.value.values
         assert len({c.device for c in components}) == n
         assert [c.shape for c in components] == [(-(-weight.shape.num_elements() // n),)] * n
+    if n == 4:  # evaluate and predict compute with the whole parameters gathered
+        sharded, unsharded = result[2], plain[2]
+        x, y = x[:64], y[:64]
+        np.testing.assert_allclose(sharded.evaluate(x, y, batch_size=16, verbose=0),
+                                   unsharded.evaluate(x, y, batch_size=16, verbose=0),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(sharded.predict(x, batch_size=16, verbose=0),
+                                   unsharded.predict(x, batch_size=16, verbose=0),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_mixed_float16_matches_zero0_on_the_same_mesh():
@@ -240,17 +250,6 @@ def _descendants(op):
                 seen.add(child)
                 todo.append(child)
     return seen
-
-
-def test_evaluate_and_predict_see_the_whole_parameters():
-    x, y = lm_data(64)
-    runs = {zero: lm_run(4, "adam", zero=zero) for zero in (0, 3)}
-    sharded, plain = runs[3][2], runs[0][2]
-    assert type(sharded.trainable_weights[0].value).__name__ == "ShardedStorage"
-    np.testing.assert_allclose(sharded.evaluate(x, y, batch_size=16, verbose=0),
-                               plain.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
-    np.testing.assert_allclose(sharded.predict(x, batch_size=16, verbose=0),
-                               plain.predict(x, batch_size=16, verbose=0), rtol=1e-5, atol=1e-6)
 
 
 def test_describe_lists_the_units_and_the_bytes_each_device_keeps():
