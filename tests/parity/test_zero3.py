@@ -90,6 +90,28 @@ def test_mixed_float16_matches_zero0_on_the_same_mesh():
     np.testing.assert_allclose(result[0], reference[0], rtol=1e-4)
     for weight, other in zip(result[1], reference[1]):
         np.testing.assert_allclose(weight, other, atol=1e-3)
+    # Gathered in the dtype each layer computes with: float16, except the
+    # LayerNormalization weights and the embedding table (Keras reads both in
+    # float32: their layers do not autocast).
+    model = result[2]
+    gathers, _ = _gathers_and_scatters(_step_graph(model), "CPU:0")
+    received = {}
+    for op in gathers:
+        if "/gather/" in op.name:
+            received[op.inputs[0].dtype.name] = (received.get(op.inputs[0].dtype.name, 0)
+                                                 + _received_bytes(op, 2))
+    normalized = {id(w) for layer in model.layers
+                  if isinstance(layer, (keras.layers.LayerNormalization, keras.layers.Embedding))
+                  for w in layer.trainable_weights}
+    elements = {False: 0, True: 0}
+    for w in model.trainable_weights:
+        elements[id(w) in normalized] += 2 * -(-w.shape.num_elements() // 2)
+    # Forward and backward: each weight gathered twice.
+    assert received == {"float16": 2 * 2 * elements[False], "float32": 2 * 4 * elements[True]}
+    head = model.layers[-1]  # the vocabulary classifier, a unit of its own
+    assert (f"gathered {2 * head.count_params():,} B  per device "
+            f"{4 * sum(-(-w.shape.num_elements() // 2) for w in head.weights):,} B  "
+            f"layers: {head.name}") in model.distribute_strategy.describe(model)
 
 
 def make_gpt2_adam(seed=0):

@@ -129,3 +129,21 @@ def use_call(layer, call):
     ```
     """
     layer.call = call
+
+
+def read_dtype(layer, variable):
+    """The dtype `layer`'s call reads its own `variable` in: under mixed
+    precision its compute dtype, where Keras autocasts the read (the layer's
+    `autocast` and the variable's `_autocast`; off for normalization layers'
+    weights); the variable's dtype otherwise.
+
+    Example:
+
+    ```python
+    read_dtype(dense, dense.kernel)   # "float16" under mixed_float16
+    ```
+    """
+    if (layer.autocast and variable._autocast and backend.is_float_dtype(layer.compute_dtype)
+            and backend.is_float_dtype(variable.dtype)):
+        return layer.compute_dtype
+    return variable.dtype

@@ -23,6 +23,13 @@ each microbatch, on each replica:
 3. the update is zero=2's (`ShardedUpdate`) on the parameter shards
    themselves; nothing is gathered after it.
 
+Under mixed precision a weight that its layer reads in the compute dtype
+(float16, bfloat16; Keras's autocast) is gathered in that dtype, each shard
+cast before it is sent: half the bytes, and the same values the layer would
+compute with. Its gradient is cast back to the weight's dtype before the
+reduce-scatter, as the gradient of Keras's own cast is. Normalization layers'
+weights (not autocast) are gathered in float32.
+
 Each unit's work (gather, layers, and in the backward the reduce-scatter)
 waits for every op of the unit's work two before it in that order: at most
 two units' gathered parameters are alive at once, the current one's and the
@@ -42,7 +49,9 @@ import functools
 import keras
 import tensorflow as tf
 
+from tfdist import sparse_gradients
 from tfdist._compat.keras_functional import nested_sublayers
+from tfdist._compat.keras_layers import read_dtype
 from tfdist._compat.tf_variables import storage_of
 from tfdist.engine.reduce import ShardedReduce
 from tfdist.pipeline.compute import StagedCompute
@@ -122,8 +131,9 @@ def plan_units(model, min_params: int = 0) -> list[Stage]:
 
 
 def describe(model, num_shards: int, min_params: int = 0) -> str:
-    """One line per unit: its parameters, their bytes gathered, the bytes each
-    device keeps of them, and its layers; then the totals.
+    """One line per unit: its parameters, their bytes gathered (in the dtype
+    its layers compute with), the bytes each device keeps of them, and its
+    layers; then the totals.
 
     Example:
 
@@ -133,9 +143,9 @@ def describe(model, num_shards: int, min_params: int = 0) -> str:
     # ...
     ```
     """
-    lines, every = [], {}
+    lines, every, dtypes = [], {}, read_dtypes(model)
     for unit in plan_units(model, min_params):
-        full = sum(_bytes(v) for v in _weights(unit))
+        full = sum(_bytes(v, dtypes[id(v)]) for v in _weights(unit))
         own = sum(_shard_bytes(v, num_shards) for v in _weights(unit))
         every.update((id(v), v) for v in _weights(unit))  # a tied weight counts once
         names = ", ".join(layer.name for layer in unit.layers)
@@ -148,32 +158,53 @@ def describe(model, num_shards: int, min_params: int = 0) -> str:
     return "\n".join(lines)
 
 
+def read_dtypes(model) -> dict:
+    """The dtype each trainable weight of `model` is computed with, by id:
+    its layer's compute dtype where Keras casts the read (mixed precision),
+    its own dtype otherwise. `zero=3` gathers the weights in that dtype.
+
+    Example:
+
+    ```python
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    read_dtypes(model)[id(dense.kernel)]   # "float16"
+    ```
+    """
+    owners = {}
+    for layer in nested_sublayers(model):  # outer layers first: the innermost wins
+        owners.update((id(v), layer) for v in layer.trainable_weights)
+    return {id(v): read_dtype(owners[id(v)], v) if id(v) in owners else v.dtype
+            for v in model.trainable_weights}
+
+
 def _weights(unit):
     """The unit's trainable variables, each once."""
     return list({id(v): v for layer in unit.layers
                  for v in getattr(layer, "trainable_weights", ())}.values())
 
 
-def _bytes(variable):
-    return variable.shape.num_elements() * tf.as_dtype(variable.dtype).size
+def _bytes(variable, dtype=None):
+    return variable.shape.num_elements() * tf.as_dtype(dtype or variable.dtype).size
 
 
 def _shard_bytes(variable, num_shards):
     return -(-variable.shape.num_elements() // num_shards) * tf.as_dtype(variable.dtype).size
 
 
-def gather(variables, layouts):
+def gather(variables, layouts, dtypes):
     """The full values of sharded `variables` (their `ShardLayout`s
-    `layouts`), all-gathered in one packed collective (replica context).
+    `layouts`) in `dtypes` (each shard cast before it is sent), all-gathered
+    in one packed collective per dtype (replica context).
 
     Example:
 
     ```python
-    full = gather(unit_variables, unit_layouts)   # inside strategy.run
+    full = gather(unit_variables, unit_layouts, ["float16"] * 2)   # inside strategy.run
     ```
     """
     with tf.name_scope("gather"):
-        return packed_all_gather([storage_of(v).value() for v in variables], layouts)
+        return packed_all_gather([tf.cast(storage_of(v).value(), dtype)
+                                  for v, dtype in zip(variables, dtypes)], layouts)
 
 
 def with_gathered_parameters(fn, model):
@@ -186,12 +217,15 @@ def with_gathered_parameters(fn, model):
     strategy.run(with_gathered_parameters(model.test_step, model), args=(batch,))
     ```
     """
+    dtypes = read_dtypes(model)
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         sharded = [v for v in model.trainable_weights if storage_layout(v) is not None]
         if not sharded:
             return fn(*args, **kwargs)
-        full = gather(sharded, [storage_layout(v).part for v in sharded])
+        full = gather(sharded, [storage_layout(v).part for v in sharded],
+                      [dtypes[id(v)] for v in sharded])
         with substituted(zip(sharded, full)):
             return fn(*args, **kwargs)
 
@@ -225,9 +259,11 @@ class GatheredUnits(StagedCompute):
         units = plan_units(model, min_params)
         index = {id(v): i for i, v in enumerate(model.trainable_weights)}
         self.layouts = layouts
+        dtypes = read_dtypes(model)
 
         def gather_unit(variables):
-            return gather(variables, [layouts[index[id(v)]] for v in variables])
+            return gather(variables, [layouts[index[id(v)]] for v in variables],
+                          [dtypes[id(v)] for v in variables])
 
         super().__init__(model, units, devices, [0] * len(units),
                          [StageRunner(unit, model.trainable_weights, gather=gather_unit)
@@ -267,9 +303,14 @@ class GatheredUnits(StagedCompute):
         return totals, metrics, starts, moved
 
     def _reduce_scatter(self, runner, grads):
-        """This replica's shard of each of a unit's reduced weight gradients."""
+        """This replica's shard of each of a unit's reduced weight gradients
+        (in the weights' dtype: those gathered in a compute dtype are cast
+        back first, as Keras's own read casts them)."""
         if all(g is None for g in grads):
             return grads
+        grads = [None if g is None else
+                 sparse_gradients.map_values(g, lambda t, v=v: tf.cast(t, v.dtype))
+                 for g, (_, v) in zip(grads, runner.weights)]
         return ShardedReduce([self.layouts[index] for index, _ in runner.weights], 2)(grads)
 
 
