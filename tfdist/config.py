@@ -198,12 +198,23 @@ class ParallelConfig:
             raise ValueError(
                 f"`zero3_unit_params={self.zero3_unit_params}` sizes the units `zero=3` "
                 f"gathers, but `zero={self.zero}`: use zero=3, or drop it.")
-        if self.zero == 3 and (self.pipeline > 1 or self.tensor > 1 or self.xla):
+        if self.zero == 3 and (self.tensor > 1 or self.xla):
             raise NotImplementedError(
-                f"`zero=3` with {_named_off(self, ('pipeline', 'tensor', 'xla'))} is not "
-                f"supported in this version: zero=3 runs on data parallelism alone "
-                f"(with microbatches and precision). Use zero=2 with those options, "
-                f"or drop them.")
+                f"`zero=3` with {_named_off(self, ('tensor', 'xla'))} is not "
+                f"supported in this version: zero=3 runs on data parallelism and "
+                f"pipeline stages (with microbatches and precision). Use zero=2 with "
+                f"those options, or drop them.")
+        if self.zero == 3 and self.pipeline > 1 and not self.remat:
+            raise ValueError(
+                f"`zero=3` with `pipeline={self.pipeline}` needs `remat=True`: each "
+                f"stage's parameters are gathered for its forward and again for its "
+                f"backward, which recomputes the forward (what the forward used is "
+                f"not kept).")
+        if self.zero3_unit_params and self.pipeline > 1:
+            raise ValueError(
+                f"`zero3_unit_params={self.zero3_unit_params}` sizes units, but with "
+                f"`pipeline={self.pipeline}` zero=3 gathers each stage's parameters "
+                f"as one unit: drop it, or use pipeline=1.")
         if self.pipeline == 1 and (self.stage_boundaries is not None or self.remat):
             raise ValueError(
                 "`stage_boundaries` and `remat` apply to pipeline stages, but "

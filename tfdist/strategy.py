@@ -160,8 +160,9 @@ class _StepOwner:
         layers. With `tensor` > 1: which layers are split (column /
         row-parallel Dense pairs, attention by heads, embeddings by
         vocabulary) and which stay replicated, and why. Both when both. With
-        `zero=3`: the units whose parameters are gathered together, their
-        bytes, and the bytes each device keeps (`tfdist.optim.zero3.describe`). With
+        `zero=3`: the units whose parameters are gathered together (with
+        `pipeline`, the stages), their bytes, and the bytes each device keeps
+        (`tfdist.optim.zero3.describe`). With
         `pipeline` > 1 it ends with the schedule's grid: each stage's forward
         "F" and backward "B" of each microbatch per clock step, "." when idle
         (`tfdist.pipeline.schedule.grid`).
@@ -179,7 +180,7 @@ class _StepOwner:
         # dense_2  Dense  replicated  no Dense consumes its output alone
         ```
         """
-        parts = []
+        parts, stages = [], None
         if self._config.pipeline > 1:
             stages = pipeline_stages.plan_stages(
                 model, self._config.model_stages, self._config.stage_boundaries,
@@ -188,7 +189,7 @@ class _StepOwner:
                 stages, pipeline_stages.stage_devices(self._config, self.pipeline_devices)))
         if self._config.zero == 3:
             parts.append(zero3.describe(model, self.num_replicas_in_sync,
-                                        self._config.zero3_unit_params))
+                                        self._config.zero3_unit_params, stages))
         if self._config.tensor > 1 or not parts:
             parts.append(tensor_plan.describe(tensor_plan.plan(
                 model, self._config.tensor, self._config.vocab_parallel_classifier,

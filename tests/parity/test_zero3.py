@@ -14,6 +14,8 @@ from test_tensor_transformer import lm_data, make_lm
 from test_zero import _step_graph
 from tfdist.callbacks.metrics import variable_bytes
 from tfdist.optim.zero3 import plan_units
+from tfdist.pipeline.placement import component_devices
+from tfdist.pipeline.schedule import stage_device
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -112,6 +114,65 @@ def test_mixed_float16_matches_zero0_on_the_same_mesh():
     assert (f"gathered {2 * head.count_params():,} B  per device "
             f"{4 * sum(-(-w.shape.num_elements() // 2) for w in head.weights):,} B  "
             f"layers: {head.name}") in model.distribute_strategy.describe(model)
+
+
+@pytest.mark.parametrize("schedule, virtual, precision", [
+    ("1f1b", 1, "float32"), ("zbv", 2, "mixed_float16")])
+def test_pipeline_stages_gather_their_parameters_over_their_data_group(
+        schedule, virtual, precision):
+    x, y = lm_data()
+
+    def run(**config):
+        strategy = tfdist.Strategy(data=2, pipeline=2, microbatches=2, remat=True,
+                                   schedule=schedule, virtual_stages=virtual,
+                                   precision=precision, devices=devices(4), **config)
+        return train(strategy, make=lm("adam"), x=x, y=y, batch_size=16)
+
+    result, plain = run(zero=3), run()
+    if precision == "float32":
+        assert_parity(result, plain, rtol=1e-5, atol=1e-6)
+        assert_parity(result, trained_reference(make=lm("adam"), x=x, y=y, batch_size=16))
+        np.testing.assert_allclose(result[2].evaluate(x[:64], y[:64], batch_size=16, verbose=0),
+                                   plain[2].evaluate(x[:64], y[:64], batch_size=16, verbose=0),
+                                   rtol=1e-5)
+    else:  # float16 gradients summed per stage, as in the unit test above
+        np.testing.assert_allclose(result[0], plain[0], rtol=1e-4)
+        for weight, other in zip(result[1], plain[1]):
+            np.testing.assert_allclose(weight, other, atol=1e-3)
+    # Each weight is held as two shards, where zero=0 keeps its two copies
+    # (its stage's device of each data replica).
+    for weight, unsharded in zip(result[2].trainable_weights, plain[2].trainable_weights):
+        shards = weight.value.values
+        assert [s.device for s in shards] == component_devices(unsharded)
+        assert [s.shape for s in shards] == [(-(-weight.shape.num_elements() // 2),)] * 2
+    # A stage's gathers run on its device, among the two replicas' copies of
+    # it: replica r's stage s is on CPU:(2r + its device index).
+    gathers = [op for op in _step_graph(result[2]).get_operations()
+               if op.type == "CollectiveGatherV2" and "/gather/" in op.name]
+    stages = {int(re.search(r"stage(\d+)/", op.name).group(1)) for op in gathers}
+    assert stages == set(range(2 * virtual))
+    for op in gathers:
+        stage = int(re.search(r"stage(\d+)/", op.name).group(1))
+        index = stage_device(schedule, stage, 2)
+        assert op.device.endswith((f"CPU:{index}", f"CPU:{2 + index}")), (op.name, op.device)
+        assert op.inputs[1].op.get_attr("value").int_val == [2]  # the group's size
+    if precision == "mixed_float16":
+        assert {op.inputs[0].dtype.name for op in gathers} == {"float16", "float32"}
+
+
+def test_a_weight_two_stages_share_is_refused_with_pipeline_before_the_first_step():
+    from test_tensor_blocks import lm_data as tokens
+    from test_tied_embeddings import make_causal_lm
+
+    strategy = tfdist.Strategy(data=2, pipeline=2, microbatches=2, remat=True, zero=3,
+                               devices=devices(4))
+    with strategy.scope():
+        model = make_causal_lm()
+    x, y = tokens("gpt2", n=32)
+    with pytest.raises(NotImplementedError, match=r"`zero=3` with `pipeline` does not support "
+                       r"a weight used by two stages in this version \(.*token_embedding"):
+        model.fit(x, y, batch_size=16, verbose=0)
+    assert model.optimizer.iterations.numpy() == 0
 
 
 def make_gpt2_adam(seed=0):

@@ -24,9 +24,15 @@ def test_json_and_dict_round_trip():
         ({"pipeline": -2}, ValueError, r"`pipeline` must be an int >= 1, got -2"),
         ({"tensor": 0}, ValueError, r"`tensor` must be an int >= 1"),
         ({"microbatches": 0}, ValueError, r"`microbatches` must be an int >= 1, got 0"),
-        ({"zero": 3, "data": 2, "pipeline": 2}, NotImplementedError,
-         r"`zero=3` with pipeline=2 is not supported in this version: zero=3 runs on data "
-         r"parallelism alone"),
+        ({"zero": 3, "data": 2, "pipeline": 2}, ValueError,
+         r"`zero=3` with `pipeline=2` needs `remat=True`: each stage's parameters are "
+         r"gathered for its forward and again for its backward"),
+        ({"zero": 3, "data": 2, "pipeline": 2, "remat": True, "zero3_unit_params": 10},
+         ValueError, r"`zero3_unit_params=10` sizes units, but with `pipeline=2` zero=3 "
+         r"gathers each stage's parameters as one unit"),
+        ({"zero": 3, "data": 2, "tensor": 2}, NotImplementedError,
+         r"`zero=3` with tensor=2 is not supported in this version: zero=3 runs on data "
+         r"parallelism and pipeline stages"),
         ({"zero": 3, "data": 2, "tensor": 2, "xla": True}, NotImplementedError,
          r"`zero=3` with tensor=2 and xla=True is not supported"),
         ({"zero": 4}, ValueError, r"`zero` must be one of \(0, 1, 2, 3\).*got 4"),

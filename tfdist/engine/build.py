@@ -13,9 +13,11 @@ before the first step. `assemble` then picks the step's three parts (see
 | `pipeline` > 1      | `PipelinedCompute` | (as above)           | (as above)     |
 | `zero` 1, 2         | (as above)         | `ShardedReduce`      | `ShardedUpdate`|
 | `zero` 3            | `PipelinedCompute` | `AlreadyReduced`     | `ShardedUpdate`|
+| `zero` 3, `pipeline`| `PipelinedCompute` | `ShardedReduce`      | `ShardedUpdate`|
 | a tf_keras model    | `LocalCompute`     | `AllReduce`          | `TfKerasApply` |
 
-(`zero=3`'s `PipelinedCompute` runs `GatheredUnits`: `tfdist.optim.zero3`;
+(`zero=3`'s `PipelinedCompute` runs `GatheredUnits`, or with `pipeline` the
+stages gathering their parameters: `tfdist.optim.zero3`;
 a tf_keras model's microbatch loss is `TfKerasLoss`: `tfdist.engine.tf_keras`).
 """
 
@@ -207,6 +209,12 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
             "The optimizer is not built: call `TrainStep.build(...)` "
             "(or `model.fit`, which builds it) before running the step.")
     k = config.microbatches
+    if config.zero == 3 and config.pipeline > 1:  # stages placed, then sharded there
+        pipeline = pipeline_compute(model, strategy, sequence_length)
+        with tf.init_scope():
+            update = ShardedUpdate(model, 3)
+        zero3.gather_stage_parameters(pipeline, update.layouts)
+        return PipelinedCompute(model, k, pipeline), ShardedReduce(update.layouts, 2), update
     if config.zero == 3:  # the parameters sharded first: the units gather them
         with tf.init_scope():
             update = ShardedUpdate(model, 3)

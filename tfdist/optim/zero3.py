@@ -49,9 +49,11 @@ import functools
 import keras
 import tensorflow as tf
 
-from tfdist import sparse_gradients
+from tfdist._compat import tf_collectives, tf_distribute
 from tfdist._compat.keras_functional import nested_sublayers
 from tfdist._compat.keras_layers import read_dtype
+from tfdist._compat.tf_collectives import group_launcher
+from tfdist._compat.tf_distribute import current_local_replica_id
 from tfdist._compat.tf_variables import storage_of
 from tfdist.engine.reduce import ShardedReduce
 from tfdist.pipeline.compute import StagedCompute
@@ -130,10 +132,10 @@ def plan_units(model, min_params: int = 0) -> list[Stage]:
     return units
 
 
-def describe(model, num_shards: int, min_params: int = 0) -> str:
+def describe(model, num_shards: int, min_params: int = 0, stages=None) -> str:
     """One line per unit: its parameters, their bytes gathered (in the dtype
     its layers compute with), the bytes each device keeps of them, and its
-    layers; then the totals.
+    layers; then the totals. With pipeline `stages`, each stage is the unit.
 
     Example:
 
@@ -144,17 +146,20 @@ def describe(model, num_shards: int, min_params: int = 0) -> str:
     ```
     """
     lines, every, dtypes = [], {}, read_dtypes(model)
-    for unit in plan_units(model, min_params):
+    kind = "stage" if stages else "unit"
+    for unit in stages or plan_units(model, min_params):
         full = sum(_bytes(v, dtypes[id(v)]) for v in _weights(unit))
         own = sum(_shard_bytes(v, num_shards) for v in _weights(unit))
         every.update((id(v), v) for v in _weights(unit))  # a tied weight counts once
         names = ", ".join(layer.name for layer in unit.layers)
-        lines.append(f"unit {unit.index}  params {unit.params:,}  gathered {full:,} B  "
+        lines.append(f"{kind} {unit.index}  params {unit.params:,}  gathered {full:,} B  "
                      f"per device {own:,} B  layers: {names}")
     total = sum(_bytes(v) for v in every.values())
     kept = sum(_shard_bytes(v, num_shards) for v in every.values())
+    gathered = ("each stage's gathered for each of its actions" if stages
+                else "the largest two units gathered at once")
     lines.append(f"zero=3 over {num_shards} replicas: parameters {total:,} B, "
-                 f"{kept:,} B per device (the largest two units gathered at once)")
+                 f"{kept:,} B per device ({gathered})")
     return "\n".join(lines)
 
 
@@ -191,10 +196,11 @@ def _shard_bytes(variable, num_shards):
     return -(-variable.shape.num_elements() // num_shards) * tf.as_dtype(variable.dtype).size
 
 
-def gather(variables, layouts, dtypes):
+def gather(variables, layouts, dtypes, launcher=None):
     """The full values of sharded `variables` (their `ShardLayout`s
     `layouts`) in `dtypes` (each shard cast before it is sent), all-gathered
-    in one packed collective per dtype (replica context).
+    in one packed collective per dtype (replica context; over `launcher`'s
+    group if given, else every replica).
 
     Example:
 
@@ -204,7 +210,59 @@ def gather(variables, layouts, dtypes):
     """
     with tf.name_scope("gather"):
         return packed_all_gather([tf.cast(storage_of(v).value(), dtype)
-                                  for v, dtype in zip(variables, dtypes)], layouts)
+                                  for v, dtype in zip(variables, dtypes)], layouts, launcher)
+
+
+def gather_stage_parameters(pipeline, layouts):
+    """Makes a `PipelineCompute` (its stages placed, its model's parameters
+    then sharded by `ShardedUpdate(model, 3)`, `layouts` aligned with the
+    trainable weights) compute with gathered parameters: each stage's runner
+    all-gathers the stage's shards over its data group (that stage's device
+    of every replica), on the stage's device, for every forward and replay.
+
+    Example:
+
+    ```python
+    gather_stage_parameters(pipeline, update.layouts)   # before the first step
+    ```
+    """
+    model = pipeline.model
+    strategy = model.distribute_strategy
+    tied = [v.path for runner in pipeline.runners for v, _ in runner.copies]
+    if tied:
+        raise NotImplementedError(
+            f"`zero=3` with `pipeline` does not support a weight used by two stages "
+            f"in this version ({', '.join(tied)}: a tied embedding): use zero <= 2, "
+            f"or place the layers that share it on one stage (`stage_boundaries`).")
+    if len(strategy.pipeline_devices) != strategy.num_replicas_in_sync:
+        raise NotImplementedError(
+            "`zero=3` with `pipeline` runs in one process in this version (its "
+            "replicas' stage devices all local): use zero <= 2 across workers.")
+    index = {id(v): i for i, v in enumerate(model.trainable_weights)}
+    dtypes = read_dtypes(model)
+    launchers = _stage_launchers(strategy)
+    for s, runner in enumerate(pipeline.runners):
+        def gather_stage(variables, device=pipeline.device_of[s]):
+            launcher = launchers[device] and launchers[device][current_local_replica_id()]
+            return gather(variables, [layouts[index[id(v)]] for v in variables],
+                          [dtypes[id(v)] for v in variables], launcher)
+
+        runner.gather = gather_stage
+
+
+def _stage_launchers(strategy):
+    """By pipeline device index d: None for d = 0 (the replica's own device:
+    the strategy's launcher), else each local replica's launcher of
+    collectives among every replica's device d, on its own device d."""
+    extended = strategy.extended
+    keys = tf_distribute.collective_keys(extended)
+    options = tf_collectives.launcher_options(tf_collectives.strategy_launcher(extended, 0))
+    launchers = [None]
+    for d in range(1, len(strategy.pipeline_devices[0])):
+        group = [devices[d] for devices in strategy.pipeline_devices]
+        launchers.append([group_launcher(keys, group, device, options=options)
+                          for device in group])
+    return launchers
 
 
 def with_gathered_parameters(fn, model):
@@ -303,14 +361,9 @@ class GatheredUnits(StagedCompute):
         return totals, metrics, starts, moved
 
     def _reduce_scatter(self, runner, grads):
-        """This replica's shard of each of a unit's reduced weight gradients
-        (in the weights' dtype: those gathered in a compute dtype are cast
-        back first, as Keras's own read casts them)."""
+        """This replica's shard of each of a unit's reduced weight gradients."""
         if all(g is None for g in grads):
             return grads
-        grads = [None if g is None else
-                 sparse_gradients.map_values(g, lambda t, v=v: tf.cast(t, v.dtype))
-                 for g, (_, v) in zip(grads, runner.weights)]
         return ShardedReduce([self.layouts[index] for index, _ in runner.weights], 2)(grads)
 
 

@@ -308,8 +308,14 @@ class StageRunner:
             grads = [None] * (len(floating) + len(weights))
         input_grads = [None if g is None else tf.convert_to_tensor(g)
                        for g in grads[:len(floating)]]
+        weight_grads = grads[len(floating):]
+        if activations.weights is not None:  # gathered, maybe in a compute dtype:
+            # back to each weight's dtype, as the gradient of Keras's cast is
+            weight_grads = [None if g is None else sparse_gradients.map_values(
+                g, lambda t, v=v: tf.cast(t, v.dtype)) for g, (_, v) in zip(weight_grads,
+                                                                            self.weights)]
         result = StageGradients(
-            sparse_gradients.sum_fixed_lookups(grads[len(floating):]),
+            sparse_gradients.sum_fixed_lookups(weight_grads),
             [g for g in input_grads if g is not None])
         if defer_weights:
             result.weight_ops = _weight_only(graph.get_operations()[built:], result.inputs,
