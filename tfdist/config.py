@@ -198,12 +198,12 @@ class ParallelConfig:
             raise ValueError(
                 f"`zero3_unit_params={self.zero3_unit_params}` sizes the units `zero=3` "
                 f"gathers, but `zero={self.zero}`: use zero=3, or drop it.")
-        if self.zero == 3 and (self.tensor > 1 or self.xla):
+        if self.zero == 3 and (self.xla or (self.tensor > 1 and self.pipeline > 1)):
             raise NotImplementedError(
-                f"`zero=3` with {_named_off(self, ('tensor', 'xla'))} is not "
-                f"supported in this version: zero=3 runs on data parallelism and "
-                f"pipeline stages (with microbatches and precision). Use zero=2 with "
-                f"those options, or drop them.")
+                f"`zero=3` with {_named_off(self, ('pipeline', 'tensor', 'xla'))} is not "
+                f"supported in this version: zero=3 runs on data parallelism with "
+                f"pipeline stages or tensor groups (and microbatches, precision). Use "
+                f"zero=2 with those options, or drop one.")
         if self.zero == 3 and self.pipeline > 1 and not self.remat:
             raise ValueError(
                 f"`zero=3` with `pipeline={self.pipeline}` needs `remat=True`: each "

@@ -34,6 +34,7 @@ from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline import summary as pipeline_summary
 from tfdist.profiling import start_profiler_server
+from tfdist.sharding.layout import AxisLayout
 from tfdist.tensor import plan as tensor_plan
 from tfdist.tensor.layout_map import check_layout_map
 from tfdist.tensor.mesh import TensorMesh
@@ -187,13 +188,17 @@ class _StepOwner:
                 sequence_length)
             parts.append(pipeline_stages.describe(
                 stages, pipeline_stages.stage_devices(self._config, self.pipeline_devices)))
+        tensor = self._config.tensor
+        decisions = tensor_plan.plan(model, tensor, self._config.vocab_parallel_classifier,
+                                     self._layout_map) if tensor > 1 else []
         if self._config.zero == 3:
-            parts.append(zero3.describe(model, self.num_replicas_in_sync,
-                                        self._config.zero3_unit_params, stages))
-        if self._config.tensor > 1 or not parts:
-            parts.append(tensor_plan.describe(tensor_plan.plan(
-                model, self._config.tensor, self._config.vocab_parallel_classifier,
-                self._layout_map)))
+            split = {id(v): AxisLayout(v.shape, axis, tensor) for d in decisions
+                     for v, axis in d.layout.weight_axes(d.layer)}
+            parts.append(zero3.describe(model, self.num_replicas_in_sync // tensor,
+                                        self._config.zero3_unit_params, stages, split))
+        if tensor > 1 or not parts:
+            parts.append(tensor_plan.describe(decisions if tensor > 1 else tensor_plan.plan(
+                model, 1, self._config.vocab_parallel_classifier, self._layout_map)))
         if self._config.pipeline > 1:
             config = self._config
             virtual = (f", {config.virtual_stages} stages per device"

@@ -40,27 +40,30 @@ def lm(optimizer):
     return _RECIPES[optimizer]
 
 
-def lm_run(n, optimizer, **config):
+def lm_run(n, optimizer, tensor=1, **config):
     x, y = lm_data()
-    return train(tfdist.Strategy(data=n, devices=devices(n), **config), make=lm(optimizer),
-                 x=x, y=y, batch_size=16)
+    return train(tfdist.Strategy(data=n, tensor=tensor, devices=devices(n * tensor), **config),
+                 make=lm(optimizer), x=x, y=y, batch_size=16)
 
 
-@pytest.mark.parametrize("n, optimizer, microbatches", [
-    (2, "sgd", 1), (4, "adam", 1), (8, "adamw", 1), (2, "adam", 2)])
-def test_transformer_lm_matches_zero0_and_one_device(n, optimizer, microbatches):
+@pytest.mark.parametrize("n, optimizer, microbatches, tensor", [
+    (2, "sgd", 1, 1), (4, "adam", 1, 1), (8, "adamw", 1, 1), (2, "adam", 2, 1),
+    (2, "adamw", 2, 2)])
+def test_transformer_lm_matches_zero0_and_one_device(n, optimizer, microbatches, tensor):
     x, y = lm_data()
-    result = lm_run(n, optimizer, zero=3, microbatches=microbatches)
-    plain = lm_run(n, optimizer, microbatches=microbatches)
+    result = lm_run(n, optimizer, tensor, zero=3, microbatches=microbatches)
+    plain = lm_run(n, optimizer, tensor, microbatches=microbatches)
     # The same arithmetic as zero=0 on the same mesh except the order of the
     # gradient sums (reduce-scattered per microbatch, summed after).
     assert_parity(result, plain, rtol=1e-5, atol=1e-6)
     assert_parity(result, trained_reference(make=lm(optimizer), x=x, y=y, batch_size=16))
-    # Every trainable weight is held as n element shards, one per device.
-    for weight in result[2].trainable_weights:
+    # Every trainable weight is held as n element shards, one per device (of
+    # each tensor rank's slice: 1/tensor of a weight the tensor group splits).
+    for weight, unsharded in zip(result[2].trainable_weights, plain[2].trainable_weights):
         components = weight.value.values
-        assert len({c.device for c in components}) == n
-        assert [c.shape for c in components] == [(-(-weight.shape.num_elements() // n),)] * n
+        local = unsharded.value.values[0].shape.num_elements()  # a rank's slice
+        assert len({c.device for c in components}) == n * tensor
+        assert [c.shape for c in components] == [(-(-local // n),)] * (n * tensor)
     if n == 4:  # evaluate and predict compute with the whole parameters gathered
         sharded, unsharded = result[2], plain[2]
         x, y = x[:64], y[:64]
@@ -183,9 +186,9 @@ def make_gpt2_adam(seed=0):
     return model
 
 
-@pytest.mark.parametrize("name, n, microbatches", [
-    ("gpt2_adam", 2, 1), ("gpt2", 4, 2), ("causal_lm", 2, 1)])
-def test_keras_hub_gpt2_matches_one_device(name, n, microbatches):
+@pytest.mark.parametrize("name, n, microbatches, tensor", [
+    ("gpt2_adam", 2, 1, 1), ("gpt2", 4, 2, 1), ("causal_lm", 2, 1, 1), ("causal_lm", 2, 1, 2)])
+def test_keras_hub_gpt2_matches_one_device(name, n, microbatches, tensor):
     from test_tensor_blocks import lm_data as hub_data
     from test_tensor_blocks import make_gpt2
     from test_tied_embeddings import EXAMPLES, make_causal_lm
@@ -193,7 +196,8 @@ def test_keras_hub_gpt2_matches_one_device(name, n, microbatches):
     make = {"gpt2_adam": make_gpt2_adam, "gpt2": make_gpt2, "causal_lm": make_causal_lm}[name]
     x, y = hub_data("gpt2", n=EXAMPLES if name == "causal_lm" else 192)
     reference = trained_reference(make=make, x=x, y=y, batch_size=16)
-    strategy = tfdist.Strategy(data=n, zero=3, microbatches=microbatches, devices=devices(n))
+    strategy = tfdist.Strategy(data=n, tensor=tensor, zero=3, microbatches=microbatches,
+                               devices=devices(n * tensor))
     result = train(strategy, make=make, x=x, y=y, batch_size=16)
     assert_parity(result, reference, steps=12)
     # Each transformer block is a unit of its own; the tied embedding of the
@@ -206,8 +210,14 @@ def test_keras_hub_gpt2_matches_one_device(name, n, microbatches):
     # What describe says each device keeps is what it holds (a tied table once).
     held = set(variable_bytes(result[2].trainable_weights).values())
     assert len(held) == 1
-    assert strategy.describe(result[2]).splitlines()[-1].endswith(
-        f", {held.pop():,} B per device (the largest two units gathered at once)")
+    (total,) = [line for line in strategy.describe(result[2]).splitlines()
+                if line.startswith("zero=3 over")]
+    assert total.endswith(f", {held.pop():,} B per device (the largest two units gathered "
+                          f"at once)")
+    if tensor > 1:  # the blocks' attention and MLP split over the tensor group
+        split = strategy.describe(result[2]).split("zero=3 over")[1]
+        assert re.search(r"transformer_layer_1/self_attention\s+\w+\s+heads", split)
+        assert re.search(r"transformer_layer_1/feedforward_output_dense\s+\w+\s+row", split)
 
 
 def _trained_uneven(n, zero):

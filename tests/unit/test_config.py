@@ -30,9 +30,10 @@ def test_json_and_dict_round_trip():
         ({"zero": 3, "data": 2, "pipeline": 2, "remat": True, "zero3_unit_params": 10},
          ValueError, r"`zero3_unit_params=10` sizes units, but with `pipeline=2` zero=3 "
          r"gathers each stage's parameters as one unit"),
-        ({"zero": 3, "data": 2, "tensor": 2}, NotImplementedError,
-         r"`zero=3` with tensor=2 is not supported in this version: zero=3 runs on data "
-         r"parallelism and pipeline stages"),
+        ({"zero": 3, "data": 2, "tensor": 2, "pipeline": 2, "remat": True},
+         NotImplementedError,
+         r"`zero=3` with pipeline=2 and tensor=2 is not supported in this version: zero=3 "
+         r"runs on data parallelism with pipeline stages or tensor groups"),
         ({"zero": 3, "data": 2, "tensor": 2, "xla": True}, NotImplementedError,
          r"`zero=3` with tensor=2 and xla=True is not supported"),
         ({"zero": 4}, ValueError, r"`zero` must be one of \(0, 1, 2, 3\).*got 4"),
@@ -115,8 +116,8 @@ def test_config_and_keywords_are_exclusive():
 
 
 def test_modes_of_later_versions_say_so():
-    with pytest.raises(NotImplementedError, match=r"`zero=3` with tensor=2"):
-        tfdist.Strategy(devices=devices(4), zero=3, tensor=2)
+    with pytest.raises(NotImplementedError, match=r"`zero=3` with xla=True"):
+        tfdist.Strategy(devices=devices(2), zero=3, xla=True)
     # Refused before connecting to any other task.
     with pytest.raises(NotImplementedError, match=r"`pipeline=2` with `tensor=2` runs "
                                                   r"on one host"):

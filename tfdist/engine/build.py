@@ -215,12 +215,14 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
             update = ShardedUpdate(model, 3)
         zero3.gather_stage_parameters(pipeline, update.layouts)
         return PipelinedCompute(model, k, pipeline), ShardedReduce(update.layouts, 2), update
-    if config.zero == 3:  # the parameters sharded first: the units gather them
+    if config.zero == 3:  # layers split, then sharded: the units gather them
         with tf.init_scope():
+            if mesh is not None:
+                partition_model(model, mesh)
             update = ShardedUpdate(model, 3)
         units = zero3.GatheredUnits(model, update.layouts, strategy.pipeline_devices,
-                                    config.zero3_unit_params)
-        return PipelinedCompute(model, k, units), AlreadyReduced(), update
+                                    config.zero3_unit_params, mesh)
+        return PipelinedCompute(model, k, units, mesh), AlreadyReduced(), update
     if config.pipeline > 1:
         compute = PipelinedCompute(model, k, pipeline_compute(model, strategy, sequence_length),
                                    mesh)

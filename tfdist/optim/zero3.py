@@ -61,6 +61,7 @@ from tfdist.pipeline.graph import LayerGraph, graph_of
 from tfdist.pipeline.runner import StageRunner, substituted
 from tfdist.pipeline.stages import Stage, connect
 from tfdist.sharding.collectives import packed_all_gather
+from tfdist.sharding.layout import MeshShardLayout
 from tfdist.sharding.storage import storage_layout
 
 
@@ -132,10 +133,12 @@ def plan_units(model, min_params: int = 0) -> list[Stage]:
     return units
 
 
-def describe(model, num_shards: int, min_params: int = 0, stages=None) -> str:
-    """One line per unit: its parameters, their bytes gathered (in the dtype
-    its layers compute with), the bytes each device keeps of them, and its
-    layers; then the totals. With pipeline `stages`, each stage is the unit.
+def describe(model, data: int, min_params: int = 0, stages=None, split=None) -> str:
+    """One line per unit: its parameters, the bytes a replica gathers of them
+    (in the dtype its layers compute with; with tensor groups, its rank's
+    slices), the bytes each device keeps of them, and its layers; then the
+    totals. With pipeline `stages`, each stage is the unit; `split` maps the
+    id of each weight tensor groups split to its `AxisLayout`.
 
     Example:
 
@@ -145,21 +148,33 @@ def describe(model, num_shards: int, min_params: int = 0, stages=None) -> str:
     # ...
     ```
     """
-    lines, every, dtypes = [], {}, read_dtypes(model)
+    split = split or {}
+    tensor = next(iter(split.values())).parts if split else 1
+    layouts = {id(v): MeshShardLayout(v.shape, tensor, data, split.get(id(v)))
+               for v in model.trainable_weights}
+    dtypes = read_dtypes(model)
+
+    def gathered(v):
+        return layouts[id(v)].part.size * tf.as_dtype(dtypes[id(v)]).size
+
+    def kept(v):
+        return layouts[id(v)].part.shard_size * tf.as_dtype(v.dtype).size
+
+    lines, every = [], {}
     kind = "stage" if stages else "unit"
     for unit in stages or plan_units(model, min_params):
-        full = sum(_bytes(v, dtypes[id(v)]) for v in _weights(unit))
-        own = sum(_shard_bytes(v, num_shards) for v in _weights(unit))
-        every.update((id(v), v) for v in _weights(unit))  # a tied weight counts once
+        weights = _weights(unit)
+        every.update((id(v), v) for v in weights)  # a tied weight counts once
         names = ", ".join(layer.name for layer in unit.layers)
-        lines.append(f"{kind} {unit.index}  params {unit.params:,}  gathered {full:,} B  "
-                     f"per device {own:,} B  layers: {names}")
-    total = sum(_bytes(v) for v in every.values())
-    kept = sum(_shard_bytes(v, num_shards) for v in every.values())
-    gathered = ("each stage's gathered for each of its actions" if stages
-                else "the largest two units gathered at once")
-    lines.append(f"zero=3 over {num_shards} replicas: parameters {total:,} B, "
-                 f"{kept:,} B per device ({gathered})")
+        lines.append(f"{kind} {unit.index}  params {unit.params:,}  "
+                     f"gathered {sum(map(gathered, weights)):,} B  "
+                     f"per device {sum(map(kept, weights)):,} B  layers: {names}")
+    total = sum(v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in every.values())
+    at_once = ("each stage's gathered for each of its actions" if stages
+               else "the largest two units gathered at once")
+    over = f"{data} data replicas x tensor {tensor}" if tensor > 1 else f"{data} replicas"
+    lines.append(f"zero=3 over {over}: parameters {total:,} B, "
+                 f"{sum(map(kept, every.values())):,} B per device ({at_once})")
     return "\n".join(lines)
 
 
@@ -186,14 +201,6 @@ def _weights(unit):
     """The unit's trainable variables, each once."""
     return list({id(v): v for layer in unit.layers
                  for v in getattr(layer, "trainable_weights", ())}.values())
-
-
-def _bytes(variable, dtype=None):
-    return variable.shape.num_elements() * tf.as_dtype(dtype or variable.dtype).size
-
-
-def _shard_bytes(variable, num_shards):
-    return -(-variable.shape.num_elements() // num_shards) * tf.as_dtype(variable.dtype).size
 
 
 def gather(variables, layouts, dtypes, launcher=None):
@@ -313,15 +320,17 @@ class GatheredUnits(StagedCompute):
     ```
     """
 
-    def __init__(self, model, layouts, devices, min_params=0):
+    def __init__(self, model, layouts, devices, min_params=0, mesh=None):
         units = plan_units(model, min_params)
         index = {id(v): i for i, v in enumerate(model.trainable_weights)}
         self.layouts = layouts
+        self.mesh = mesh
         dtypes = read_dtypes(model)
 
         def gather_unit(variables):
             return gather(variables, [layouts[index[id(v)]] for v in variables],
-                          [dtypes[id(v)] for v in variables])
+                          [dtypes[id(v)] for v in variables],
+                          mesh.data_launcher() if mesh else None)
 
         super().__init__(model, units, devices, [0] * len(units),
                          [StageRunner(unit, model.trainable_weights, gather=gather_unit)
@@ -364,7 +373,8 @@ class GatheredUnits(StagedCompute):
         """This replica's shard of each of a unit's reduced weight gradients."""
         if all(g is None for g in grads):
             return grads
-        return ShardedReduce([self.layouts[index] for index, _ in runner.weights], 2)(grads)
+        return ShardedReduce([self.layouts[index] for index, _ in runner.weights], 2,
+                             self.mesh)(grads)
 
 
 @contextlib.contextmanager
