@@ -1,10 +1,15 @@
 """Benchmark: ZeRO (zero=1, 2, 3) against zero=0.
 
     python tools/bench_zero.py [--rounds=30] [--out=results.jsonl]
+    python tools/bench_zero.py --devices=4 --microbatches=1,2,4 --zero_levels=0,3
     python tools/bench_zero.py --rss_gib=1 [--out=results.jsonl]
 
-For N in {2, 4, 8} logical CPU devices, four models of the same digits MLP
-(Adam) are trained under `tfdist.Strategy(data=N, zero=z)` for z = 0, 1, 2, 3:
+For N in {2, 4, 8} logical CPU devices (and each `--microbatches` k, 1 by
+default), four models of the same digits MLP (Adam) are trained under
+`tfdist.Strategy(data=N, zero=z, microbatches=k)` for z = 0, 1, 2, 3
+(`--zero_levels`). zero=3 gathers every unit's parameters twice per
+microbatch: the ratios over k show what that costs against zero=0, whose
+traffic does not grow with k.
 
 - optimizer-state and parameter bytes per device (largest and smallest over
   the N devices, summed over every physical component of every variable);
@@ -42,12 +47,14 @@ flags.DEFINE_integer("examples", 4096, "Examples per epoch.")
 flags.DEFINE_integer("batch_size", 512, "Global batch size.")
 flags.DEFINE_integer("hidden", 512, "Hidden width of the MLP.")
 flags.DEFINE_list("devices", ["2", "4", "8"], "Values of N to measure.")
+flags.DEFINE_list("microbatches", ["1"], "Microbatches per step to measure.")
+flags.DEFINE_list("zero_levels", ["0", "1", "2", "3"], "zero levels timed (0 first: the "
+                  "ratios are to it).")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 flags.DEFINE_float("rss_gib", None, "Measure peak RSS of a model of this many GiB of "
                    "float32 parameters at N=4, zero=2 against zero=3.")
 flags.DEFINE_integer("rss_zero", None, "(Internal) the zero level of one --rss_gib process.")
 FLAGS = flags.FLAGS
-STAGES = (0, 1, 2, 3)
 RSS_DEVICES, RSS_LAYERS, RSS_STEPS = 4, 8, 3
 
 
@@ -65,32 +72,33 @@ def summary(times, reference):
     return {"median": median, "q1": q1, "q3": q3}
 
 
-def measure(n, x, y):
+def measure(n, k, x, y):
     import digits
     import tfdist
     from tfdist.callbacks.metrics import optimizer_state_bytes, variable_bytes
 
     names = [f"/cpu:{i}" for i in range(n)]
     models = {}
-    for zero in STAGES:
-        strategy = tfdist.Strategy(data=n, zero=zero, devices=names)
+    levels = [int(z) for z in FLAGS.zero_levels]
+    for zero in levels:
+        strategy = tfdist.Strategy(data=n, zero=zero, microbatches=k, devices=names)
         with strategy.scope():
             models[zero] = digits.build_model(hidden=FLAGS.hidden)
         timed_epoch(models[zero], x, y)  # trace, shard, warm up
-    wall = {zero: [] for zero in STAGES}
-    cpu = {zero: [] for zero in STAGES}
+    wall = {zero: [] for zero in levels}
+    cpu = {zero: [] for zero in levels}
     load_before = os.getloadavg()[0]
     for r in range(FLAGS.rounds):
-        for zero in STAGES if r % 2 == 0 else reversed(STAGES):
+        for zero in levels if r % 2 == 0 else reversed(levels):
             seconds, cpu_seconds = timed_epoch(models[zero], x, y)
             wall[zero].append(seconds)
             cpu[zero].append(cpu_seconds)
     load_after = os.getloadavg()[0]
     records = []
-    for zero in STAGES:
+    for zero in levels:
         sizes = optimizer_state_bytes(models[zero].optimizer).values()
         params = variable_bytes(models[zero].trainable_weights).values()
-        record = {"bench": "zero", "devices": n, "zero": zero,
+        record = {"bench": "zero", "devices": n, "microbatches": k, "zero": zero,
                   "optimizer_bytes_max": max(sizes), "optimizer_bytes_min": min(sizes),
                   "parameter_bytes_max": max(params), "parameter_bytes_min": min(params),
                   "epoch_median_s": statistics.median(wall[zero]),
@@ -173,13 +181,16 @@ def main(argv):
     x, y = digits.load(FLAGS.examples)
     records = []
     for n in FLAGS.devices:
-        records += measure(int(n), x, y)
-    print("\n| N | zero | optimizer bytes / device (max) | parameter bytes / device (max) | "
+        for k in FLAGS.microbatches:
+            records += measure(int(n), int(k), x, y)
+    print("\n| N | microbatches | zero | optimizer bytes / device (max) | "
+          "parameter bytes / device (max) | "
           "wall epoch (s) | wall ratio (quartiles) | CPU epoch (s) | CPU ratio (quartiles) | "
-          "load (1 min) |\n|---|---|---|---|---|---|---|---|---|")
+          "load (1 min) |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
         wall, cpu = r["wall_ratio"], r["cpu_ratio"]
-        print(f"| {r['devices']} | {r['zero']} | {r['optimizer_bytes_max']:,} | "
+        print(f"| {r['devices']} | {r['microbatches']} | {r['zero']} | "
+              f"{r['optimizer_bytes_max']:,} | "
               f"{r['parameter_bytes_max']:,} | {r['epoch_median_s']:.3f} | "
               f"{wall['median']:.3f} ({wall['q1']:.2f}-{wall['q3']:.2f}) | "
               f"{r['epoch_cpu_median_s']:.3f} | "
