@@ -161,6 +161,21 @@ def test_pipeline_stages_gather_their_parameters_over_their_data_group(
         assert op.inputs[1].op.get_attr("value").int_val == [2]  # the group's size
     if precision == "mixed_float16":
         assert {op.inputs[0].dtype.name for op in gathers} == {"float16", "float32"}
+    # What describe says each stage's device keeps is what it holds.
+    model = result[2]
+    lines = model.distribute_strategy.describe(model).splitlines()
+    held = variable_bytes(model.trainable_weights)
+    own = [0, 0]  # by pipeline device index: its stages' "per device" bytes
+    for stage in range(2 * virtual):
+        (line,) = [line for line in lines if line.startswith(f"stage {stage}  params")]
+        own[stage_device(schedule, stage, 2)] += int(
+            re.search(r"per device ([\d,]+) B", line).group(1).replace(",", ""))
+    for index in range(2):
+        assert held[f"CPU:{index}"] == held[f"CPU:{2 + index}"] == own[index]
+    assert sum(held.values()) // 2 == int(re.search(
+        r"([\d,]+) B per replica", lines[[k for k, line in enumerate(lines)
+                                          if line.startswith("zero=3 over")][0]]).group(1)
+        .replace(",", ""))
 
 
 def test_a_weight_two_stages_share_is_refused_with_pipeline_before_the_first_step():

@@ -170,11 +170,12 @@ def describe(model, data: int, min_params: int = 0, stages=None, split=None) -> 
                      f"gathered {sum(map(gathered, weights)):,} B  "
                      f"per device {sum(map(kept, weights)):,} B  layers: {names}")
     total = sum(v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in every.values())
-    at_once = ("each stage's gathered for each of its actions" if stages
-               else "the largest two units gathered at once")
+    held = (f"{sum(map(kept, every.values())):,} B per replica, each stage's on its device "
+            f"(each stage's gathered for each of its actions)" if stages else
+            f"{sum(map(kept, every.values())):,} B per device (the largest two units "
+            f"gathered at once)")
     over = f"{data} data replicas x tensor {tensor}" if tensor > 1 else f"{data} replicas"
-    lines.append(f"zero=3 over {over}: parameters {total:,} B, "
-                 f"{sum(map(kept, every.values())):,} B per device ({at_once})")
+    lines.append(f"zero=3 over {over}: parameters {total:,} B, {held}")
     return "\n".join(lines)
 
 
