@@ -3,6 +3,7 @@
     python keras_examples/keras_hub_gpt2.py --devices=4 --tensor=2
     python keras_examples/keras_hub_gpt2.py --devices=8 --tensor=2 --pipeline=2 \
         --microbatches=2
+    python keras_examples/keras_hub_gpt2.py --devices=4 --tensor=2 --zero=3
 
 Reads each 8x8 digit as a sequence of 64 pixel intensities (tokens 0-16) and
 trains an unchanged `keras_hub.models.GPT2CausalLM` (a small configuration,
@@ -12,7 +13,8 @@ parallel. Its Transformer blocks are split by heads and column -> row MLPs,
 its token embedding by vocabulary, and the tied output projection (the same
 table, `reverse=True`) gives each device its rows' logits. With `--pipeline`
 the blocks are cut into stages too: the first stage holds the table, the last
-computes with a copy. Prints the layout, each epoch's loss, and the bytes of
+computes with a copy. With `--zero=3` each device keeps 1/data of its tensor
+rank's slices, gathered block by block. Prints the layout, each epoch's loss, and the bytes of
 weights and of optimizer state each device holds.
 """
 
@@ -31,7 +33,8 @@ flags.DEFINE_integer("tensor", 2, "Devices per tensor group (splits of each weig
 flags.DEFINE_integer("pipeline", 1, "Pipeline stages.")
 flags.DEFINE_integer("microbatches", 1, "Microbatches per replica batch.")
 flags.DEFINE_integer("zero", 0, "ZeRO stage (0, 1, 2 over each data group; 3: parameters "
-                     "sharded too, with --tensor=1 --pipeline=1).")
+                     "sharded too, with --pipeline=1: the tied embedding is read by the "
+                     "first and the last stage).")
 flags.DEFINE_integer("layers", 2, "Transformer blocks.")
 flags.DEFINE_integer("width", 64, "Hidden size (4 heads).")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
