@@ -29,16 +29,21 @@ lint: $(STAMP)
 # Every tier, then the tfdist/ docstring examples. The tests marked `alone`
 # (tests/cluster: bounds on wall time, processes killed at set moments) run
 # first, one at a time, with the machine to themselves; then every other test
-# in two processes, a file per process at a time (a file's tests share their
-# single-device references; tracing a step is mostly one core's work, and the
-# other cluster tests mostly wait on their subprocesses): the parity tier's
-# long files first, the unit tier's short ones last, to fill the end. Every
-# command runs; the target fails if any did.
+# in two processes (tracing a step is mostly one core's work, and the other
+# cluster tests mostly wait on their subprocesses), in two rounds of fresh
+# processes: the parity files a-s with the cluster tier, then the parity
+# files t-z with the unit tier (a test process slows down as TensorFlow's
+# graphs and registries pile up in it). Each process takes half of its
+# round's tests in file order and then takes over the other's last ones
+# (`worksteal`), so a file's tests mostly share one process and its
+# single-device references. Every command runs; the target fails if any did.
 test: $(STAMP)
 	status=0; \
 	$(BIN)/python -m pytest -m alone tests/cluster || status=1; \
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not alone" \
-		tests/parity tests/cluster tests/unit || status=1; \
+	$(BIN)/python -m pytest -n 2 --dist worksteal -m "not alone" \
+		tests/parity/test_[a-s]*.py tests/cluster || status=1; \
+	$(BIN)/python -m pytest -n 2 --dist worksteal \
+		tests/parity/test_[t-z]*.py tests/unit || status=1; \
 	$(BIN)/python -m pytest tfdist || status=1; \
 	exit $$status
 
