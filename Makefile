@@ -32,8 +32,8 @@ lint: $(STAMP)
 # in two processes (tracing a step is mostly one core's work, and the other
 # cluster tests mostly wait on their subprocesses), in two rounds of fresh
 # processes: the parity files a-s with the cluster tier, then the parity
-# files t-z with the unit tier (a test process slows down as TensorFlow's
-# graphs and registries pile up in it). Each process takes half of its
+# files t-z with the unit tier (single tests have taken 10-30x their
+# fresh-process time late in a worker that ran the whole suite). Each process takes half of its
 # round's tests in file order and then takes over the other's last ones
 # (`worksteal`), so a file's tests mostly share one process and its
 # single-device references. Every command runs; the target fails if any did.

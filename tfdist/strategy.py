@@ -247,15 +247,16 @@ class _StepOwner:
         step-level options (`tfdist.usage_checks.check_run_function`).
         """
         mesh = self.tensor_mesh
+        evaluated = _keras_step_owner(fn, ("test_step",))
+        predicted = None if evaluated is not None else _keras_predict_model(fn)
+        if self._config.zero == 3 and (evaluated or predicted) is not None:
+            # evaluate and predict with the parameters gathered
+            fn = zero3.with_gathered_parameters(fn, evaluated or predicted)
         if mesh is not None:  # a tensor group evaluates and predicts one batch
-            if _keras_step_owner(fn, ("test_step",)) is not None:
+            if evaluated is not None:
                 fn = mesh.on_group_batch(fn)
-            elif _keras_predict_model(fn) is not None:
+            elif predicted is not None:
                 fn = mesh.on_group_batch(fn, own_rows=True)
-        if self._config.zero == 3:  # evaluate and predict with the parameters whole
-            owner = _keras_step_owner(fn, ("test_step",)) or _keras_predict_model(fn)
-            if owner is not None:
-                fn = zero3.with_gathered_parameters(fn, owner)
         model = _keras_step_owner(fn, ("train_step",))
         if model is not None:
             usage_checks.check_built_in_scope(model, self)

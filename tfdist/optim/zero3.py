@@ -251,7 +251,8 @@ def gather_stage_parameters(pipeline, layouts):
     launchers = _stage_launchers(strategy)
     for s, runner in enumerate(pipeline.runners):
         def gather_stage(variables, device=pipeline.device_of[s]):
-            launcher = launchers[device] and launchers[device][current_local_replica_id()]
+            launcher = (None if launchers[device] is None
+                        else launchers[device][current_local_replica_id()])
             return gather(variables, [layouts[index[id(v)]] for v in variables],
                           [dtypes[id(v)] for v in variables], launcher)
 
@@ -284,14 +285,16 @@ def with_gathered_parameters(fn, model):
     ```
     """
     dtypes = read_dtypes(model)
+    mesh = getattr(model.distribute_strategy, "tensor_mesh", None)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         sharded = [v for v in model.trainable_weights if storage_layout(v) is not None]
         if not sharded:
             return fn(*args, **kwargs)
+        # (With tensor groups: each replica's rank slices, over its data group.)
         full = gather(sharded, [storage_layout(v).part for v in sharded],
-                      [dtypes[id(v)] for v in sharded])
+                      [dtypes[id(v)] for v in sharded], mesh.data_launcher() if mesh else None)
         with substituted(zip(sharded, full)):
             return fn(*args, **kwargs)
 
