@@ -33,10 +33,10 @@ lint: $(STAMP)
 # cluster tests mostly wait on their subprocesses), in two rounds of fresh
 # processes: the parity files a-s with the cluster tier, then the parity
 # files t-z with the unit tier (single tests have taken 10-30x their
-# fresh-process time late in a worker that ran the whole suite). Each process takes half of its
-# round's tests in file order and then takes over the other's last ones
-# (`worksteal`), so a file's tests mostly share one process and its
-# single-device references. Every command runs; the target fails if any did.
+# fresh-process time late in a worker that ran the whole suite). Each process
+# takes half of its round's tests in file order and then takes over the
+# other's last ones (`worksteal`), so a file's tests mostly share one process
+# and its single-device references. Every command runs; the target fails if any did.
 test: $(STAMP)
 	status=0; \
 	$(BIN)/python -m pytest -m alone tests/cluster || status=1; \

@@ -246,17 +246,28 @@ def gather_stage_parameters(pipeline, layouts):
         raise NotImplementedError(
             "`zero=3` with `pipeline` runs in one process in this version (its "
             "replicas' stage devices all local): use zero <= 2 across workers.")
-    index = {id(v): i for i, v in enumerate(model.trainable_weights)}
-    dtypes = read_dtypes(model)
     launchers = _stage_launchers(strategy)
     for s, runner in enumerate(pipeline.runners):
-        def gather_stage(variables, device=pipeline.device_of[s]):
-            launcher = (None if launchers[device] is None
-                        else launchers[device][current_local_replica_id()])
-            return gather(variables, [layouts[index[id(v)]] for v in variables],
-                          [dtypes[id(v)] for v in variables], launcher)
+        def launcher(device=pipeline.device_of[s]):
+            return (None if launchers[device] is None
+                    else launchers[device][current_local_replica_id()])
 
-        runner.gather = gather_stage
+        runner.gather = _gathering(model, layouts, launcher)
+
+
+def _gathering(model, layouts, launcher):
+    """A runner's `gather`: the full values of its weights from their shards
+    (`layouts` aligned with `model.trainable_weights`), in the dtypes their
+    layers compute with, over the group of the launcher `launcher()` gives
+    (None: every replica)."""
+    index = {id(v): i for i, v in enumerate(model.trainable_weights)}
+    dtypes = read_dtypes(model)
+
+    def gather_weights(variables):
+        return gather(variables, [layouts[index[id(v)]] for v in variables],
+                      [dtypes[id(v)] for v in variables], launcher())
+
+    return gather_weights
 
 
 def _stage_launchers(strategy):
@@ -326,16 +337,9 @@ class GatheredUnits(StagedCompute):
 
     def __init__(self, model, layouts, devices, min_params=0, mesh=None):
         units = plan_units(model, min_params)
-        index = {id(v): i for i, v in enumerate(model.trainable_weights)}
         self.layouts = layouts
         self.mesh = mesh
-        dtypes = read_dtypes(model)
-
-        def gather_unit(variables):
-            return gather(variables, [layouts[index[id(v)]] for v in variables],
-                          [dtypes[id(v)] for v in variables],
-                          mesh.data_launcher() if mesh else None)
-
+        gather_unit = _gathering(model, layouts, lambda: mesh.data_launcher() if mesh else None)
         super().__init__(model, units, devices, [0] * len(units),
                          [StageRunner(unit, model.trainable_weights, gather=gather_unit)
                           for unit in units])
