@@ -89,7 +89,7 @@ class _StepOwner:
     """What both tfdist strategies add to their `tf.distribute` parent."""
 
     def _init_step_owner(self, config: ParallelConfig, layout_map=None):
-        self._layout_map = check_layout_map(layout_map, config.tensor)
+        self._layout_map = check_layout_map(layout_map, config.tensor, config.zero)
         start_profiler_server()  # when $TFDIST_PROFILER_PORT asks for one
         if config.pipeline > 1:
             pipeline_summary.install()
@@ -432,7 +432,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
             )
         # fails before connecting:
         config = requested_config(config, fields, "MultiWorkerStrategy")
-        check_layout_map(layout_map, config.tensor)
+        check_layout_map(layout_map, config.tensor, config.zero)
         wait_for_peers(timeout_seconds, cluster_resolver)  # TF's own wait has no deadline
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING

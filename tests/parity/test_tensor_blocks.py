@@ -173,10 +173,13 @@ def test_blocks_split_by_heads_and_column_row_and_match_one_device(backbone, dat
     assert counts["CollectiveGatherV2"] == n * (1 + len(x) + 1 + sparse)
 
 
-def test_gemma_splits_its_gated_mlp_and_says_why_its_attention_stays_whole():
-    """Gemma's MLP is EinsumDense matrix products ("btd,df->btf"): gate and up
-    column, down row. Its attention's kernels hold the heads first, (heads,
-    d, size), which tfdist does not split: left whole, and `describe` says so."""
+def test_gemma_splits_its_attention_by_hidden_features_and_its_gated_mlp():
+    """Gemma's attention kernels hold the heads first, (heads, d, size), and
+    its call reshapes by its own head counts: not split by heads, but by
+    hidden features (query/key/value over their inputs' features, the
+    attention whole on every device, the output over its input's heads).
+    Its MLP is EinsumDense matrix products ("btd,df->btf"): gate and up
+    column, down row."""
     x, y = lm_data("gemma")
     reference = trained_reference(make=make_gemma, x=x, y=y, batch_size=16)
     strategy = tfdist.Strategy(tensor=2, devices=devices(2))
@@ -188,19 +191,22 @@ def test_gemma_splits_its_gated_mlp_and_says_why_its_attention_stays_whole():
     for block in blocks(model):
         layouts = {name.split("/")[-1]: layout for name, (layout, _) in rows.items()
                    if name.startswith(block.name + "/")}
-        assert layouts == {"pre_attention_norm": "replicated", "query": "replicated",
-                           "key": "replicated", "value": "replicated",
-                           "attention_output": "replicated", "pre_ffw_norm": "replicated",
-                           "ffw_gating": "column", "ffw_gating_2": "column",
-                           "ffw_linear": "row"}
+        assert layouts == {"pre_attention_norm": "replicated", "query": "row",
+                           "key": "row", "value": "row", "attention_output": "row",
+                           "pre_ffw_norm": "replicated", "ffw_gating": "column",
+                           "ffw_gating_2": "column", "ffw_linear": "row"}
         assert "holds its heads on axis 0" in rows[f"{block.name}/attention/query"][1]
-        mlp = [block.gating_ffw.kernel, block.gating_ffw_2.kernel, block.ffw_linear.kernel]
+        kernels = projection_kernels(block)
+        assert len(kernels) == 7
         for device in range(2):
-            assert sum(k.value.values[device].shape.num_elements() for k in mlp) * 2 == sum(
-                np.prod(k.shape) for k in mlp)
-    # Per block the MLP's all-reduce forward and its input's gradient
-    # backward; the vocabulary-split embedding's forward; two of scalars.
-    assert executed_op_counts(model)["CollectiveReduceV2"] == 2 * (BLOCKS * 2 + 1 + 2)
+            assert sum(k.value.values[device].shape.num_elements() for k in kernels) * 2 == sum(
+                np.prod(k.shape) for k in kernels)
+    # Per block: forward the all-reduces of query, key, value, the attention
+    # output and the MLP; backward the MLP input's gradient (the attention
+    # inputs' gradients are all-gathered); the embedding's forward; two of
+    # scalars.
+    counts = executed_op_counts(model)
+    assert counts["CollectiveReduceV2"] == 2 * (BLOCKS * (5 + 1) + 1 + 2)
 
 
 @pytest.mark.parametrize("tensor", [1, 2])
@@ -267,6 +273,38 @@ def test_llama_trained_from_a_layout_map_of_the_same_plan_is_identical():
         assert [v.shape for v in query.value.values] == [(WIDTH, HEADS // 2, WIDTH // HEADS)] * 2
 
 
+@pytest.mark.parametrize("data_size", [1, 2])
+def test_llama_trained_from_keras_hubs_own_layout_map_matches_one_device(data_size):
+    """keras-hub's `LlamaBackbone.get_layout_map(mesh)`, unchanged: query /
+    key / value split along the hidden axis, the attention output by heads,
+    the MLP column -> row, weights also on the data axis (with 2 data
+    replicas: zero=3, which shards every weight over them)."""
+    x, y = lm_data("llama")
+    reference = trained_reference(make=make_llama, x=x, y=y, batch_size=16)
+    n = 2 * data_size
+    mesh = keras.distribution.DeviceMesh((data_size, 2), ("batch", "model"),
+                                         [f"cpu:{i}" for i in range(n)])
+    strategy = tfdist.Strategy(
+        data=data_size, tensor=2, zero=3 if data_size > 1 else 0, devices=devices(n),
+        layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh))
+    result = train(strategy, make=make_llama, x=x, y=y, batch_size=16)
+    assert_parity(result, reference, steps=12)
+    model = result[2]
+    for block in blocks(model):
+        kernels = projection_kernels(block)
+        full = sum(np.prod(k.shape) for k in kernels)
+        for device in range(n):
+            held = sum(k.value.values[device].shape.num_elements() for k in kernels)
+            assert held * 2 * data_size == full
+    if data_size == 1:
+        # Per block forward: query, key, value, the attention output and the
+        # MLP summed; backward the MLP input's gradient (the attention's
+        # input gradients are all-gathered); the embedding's forward; two of
+        # scalars.
+        counts = executed_op_counts(model)
+        assert counts["CollectiveReduceV2"] == 2 * (BLOCKS * (5 + 1) + 1 + 2)
+
+
 class Block(keras.layers.Layer):
     """A custom MLP block: up -> (activation) -> down, optionally reading
     the hidden features twice."""
@@ -301,12 +339,18 @@ def test_describe_says_why_block_sublayers_stay_whole():
             "elementwise") in reasons(custom(activation="softmax"), 2)
     assert ("down", "replicated", "the output of up is read elsewhere too") in reasons(
         custom(reuse_hidden=True), 2)
-    # Grouped-query attention: 2 key/value heads do not split 4 ways; the
-    # gated MLP still does.
+    # Grouped-query attention: 2 key/value heads do not split 4 ways, the
+    # attention is split by hidden features; the gated MLP by units.
     found = reasons(llama(), 4)
-    why = "attention left whole: key has 2 heads, not divisible by tensor=4"
+    assert {(name, "row") for name in ("query", "key", "value", "attention_output")} <= {
+        r[:2] for r in found}
+    assert all(r[2].endswith("not by heads: key's 2 heads are not divisible by tensor=4")
+               for r in found if r[0] in ("query", "key", "value"))
+    # Neither: 3 divides no head count nor the 16 hidden features.
+    why = ("attention left whole: query's 4 heads are not divisible by tensor=3; query's "
+           "input features are not divisible by tensor=3")
     assert {(name, "replicated", why) for name in ("query", "key", "value",
-                                                   "attention_output")} <= found
+                                                   "attention_output")} <= reasons(llama(), 3)
     assert {r[:2] for r in found if r[0].startswith("feedforward_") and "dense" in r[0]} == {
         ("feedforward_gate_dense", "column"), ("feedforward_intermediate_dense", "column"),
         ("feedforward_output_dense", "row")}

@@ -1,5 +1,7 @@
 """A keras.distribution.LayoutMap as the tensor plan: translated, or refused clearly."""
 
+import re
+
 import keras
 import pytest
 
@@ -46,16 +48,12 @@ def test_what_the_map_leaves_out_stays_whole():
      "`layout_map` splits some of up, down and not the others: they are split together"),
     ({"up/kernel": ("model", None), "down/kernel": ("model", None)},
      "`layout_map` puts weight 'up/kernel' (8, 16) on the tensor axis 'model' along axis 0; "
-     "tfdist splits up (Dense) as column only: 'up/kernel' on axis 1, 'up/bias' on axis 0 "
+     "tfdist splits up (Dense) as column ('up/kernel' on axis 1, 'up/bias' on axis 0) only "
      "(or every weight whole)."),
     ({**MEGATRON_MLP, "norm/gamma": ("model",)},
      "`layout_map` puts weight 'norm/gamma' (8,) on the tensor axis 'model' along axis 0, but "
      "tfdist keeps norm (LayerNormalization) whole: LayerNormalization has no tensor-parallel "
      "layout. Map it to None on every axis."),
-    ({"up/kernel": ("batch", "model"), "down/kernel": ("model", None)},
-     "`layout_map` puts weight 'up/kernel' (8, 16) on the data axis 'batch' (('batch', "
-     "'model')): tfdist keeps weights whole across data replicas (zero=1 or 2 shards their "
-     "optimizer state); map 'batch' to None."),
     ({**MEGATRON_MLP, "dense_7/kernel": (None, "model")},
      "`layout_map` keys ['dense_7/kernel'] match no weight of the model"),
 ])
@@ -63,6 +61,21 @@ def test_what_tfdist_cannot_run_is_refused_naming_the_weight(entries, message):
     with pytest.raises(ValueError) as raised:
         plan(mlp(), 2, layout_map=layout_map(entries))
     assert message in str(raised.value)
+
+
+def test_the_data_axis_of_one_device_shards_nothing_and_of_more_needs_zero3():
+    on_data = {"up/kernel": ("batch", "model"), "down/kernel": ("model", "batch")}
+    assert layouts(plan(mlp(), 2, layout_map=layout_map(on_data)))[:2] == [
+        ("up", "column"), ("down", "row")]
+    check_layout_map(layout_map(on_data), tensor=2)
+    with pytest.raises(ValueError, match=re.escape(
+            "`layout_map` puts weights on its data axis 'batch' of 2 devices ('up/kernel': "
+            "('batch', 'model')): sharded over the data replicas and gathered where used, "
+            "which tfdist does with zero=3 (every weight), but zero=1: pass zero=3, or map "
+            "'batch' to None.")):
+        tfdist.Strategy(tensor=2, zero=1, devices=[f"CPU:{i}" for i in range(4)],
+                        layout_map=layout_map(on_data, shape=(2, 2)))
+    check_layout_map(layout_map(on_data, shape=(2, 2)), tensor=2, zero=3)
 
 
 def test_the_map_itself_is_checked_when_the_strategy_is_made():
@@ -94,22 +107,35 @@ def test_keras_hub_llama_megatron_map_gives_tfdists_own_plan():
     assert sum(d.layout.name != "replicated" for d in decisions) == 1 + 2 * 7
 
 
-def test_keras_hub_llamas_own_map_is_refused_with_what_to_change():
+def test_keras_hub_llamas_own_map_splits_attention_by_hidden_features():
+    """keras-hub's `LlamaBackbone.get_layout_map` puts query/key/value on
+    the tensor axis along their input (hidden) axis, the attention output
+    along its heads, the MLP column -> row, the token table by rows and not
+    its untied reverse table: tfdist's alternatives for those layers."""
     model = llama()
     mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), ["cpu:0", "cpu:1"])
-    with pytest.raises(ValueError, match=r"puts weight 'token_embedding/embeddings' \(24, 16\) "
-                                         r"on the data axis 'batch'"):
-        plan(model, 2, layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh))
-    # Without the data axis, and with the untied output table split like the
-    # input table (as tfdist's vocabulary layout needs): query/key/value are
-    # split along the hidden axis (GSPMD's layout), not by heads (Megatron's).
-    without_data = layout_map({
-        **{key: tuple(None if axis == "batch" else axis for axis in spec.axes)
-           for key, spec in keras_hub.models.LlamaBackbone.get_layout_map(mesh).items()},
-        "token_embedding/reverse_embeddings": (None, "model")})
-    with pytest.raises(ValueError, match=r"puts weight 'transformer_layer_0/self_attention/"
-                                         r"(value|key|query)/kernel' \(16, [24], 4\) on the "
-                                         r"tensor axis 'model' along axis 0; tfdist splits "
-                                         r"transformer_layer_0/self_attention/\1 "
-                                         r"\(EinsumDense\) as column only: .* on axis 1"):
-        plan(model, 2, layout_map=without_data)
+    decisions = plan(model, 2, layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh))
+    by_name = {d.name.split("/")[-1]: d for d in decisions}
+    assert {name: d.layout.name for name, d in by_name.items() if d.layout.name != "replicated"
+            } == {"token_embedding": "vocabulary", "query": "row", "key": "row", "value": "row",
+                  "attention_output": "row", "feedforward_intermediate_dense": "column",
+                  "feedforward_gate_dense": "column", "feedforward_output_dense": "row"}
+    assert by_name["query"].reason == "input features 16 -> 8 per device, partial products summed"
+    assert by_name["token_embedding"].reason == "24 rows -> 12 per device, its reverse table whole"
+    split = {w.path: axis for d in decisions for w, axis in d.layout.weight_axes(d.layer)}
+    assert split["transformer_layer_0/self_attention/query/kernel"] == 0
+    assert split["transformer_layer_0/self_attention/attention_output/kernel"] == 0
+    assert "token_embedding/reverse_embeddings" not in split
+
+
+def test_keras_hub_gemmas_own_map_asks_heads_which_gemma_cannot_split():
+    model = keras_hub.models.GemmaBackbone(
+        vocabulary_size=24, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=16, intermediate_dim=32, head_dim=4)
+    mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), ["cpu:0", "cpu:1"])
+    with pytest.raises(ValueError, match=(
+            r"`layout_map` puts weight 'decoder_block_0/attention/(query|key|value)/kernel' "
+            r"\([24], 16, 4\) on the tensor axis 'model' along axis 0; tfdist splits "
+            r"decoder_block_0/attention/\1 \(EinsumDense\) as row "
+            r"\('decoder_block_0/attention/\1/kernel' on axis 1\) only")):
+        plan(model, 2, layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh))

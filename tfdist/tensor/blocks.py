@@ -18,6 +18,13 @@ tensors (`traced_call`) and reads the pairs from that data flow:
   projections column-parallel by heads, the output row-parallel. Every
   projection's head count must be divisible by `tensor` (grouped-query
   attention: the key/value heads too).
+- **Attention by hidden features**, where heads cannot be split (a kernel
+  holding its heads first, as Gemma's (heads, d, size); head counts
+  `tensor` does not divide): the projections row-parallel over their input
+  features (each device multiplies its slice of the input, the group sums),
+  the attention between computed whole on every device, the output
+  projection row-parallel over its input's heads. Also the alternative a
+  `LayoutMap` may ask for instead of heads (keras-hub's Llama map does).
 - Other sublayers are decided like top-level layers (`decide`), and each
   weighted sublayer left whole says why.
 
@@ -31,12 +38,18 @@ decisions = block_decisions(backbone.get_layer("transformer_layer_0"), 2, decide
 ```
 """
 
+import dataclasses
 import re
 
 import keras
 
 from tfdist._compat import keras_functional, keras_layers
-from tfdist.tensor.column_group import ColumnOfGroup, SharedInput
+from tfdist.tensor.column_group import (
+    ColumnOfGroup,
+    RowOfSlicedInput,
+    SharedInput,
+    kernel_axis,
+)
 from tfdist.tensor.decision import Decision
 from tfdist.tensor.layouts import Replicated, Row
 
@@ -168,9 +181,9 @@ def block_decisions(layer, tensor, decide, arguments=None):
         first_line = str(error).strip().splitlines()[0]
         return _replicated_sublayers(
             layer, f"its call could not be traced ({type(error).__name__}: {first_line})")
-    heads = _attention_by_heads(layer, steps, tensor)
-    if heads is not None:
-        return heads
+    attention = _attention(layer, steps, tensor)
+    if attention is not None:
+        return attention
     decisions, taken, why = [], set(), {}
     for step in steps:
         if is_matmul(step.operation):
@@ -275,8 +288,10 @@ def _column_refusal(column, columns, calls, tensor, taken):
     return None
 
 
-def _attention_by_heads(layer, steps, tensor):
-    """Decisions splitting an attention-shaped custom layer by heads, else None."""
+def _attention(layer, steps, tensor):
+    """Decisions splitting an attention-shaped custom layer by heads (else
+    by its hidden features, else whole, saying why), or None if `layer` is
+    not attention-shaped."""
     weighted = [sub for sub in keras_functional.nested_sublayers(layer) if sub.weights]
     if not weighted or any(type(sub) is not keras.layers.EinsumDense for sub in weighted):
         return None
@@ -294,28 +309,67 @@ def _attention_by_heads(layer, steps, tensor):
             or not _reaches(projections, by_layer[id(outputs[0])], producers)):
         return None
     output = outputs[0]
+    if kernels[id(output)][0] not in {kernels[id(p)][_heads_axis(p)] for p in projections}:
+        return None
+    by_hidden = _attention_by_hidden(projections, output, tensor)
+    why_not = _heads_refusal(projections, kernels, tensor)
+    if why_not is None:
+        shared = SharedInput()
+        by_heads = [Decision(p, ColumnOfGroup(shared, axis=-2),
+                             f"{kernels[id(p)][-2]} heads -> {kernels[id(p)][-2] // tensor} "
+                             f"per device", group=shared)
+                    for p in projections] + [
+            Decision(output, Row(), f"sums the heads of {', '.join(p.name for p in projections)}",
+                     group=shared)]
+        if isinstance(by_hidden, str):
+            return by_heads
+        return [dataclasses.replace(d, alternatives=((h.layout, h.reason),))
+                for d, h in zip(by_heads, by_hidden)]
+    if isinstance(by_hidden, str):
+        return _replicated_sublayers(layer, f"attention left whole: {why_not}; {by_hidden}")
+    return [dataclasses.replace(d, reason=f"{d.reason}; not by heads: {why_not}")
+            for d in by_hidden]
+
+
+def _heads_refusal(projections, kernels, tensor):
+    """Why the projections cannot be split by heads, else None."""
     for projection in projections:
         axis = _heads_axis(projection)
         if axis != 1:
-            return _replicated_sublayers(
-                layer, f"attention left whole: {projection.name}'s kernel "
-                       f"{tuple(kernels[id(projection)])} holds its heads on axis {axis}; "
-                       f"tfdist splits (d, heads, size) projections")
-    if kernels[id(output)][0] not in {kernels[id(p)][-2] for p in projections}:
-        return None
+            return (f"{projection.name}'s kernel {tuple(kernels[id(projection)])} holds its "
+                    f"heads on axis {axis}, not 1")
     for projection in projections:
         heads = kernels[id(projection)][-2]
         if heads % tensor:
-            return _replicated_sublayers(
-                layer, f"attention left whole: {projection.name} has {heads} heads, not "
-                       f"divisible by tensor={tensor}")
-    shared = SharedInput()
-    return [Decision(p, ColumnOfGroup(shared, axis=-2),
-                     f"{kernels[id(p)][-2]} heads -> {kernels[id(p)][-2] // tensor} per device",
-                     group=shared)
-            for p in projections] + [
-        Decision(output, Row(), f"sums the heads of {', '.join(p.name for p in projections)}",
-                 group=shared)]
+            return f"{projection.name}'s {heads} heads are not divisible by tensor={tensor}"
+    return None
+
+
+def _attention_by_hidden(projections, output, tensor):
+    """Decisions splitting the projections by their input (hidden) features
+    and the output projection by the heads (or size) of its input, the
+    attention between them computed whole on every device; else why not."""
+    group = SharedInput()
+    decisions = []
+    for projection in projections:
+        axis = kernel_axis(projection, -1)
+        hidden = None if axis is None else projection.kernel.shape[axis]
+        if hidden is None or hidden % tensor:
+            return f"{projection.name}'s input features are not divisible by tensor={tensor}"
+        decisions.append(Decision(
+            projection, RowOfSlicedInput(group, -1),
+            f"input features {hidden} -> {hidden // tensor} per device, partial products "
+            f"summed", group=group))
+    for axis, what in ((-2, "heads"), (-1, "head size")):
+        contracted = kernel_axis(output, axis)
+        size = None if contracted is None else output.kernel.shape[contracted]
+        if size is not None and not size % tensor:
+            return decisions + [Decision(
+                output, RowOfSlicedInput(SharedInput(), axis),
+                f"its input's {size} {what} -> {size // tensor} per device (the attention "
+                f"computed whole on every device)", group=group)]
+    return (f"neither the heads nor the head size of {output.name}'s input are divisible "
+            f"by tensor={tensor}")
 
 
 def _heads_axis(projection):

@@ -14,7 +14,10 @@ class Decision:
     says why (or what it pairs with); `name` is what `describe` calls the
     layer (its path inside a custom layer; by default its name); decisions
     with the same `group` (a column-parallel group and its row layer) are
-    split together or not at all.
+    split together or not at all; `alternatives` are other layouts of the
+    layer an explicit plan (a `LayoutMap`) may ask for instead, each with
+    the reason it would print (a group's members switch together: the
+    i-th alternative of each).
 
     Example:
 
@@ -30,6 +33,7 @@ class Decision:
     reason: str
     name: str = ""
     group: object = None
+    alternatives: tuple = ()
 
     def __post_init__(self):
         self.name = self.name or self.layer.name

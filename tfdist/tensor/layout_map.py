@@ -9,15 +9,19 @@ other the tensor axis, of size `t`.
 
 Each layer's main weights (kernels, embedding tables) decide: put on the
 tensor axis exactly where tfdist's own plan (`tfdist.tensor.plan`) splits
-them, the layer is split that way; not named (or named without the tensor
-axis), it stays whole. A column group and its row layer (an MLP, attention's
-projections) are split together or not at all; a bias follows its kernel
-(put on the tensor axis, it must be where the plan splits it). Anything
-else is refused, before training, naming the weight and the layout tfdist
-can run instead: another axis (keras-hub's Llama map splits query/key/value
-along the hidden axis, which Megatron's layouts do not run), a weight the
-plan keeps whole, or a weight on the data axis (tfdist keeps weights whole
-over data replicas; `zero=1` or `2` shards optimizer state).
+them, or where one of the plan's alternatives for the layer does (attention
+by hidden features instead of heads, as keras-hub's Llama map asks; an
+embedding's untied reverse table whole), the layer is split that way; not
+named (or named without the tensor axis), it stays whole. A column group and
+its row layer (an MLP, attention's projections) are split together, by one
+option, or not at all; a bias follows its kernel (put on the tensor axis, it
+must be where the layout splits it). Anything else is refused, before
+training, naming the weight and the layouts tfdist can run instead.
+
+The data axis: a weight put on it is sharded over the data replicas and
+gathered where it is used (FSDP), which tfdist does with `zero=3` (for every
+weight). With more than one device on the data axis such a map needs
+`zero=3`; with one, the data axis shards nothing.
 """
 
 import dataclasses
@@ -28,8 +32,9 @@ import keras
 from tfdist.tensor.layouts import Replicated
 
 
-def check_layout_map(layout_map, tensor: int):
-    """`layout_map` if it can be a plan for tensor groups of `tensor`, else an error.
+def check_layout_map(layout_map, tensor: int, zero: int = 0):
+    """`layout_map` if it can be a plan for tensor groups of `tensor` (with
+    ZeRO level `zero`), else an error.
 
     Example:
 
@@ -60,12 +65,22 @@ def check_layout_map(layout_map, tensor: int):
             f"`layout_map`'s mesh {dict(zip(mesh.axis_names, mesh.shape))} has "
             f"{mesh.shape[1]} devices on its tensor axis {mesh.axis_names[1]!r}, but "
             f"tensor={tensor}: build the mesh with shape (data, {tensor}).")
+    data_axis = mesh.axis_names[0]
+    on_data = [key for key, spec in layout_map.items()
+               if spec is not None and data_axis in tuple(spec.axes)]
+    if on_data and mesh.shape[0] > 1 and zero != 3:
+        raise ValueError(
+            f"`layout_map` puts weights on its data axis {data_axis!r} of {mesh.shape[0]} "
+            f"devices ({on_data[0]!r}: {tuple(layout_map[on_data[0]].axes)}): sharded over "
+            f"the data replicas and gathered where used, which tfdist does with zero=3 "
+            f"(every weight), but zero={zero}: pass zero=3, or map {data_axis!r} to None.")
     return layout_map
 
 
 def follow_layout_map(decisions, layout_map):
-    """`decisions` (tfdist's plan) as `layout_map` asks: each layer split as
-    planned or kept whole; a `ValueError` for what tfdist cannot run.
+    """`decisions` (tfdist's plan) as `layout_map` asks: each layer (a group
+    together) split as planned, split as one of its alternatives, or kept
+    whole; a `ValueError` for what tfdist cannot run.
 
     Example:
 
@@ -84,21 +99,16 @@ def follow_layout_map(decisions, layout_map):
 
     def asked(weight):  # the axis the map puts on the tensor axis, or None
         spec = layout_map[weight.path]
-        if spec is None:
-            return None
-        axes = tuple(spec.axes)
-        if data_axis in axes:
-            raise ValueError(
-                f"`layout_map` puts weight {weight.path!r} {tuple(weight.shape)} on the "
-                f"data axis {data_axis!r} ({axes}): tfdist keeps weights whole across "
-                f"data replicas (zero=1 or 2 shards their optimizer state); map "
-                f"{data_axis!r} to None.")
+        axes = () if spec is None else tuple(spec.axes)
         return axes.index(tensor_axis) if tensor_axis in axes else None
 
-    split = {id(d): _follows(d, owned[id(d)], asked, tensor_axis) for d in decisions}
-    _check_groups(decisions, split)
-    return [d if split[id(d)] or isinstance(d.layout, Replicated) else dataclasses.replace(
-        d, layout=Replicated(), reason="layout_map keeps it whole") for d in decisions]
+    groups = {}
+    for d in decisions:
+        groups.setdefault(id(d.group) if d.group is not None else id(d), []).append(d)
+    chosen = {}
+    for members in groups.values():
+        chosen.update(_group_choice(members, owned, asked, tensor_axis))
+    return [chosen[id(d)] for d in decisions]
 
 
 def _own_weights(decisions):
@@ -111,43 +121,67 @@ def _own_weights(decisions):
     return owned
 
 
-def _follows(decision, weights, asked, tensor_axis):
-    """Whether `layout_map` splits `decision`'s layer (its `weights`) as
-    planned (False: it keeps the layer whole); a `ValueError` if neither."""
-    axes = decision.layout.weight_axes(decision.layer)
-    planned = {id(w): axis for w, axis in axes}
-    wanted = {id(w): asked(w) for w in weights}
-    main = [w for w in weights if id(w) in planned and w.name != "bias"]
-    split = any(wanted[id(w)] is not None for w in main)
-    for weight in weights:
-        expected = planned.get(id(weight)) if split else None
-        if wanted[id(weight)] == expected or (wanted[id(weight)] is None
-                                              and weight.name == "bias"):
-            continue  # as planned, or a bias left to follow its kernel
-        raise ValueError(_refusal(decision, weight, wanted[id(weight)], axes, tensor_axis))
-    return split
+def _group_choice(members, owned, asked, tensor_axis):
+    """{id(decision): the decision as the map asks} for one group (or one
+    layer): every member whole, or every member split by the same option
+    (the plan's layout, or its i-th alternative)."""
+    wanted = {id(w): asked(w) for d in members for w in owned[id(d)]}
+    if all(wanted[id(w)] is None for d in members for w in _main(d, owned)):
+        whole = {}
+        for d in members:
+            for weight in owned[id(d)]:
+                if wanted[id(weight)] is not None:  # a bias on the tensor axis, its kernel not
+                    raise ValueError(_refusal(d, weight, wanted[id(weight)], tensor_axis))
+            whole[id(d)] = d if isinstance(d.layout, Replicated) else dataclasses.replace(
+                d, layout=Replicated(), reason="layout_map keeps it whole", alternatives=())
+        return whole
+    options = [[(d.layout, d.reason) for d in members]] + [
+        [d.alternatives[i] for d in members]
+        for i in range(min(len(d.alternatives) for d in members))]
+    for option in options:
+        if all(_matches(layout, d, owned, wanted) for (layout, _), d in zip(option, members)):
+            return {id(d): dataclasses.replace(d, layout=layout, reason=reason, alternatives=())
+                    for (layout, reason), d in zip(option, members)}
+    unasked = [all(wanted[id(w)] is None for w in _main(d, owned)) for d in members]
+    if any(unasked):
+        names = ", ".join(d.name for d in members)
+        raise ValueError(f"`layout_map` splits some of {names} and not the others: they are "
+                         f"split together (column-parallel into row-parallel) or not at all.")
+    for d in members:
+        for weight in owned[id(d)]:
+            if not _matches(d.layout, d, owned, wanted, only=weight):
+                raise ValueError(_refusal(d, weight, wanted[id(weight)], tensor_axis))
+    raise ValueError(  # each member as planned, but not all by one option
+        f"`layout_map` splits {', '.join(d.name for d in members)} by different layouts; "
+        f"they are split by one together.")
 
 
-def _refusal(decision, weight, axis, axes, tensor_axis):
+def _main(decision, owned):
+    """The weights that decide whether a layer is split: all but biases."""
+    return [w for w in owned[id(decision)] if w.name != "bias"]
+
+
+def _matches(layout, decision, owned, wanted, only=None):
+    """Whether the map asks for `layout`'s axes for `decision`'s weights (a
+    bias left out follows its kernel)."""
+    axes = {id(w): axis for w, axis in layout.weight_axes(decision.layer)}
+    for weight in owned[id(decision)] if only is None else [only]:
+        if wanted[id(weight)] != axes.get(id(weight)) and not (
+                wanted[id(weight)] is None and weight.name == "bias"):
+            return False
+    return True
+
+
+def _refusal(decision, weight, axis, tensor_axis):
     where = (f"`layout_map` puts weight {weight.path!r} {tuple(weight.shape)} "
              f"on the tensor axis {tensor_axis!r} along axis {axis}" if axis is not None
              else f"`layout_map` keeps weight {weight.path!r} whole")
-    if not axes:
+    layouts = [decision.layout, *(layout for layout, _ in decision.alternatives)]
+    if all(not layout.weight_axes(decision.layer) for layout in layouts):
         return (f"{where}, but tfdist keeps {decision.name} ({type(decision.layer).__name__}) "
                 f"whole: {decision.reason}. Map it to None on every axis.")
-    runs = ", ".join(f"{w.path!r} on axis {a}" for w, a in axes)
+    runs = " or ".join(
+        f"{layout.name} ({', '.join(f'{w.path!r} on axis {a}' for w, a in axes)})"
+        for layout in layouts if (axes := layout.weight_axes(decision.layer)))
     return (f"{where}; tfdist splits {decision.name} ({type(decision.layer).__name__}) "
-            f"as {decision.layout.name} only: {runs} (or every weight whole).")
-
-
-def _check_groups(decisions, split):
-    groups = {}
-    for d in decisions:
-        if d.group is not None:
-            groups.setdefault(id(d.group), []).append(d)
-    for members in groups.values():
-        if len({split[id(d)] for d in members}) > 1:
-            names = ", ".join(d.name for d in members)
-            raise ValueError(
-                f"`layout_map` splits some of {names} and not the others: they are split "
-                f"together (column-parallel into row-parallel) or not at all.")
+            f"as {runs} only (or every weight whole).")

@@ -215,11 +215,14 @@ class Vocabulary(TensorLayout):
     logits of the rows it holds, V/t of them: gathered into the whole logits,
     or left sharded for `ShardedSoftmaxCrossEntropy` when `sharded_loss`
     (the model's output, `vocab_parallel_classifier=True`). An untied
-    `reverse_embeddings` (d, V) is split by its vocabulary columns alike.
+    `reverse_embeddings` (d, V) is split by its vocabulary columns alike,
+    or kept whole (`split_reverse=False`: the reverse call then computes the
+    whole logits on every rank, as keras-hub's Llama `get_layout_map` asks).
 
     Args:
         sharded_loss: the reverse call's logits feed the sharded softmax loss
             inside tfdist's training step.
+        split_reverse: split an untied reverse table (else it stays whole).
 
     Example:
 
@@ -230,19 +233,23 @@ class Vocabulary(TensorLayout):
 
     name = "vocabulary"
 
-    def __init__(self, sharded_loss=False):
+    def __init__(self, sharded_loss=False, split_reverse=True):
         self.sharded_loss = sharded_loss
+        self.split_reverse = split_reverse
 
     def weight_axes(self, layer):
-        """The table by rows (an untied reverse table by columns)."""
+        """The table by rows (an untied reverse table by columns, if split)."""
         axes = [(keras_layers.embeddings_variable(layer), 0)]
-        if getattr(layer, "reverse_embeddings", None) is not None:
+        if self.split_reverse and getattr(layer, "reverse_embeddings", None) is not None:
             axes.append((layer.reverse_embeddings, 1))
         return axes
 
     def sharded_call(self, layer, mesh, inputs, reverse=False):
         """This rank's rows looked up (zeros for ids it does not own), summed
-        ("g"); reversed, this rank's slice of the logits."""
+        ("g"); reversed, this rank's slice of the logits (all of them from a
+        whole reverse table)."""
+        if reverse and not self.split_reverse and layer.reverse_embeddings is not None:
+            return type(layer).call(layer, inputs, reverse=True)
         if reverse:
             logits = type(layer).call(layer, mesh.copy(inputs), reverse=True)
             return logits if self.sharded_loss and logits_are_sharded() else (

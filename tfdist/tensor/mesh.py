@@ -20,7 +20,8 @@ that stage's group, with launchers there (`stage`).
 
 The two Megatron operators (Shoeybi et al., 2019) are `copy` ("f": identity
 forward, all-reduce of the gradient backward) and `reduce` ("g": all-reduce
-forward, identity backward).
+forward, identity backward); `take_slice` and `gather_last` move between a
+tensor every rank holds whole and the ranks' slices of it.
 """
 
 import contextlib
@@ -168,18 +169,33 @@ class TensorMesh:
 
         @tf.custom_gradient
         def gather(x):
-            stacked = tf_collectives.all_gather(launcher, x[tf.newaxis])  # (t, ..., m)
-            last = x.shape.rank
-            moved = tf.transpose(stacked, [*range(1, last), 0, last])  # (..., t, m)
-            full = tf.reshape(moved, tf.concat([tf.shape(x)[:-1], [-1]], 0))
-
             def grad(dy):
                 width = tf.shape(x)[-1]
                 return dy[..., rank * width:(rank + 1) * width]
 
-            return full, grad
+            return _concatenated(launcher, x, -1), grad
 
         return gather(x)
+
+    def take_slice(self, x, axis):
+        """This rank's slice of `x` (the same on every rank of the group) along
+        `axis`; backward, the group's gradient slices concatenated (an
+        all-gather): the converse of `gather_last`."""
+        launcher = self._tensor_launcher()
+        rank = self.rank()
+        width = x.shape[axis] // self.tensor
+        axis %= x.shape.rank
+
+        @tf.custom_gradient
+        def take(x):
+            def grad(dy):
+                return _concatenated(launcher, dy, axis)
+
+            begin = [0] * axis + [rank * width]
+            return tf.slice(x, begin + [0] * (x.shape.rank - axis - 1),
+                            [-1] * axis + [width] + [-1] * (x.shape.rank - axis - 1)), grad
+
+        return take(x)
 
     def group_batch(self, data):
         """The tensor group's batches, concatenated in rank order, and where
@@ -231,6 +247,16 @@ class TensorMesh:
             return outputs
 
         return on_group_batch
+
+
+def _concatenated(launcher, x, axis):
+    """The group's `x` concatenated along `axis`, in rank order."""
+    rank = x.shape.rank
+    axis %= rank
+    stacked = tf_collectives.all_gather(launcher, x[tf.newaxis])  # (t, ...)
+    moved = tf.transpose(stacked, [*range(1, axis + 1), 0, *range(axis + 1, rank + 1)])
+    shape = tf.concat([tf.shape(x)[:axis], [-1], tf.shape(x)[axis + 1:]], 0)
+    return tf.reshape(moved, shape)
 
 
 # TensorFlow's CPU collectives gather these dtypes; others travel as one of them.

@@ -163,8 +163,10 @@ def _embedding(layer, tensor):
                         f"by tensor={tensor}")
     tied = (", reverse=True gives each device its rows' logits"
             if isinstance(layer, keras.layers.ReversibleEmbedding) else "")
-    return Decision(layer, Vocabulary(),
-                    f"{layer.input_dim} rows -> {layer.input_dim // tensor} per device{tied}")
+    rows = f"{layer.input_dim} rows -> {layer.input_dim // tensor} per device"
+    untied = getattr(layer, "reverse_embeddings", None) is not None
+    return Decision(layer, Vocabulary(), rows + tied, alternatives=(
+        (Vocabulary(split_reverse=False), f"{rows}, its reverse table whole"),) if untied else ())
 
 
 def _final_reverse_embedding(model):
