@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(BIN)/python tools/bench_ps.py
 	$(BIN)/python tools/bench_zero.py
 	$(BIN)/python tools/bench_tensor.py
+	$(BIN)/python tools/bench_attention_split.py
 	$(BIN)/python tools/bench_pipeline.py
 
 clean:
