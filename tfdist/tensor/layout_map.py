@@ -88,7 +88,7 @@ def follow_layout_map(decisions, layout_map):
     decisions = follow_layout_map(plan(model, 2), layout_map)
     ```
     """
-    data_axis, tensor_axis = layout_map.device_mesh.axis_names
+    tensor_axis = layout_map.device_mesh.axis_names[1]
     owned = _own_weights(decisions)
     paths = [w.path for weights in owned.values() for w in weights]
     unknown = [key for key in layout_map
@@ -129,9 +129,9 @@ def _group_choice(members, owned, asked, tensor_axis):
     if all(wanted[id(w)] is None for d in members for w in _main(d, owned)):
         whole = {}
         for d in members:
-            for weight in owned[id(d)]:
-                if wanted[id(weight)] is not None:  # a bias on the tensor axis, its kernel not
-                    raise ValueError(_refusal(d, weight, wanted[id(weight)], tensor_axis))
+            weight = _mismatch(Replicated(), d, owned, wanted)  # a bias split, its kernel not
+            if weight is not None:
+                raise ValueError(_refusal(d, weight, wanted[id(weight)], tensor_axis))
             whole[id(d)] = d if isinstance(d.layout, Replicated) else dataclasses.replace(
                 d, layout=Replicated(), reason="layout_map keeps it whole", alternatives=())
         return whole
@@ -139,7 +139,8 @@ def _group_choice(members, owned, asked, tensor_axis):
         [d.alternatives[i] for d in members]
         for i in range(min(len(d.alternatives) for d in members))]
     for option in options:
-        if all(_matches(layout, d, owned, wanted) for (layout, _), d in zip(option, members)):
+        if all(_mismatch(layout, d, owned, wanted) is None
+               for (layout, _), d in zip(option, members)):
             return {id(d): dataclasses.replace(d, layout=layout, reason=reason, alternatives=())
                     for (layout, reason), d in zip(option, members)}
     unasked = [all(wanted[id(w)] is None for w in _main(d, owned)) for d in members]
@@ -148,9 +149,9 @@ def _group_choice(members, owned, asked, tensor_axis):
         raise ValueError(f"`layout_map` splits some of {names} and not the others: they are "
                          f"split together (column-parallel into row-parallel) or not at all.")
     for d in members:
-        for weight in owned[id(d)]:
-            if not _matches(d.layout, d, owned, wanted, only=weight):
-                raise ValueError(_refusal(d, weight, wanted[id(weight)], tensor_axis))
+        weight = _mismatch(d.layout, d, owned, wanted)
+        if weight is not None:
+            raise ValueError(_refusal(d, weight, wanted[id(weight)], tensor_axis))
     raise ValueError(  # each member as planned, but not all by one option
         f"`layout_map` splits {', '.join(d.name for d in members)} by different layouts; "
         f"they are split by one together.")
@@ -161,15 +162,12 @@ def _main(decision, owned):
     return [w for w in owned[id(decision)] if w.name != "bias"]
 
 
-def _matches(layout, decision, owned, wanted, only=None):
-    """Whether the map asks for `layout`'s axes for `decision`'s weights (a
-    bias left out follows its kernel)."""
+def _mismatch(layout, decision, owned, wanted):
+    """The first of `decision`'s weights the map asks otherwise than `layout`
+    lays it out (a bias left out follows its kernel), else None."""
     axes = {id(w): axis for w, axis in layout.weight_axes(decision.layer)}
-    for weight in owned[id(decision)] if only is None else [only]:
-        if wanted[id(weight)] != axes.get(id(weight)) and not (
-                wanted[id(weight)] is None and weight.name == "bias"):
-            return False
-    return True
+    return next((w for w in owned[id(decision)] if wanted[id(w)] != axes.get(id(w)) and not (
+        wanted[id(w)] is None and w.name == "bias")), None)
 
 
 def _refusal(decision, weight, axis, tensor_axis):

@@ -183,7 +183,6 @@ class TensorMesh:
         all-gather): the converse of `gather_last`."""
         launcher = self._tensor_launcher()
         rank = self.rank()
-        width = x.shape[axis] // self.tensor
         axis %= x.shape.rank
 
         @tf.custom_gradient
@@ -191,9 +190,7 @@ class TensorMesh:
             def grad(dy):
                 return _concatenated(launcher, dy, axis)
 
-            begin = [0] * axis + [rank * width]
-            return tf.slice(x, begin + [0] * (x.shape.rank - axis - 1),
-                            [-1] * axis + [width] + [-1] * (x.shape.rank - axis - 1)), grad
+            return tf.split(x, self.tensor, axis=axis)[rank], grad
 
         return take(x)
 
