@@ -24,6 +24,7 @@ import tensorflow as tf
 from tfdist import usage_checks
 from tfdist._compat.keras_trainer import uses_keras_train_step
 from tfdist.cluster.rendezvous import wait_for_peers
+from tfdist.cluster.watchdog import watch_step_functions
 from tfdist.config import ParallelConfig
 from tfdist.devices import check_devices
 from tfdist.engine.build import check_own_train_step
@@ -402,9 +403,11 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
     Args:
         config: a `ParallelConfig` (or its dict); or give its fields as keywords.
         cluster_resolver: optional; default reads `TF_CONFIG`.
-        timeout_seconds: how long any collective (gradient all-reduce,
-            initial handshake) may wait for the other workers before failing
-            with an error, instead of hanging.
+        timeout_seconds: how long the start may wait for the other workers,
+            and one call of the step function of `fit`, `evaluate` or
+            `predict` may run, before failing with an error instead of
+            hanging (`tfdist.cluster.watchdog`). A task that dies or freezes
+            is reported sooner, by TensorFlow's heartbeats (about 10 s).
         layout_map: with `tensor` > 1, a `keras.distribution.LayoutMap` (as
             keras-hub's `get_layout_map` returns) the tensor plan follows;
             what it asks that tfdist cannot run is refused before training
@@ -437,18 +440,23 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
-        super().__init__(
-            cluster_resolver=cluster_resolver,
-            communication_options=tf.distribute.experimental.CommunicationOptions(
-                timeout_seconds=float(timeout_seconds)
-            ),
-        )
+        # No per-collective timeout: TensorFlow spends a sleeping thread on
+        # each one for the whole timeout. Lost peers are TensorFlow's
+        # heartbeats' to find; the watchdog bounds each step.
+        super().__init__(cluster_resolver=cluster_resolver)
+        self._timeout_seconds = float(timeout_seconds)
+        watch_step_functions(MultiWorkerStrategy, lambda strategy: strategy.timeout_seconds)
         self.pipeline_devices = _stages_on_each_worker(
             self.extended.worker_devices, config.pipeline)
         config = config.resolve(self.num_replicas_in_sync * config.pipeline)
         self._init_step_owner(config, layout_map)
         if config.tensor > 1:
             self._tensor_mesh = TensorMesh(self, config.tensor)
+
+    @property
+    def timeout_seconds(self) -> float:
+        """How long one step function call may run (see the class's Args)."""
+        return self._timeout_seconds
 
     def reduce(self, reduce_op, value, axis):
         """`tf.distribute.Strategy.reduce`, made to work for Keras 3's `fit`.

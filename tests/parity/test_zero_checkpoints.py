@@ -103,3 +103,26 @@ def _h5_shapes(group):
     shapes = {}
     group.visititems(lambda name, item: shapes.__setitem__(name, getattr(item, "shape", None)))
     return shapes
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_checkpoint_of_the_trained_optimizer_saves_and_restores(tmp_path, zero):
+    # Training swaps the optimizer's variable table during each apply; the
+    # table left behind must still be saveable (it was not: "modified outside
+    # the wrapper"), with SGD's momentum and Adam's moments alike.
+    x, y = data(64)
+    for name, optimizer in (("sgd", lambda: keras.optimizers.SGD(0.05, momentum=0.9)),
+                            ("adam", lambda: keras.optimizers.Adam(1e-2))):
+        strategy = tfdist.Strategy(data=2, zero=zero, devices=devices(2))
+        with strategy.scope():
+            model = make_model(optimizer=optimizer())
+        model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+        saved = _state(model)
+        path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+            tmp_path / name / "ckpt")
+        with strategy.scope():
+            restored = make_model(optimizer=optimizer(), seed=1)
+        strategy.train_step(restored).build((x[:32], y[:32]))
+        tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
+            path).assert_consumed()
+        _assert_same(_state(restored), saved)

@@ -79,8 +79,10 @@ def slots_found_by(optimizer, buffers, indices):
             if key not in table}
 
     def uninstall():
-        for key in keys:
-            table.pop(key, None)
+        # A new dict, not `pop`: the table is a trackable `_DictWrapper`, which
+        # a deletion leaves unsaveable (`tf.train.Checkpoint` refuses it).
+        optimizer._trainable_variables_indices = {
+            key: i for key, i in table.items() if key not in keys}
 
     return _shared_change(("slots", id(optimizer)), lambda: table.update(keys), uninstall)
 

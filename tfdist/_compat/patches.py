@@ -18,6 +18,7 @@ uninstall(MODEL_SUMMARY)                            # Keras's own again
 """
 
 import dataclasses
+import functools
 import inspect
 import threading
 
@@ -69,7 +70,9 @@ class Patch:
         raise AttributeError(f"{self.target} is no longer assigned by {self.owner.__name__}.")
 
 
-_TRAINER = "tfdist/ps/keras_fit.py: fit under ParameterServerStrategy"
+_TRAINER = ("tfdist/ps/keras_fit.py: fit under ParameterServerStrategy; "
+            "tfdist/cluster/watchdog.py: a deadline on each step function call "
+            "under MultiWorkerStrategy")
 
 MODEL_SUMMARY = Patch(
     keras.Model, "summary",
@@ -157,6 +160,41 @@ def install(patch: Patch, wrap):
         setattr(patch.owner, patch.attribute, wrap(original))
 
 
+def install_for_strategy(patch: Patch, strategy_class: type, version):
+    """Replaces the Keras trainer method of `patch`, for the models whose
+    `distribute_strategy` is a `strategy_class` only, by
+    `version(original, model, strategy, *args, **kwargs)`.
+
+    Several strategy classes share one installed wrapper, which dispatches on
+    the model's strategy; every other model runs Keras's own method.
+
+    Example:
+
+    ```python
+    install_for_strategy(TRAINER_MAKE_TRAIN_FUNCTION, ParameterServerStrategy,
+                         lambda original, model, strategy, force=False: ...)
+    ```
+    """
+    with _lock:
+        _strategy_versions.setdefault(patch, {})[strategy_class] = version
+    install(patch, functools.partial(_dispatch_on_strategy, patch=patch))
+
+
+_strategy_versions = {}  # Patch -> {strategy class: version}
+
+
+def _dispatch_on_strategy(original, patch):
+    @functools.wraps(original)
+    def method(model, *args, **kwargs):
+        strategy = model.distribute_strategy
+        for strategy_class, version in _strategy_versions.get(patch, {}).items():
+            if isinstance(strategy, strategy_class):
+                return version(original, model, strategy, *args, **kwargs)
+        return original(model, *args, **kwargs)
+
+    return method
+
+
 def uninstall(patch: Patch):
     """Restores the attribute `install` replaced (the very same object).
 
@@ -170,6 +208,7 @@ def uninstall(patch: Patch):
         if patch not in _originals:
             return
         owned, original = _originals.pop(patch)
+        _strategy_versions.pop(patch, None)
         if owned:
             setattr(patch.owner, patch.attribute, original)
         else:

@@ -9,7 +9,24 @@ that they order with the strategy's.
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops, cross_device_utils
+from tensorflow.python.eager import context
+from tensorflow.python.framework import errors
 from tensorflow.python.ops import gen_collective_ops
+
+
+def abort_collectives(message: str):
+    """Fails every pending and future collective op of this process with a
+    `DeadlineExceededError` carrying `message` (the eager context's
+    `abort_collective_ops`, as TensorFlow's own peer health check does). The
+    process must restart to communicate again.
+
+    Example:
+
+    ```python
+    abort_collectives("worker:1 did not join step 12 within 300 s")
+    ```
+    """
+    context.context().abort_collective_ops(errors.DEADLINE_EXCEEDED, message)
 
 
 def strategy_launcher(extended, local: int):

@@ -40,13 +40,14 @@ from tfdist.ps.ledger import StepLedger
 _IN_FLIGHT_PER_WORKER = 4
 
 
-def install():
-    """Wraps Keras's trainer methods for parameter-server models (once).
+def install(strategy_class):
+    """Wraps Keras's trainer methods for the models of a `strategy_class`
+    (tfdist's `ParameterServerStrategy`), once.
 
     Example:
 
     ```python
-    install()   # ParameterServerStrategy() does it
+    install(ParameterServerStrategy)   # ParameterServerStrategy() does it
     ```
     """
     for patch, ps_version in (
@@ -56,20 +57,7 @@ def install():
         (patches.TRAINER_MAKE_PREDICT_FUNCTION, _on_chief("predict_function")),
         (patches.TRAINER_METRICS_RESULT, _metrics_after_join),
     ):
-        patches.install(patch, functools.partial(_for_ps_models, ps_version=ps_version))
-
-
-def _for_ps_models(original, ps_version):
-    @functools.wraps(original)
-    def method(model, *args, **kwargs):
-        from tfdist.ps.strategy import ParameterServerStrategy
-
-        strategy = model.distribute_strategy
-        if isinstance(strategy, ParameterServerStrategy):
-            return ps_version(original, model, strategy, *args, **kwargs)
-        return original(model, *args, **kwargs)
-
-    return method
+        patches.install_for_strategy(patch, strategy_class, ps_version)
 
 
 def _fit(original, model, strategy, *args, **kwargs):

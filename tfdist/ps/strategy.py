@@ -104,7 +104,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
         self._coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
         self._per_worker_iterators = weakref.WeakKeyDictionary()
         self._dataset_functions = weakref.WeakKeyDictionary()
-        keras_fit.install()
+        keras_fit.install(ParameterServerStrategy)
 
     @property
     def num_workers(self) -> int:

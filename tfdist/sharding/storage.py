@@ -17,10 +17,13 @@ place: the Keras object (its identity, path, shape and place in its optimizer)
 is unchanged.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tfdist._compat import tf_variables
 from tfdist._compat.tf_distribute import current_local_replica_id, replica_id_in_sync_group
+from tfdist.cluster.watchdog import process_watchdog
 from tfdist.sharding.layout import AxisLayout, ShardLayout
 
 
@@ -92,9 +95,16 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
             with tf.device(self._values[0].device):
                 return self._layout.unshard(tf.stack(shards))
         # Other workers hold the other shards: a cross-worker gather, which
-        # every worker must take part in (as in any multi-worker save).
-        gathered = strategy.gather(
-            tf_variables.PerReplica(tuple(shard[tf.newaxis] for shard in shards)), axis=0)
+        # every worker must take part in (as in any multi-worker save); read
+        # eagerly (a save), it is bounded as a step is.
+        deadline = (process_watchdog().deadline(
+            strategy.timeout_seconds, "gathering a sharded variable",
+            "every task must read sharded state together (each save), as "
+            "tfdist.callbacks.BackupAndRestore does.")
+            if tf.executing_eagerly() else contextlib.nullcontext())
+        with deadline:
+            gathered = strategy.gather(
+                tf_variables.PerReplica(tuple(shard[tf.newaxis] for shard in shards)), axis=0)
         return self._layout.unshard(gathered)
 
     def assign(self, value, use_locking=False, name=None, read_value=True):
