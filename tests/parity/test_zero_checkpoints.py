@@ -109,20 +109,28 @@ def _h5_shapes(group):
 def test_a_checkpoint_of_the_trained_optimizer_saves_and_restores(tmp_path, zero):
     # Training swaps the optimizer's variable table during each apply; the
     # table left behind must still be saveable (it was not: "modified outside
-    # the wrapper"), with SGD's momentum and Adam's moments alike.
+    # the wrapper"), with SGD's momentum and Adam's moments alike, optimizers
+    # named by string as users often do.
     x, y = data(64)
-    for name, optimizer in (("sgd", lambda: keras.optimizers.SGD(0.05, momentum=0.9)),
-                            ("adam", lambda: keras.optimizers.Adam(1e-2))):
+
+    def model(optimizer, seed):
+        keras.utils.set_random_seed(seed)
+        built = keras.Sequential([keras.Input((16,)), keras.layers.Dense(3)])
+        built.compile(optimizer=optimizer, loss="mse")
+        return built
+
+    targets = np.eye(3, dtype="float32")[y % 3]
+    for optimizer in ("sgd", "adam"):
         strategy = tfdist.Strategy(data=2, zero=zero, devices=devices(2))
         with strategy.scope():
-            model = make_model(optimizer=optimizer())
-        model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
-        saved = _state(model)
-        path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-            tmp_path / name / "ckpt")
+            trained = model(optimizer, seed=0)
+        trained.fit(x, targets, batch_size=32, shuffle=False, verbose=0)
+        saved = _state(trained)
+        path = tf.train.Checkpoint(model=trained, optimizer=trained.optimizer).save(
+            tmp_path / optimizer / "ckpt")
         with strategy.scope():
-            restored = make_model(optimizer=optimizer(), seed=1)
-        strategy.train_step(restored).build((x[:32], y[:32]))
+            restored = model(optimizer, seed=1)
+        strategy.train_step(restored).build((x[:32], targets[:32]))
         tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
             path).assert_consumed()
         _assert_same(_state(restored), saved)
