@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tfdist import usage_checks
 from tfdist._compat.keras_trainer import uses_keras_train_step
+from tfdist._compat.tf_collectives import strategy_keys_fixed_when_traced
 from tfdist.cluster.rendezvous import wait_for_peers
 from tfdist.cluster.watchdog import watch_step_functions
 from tfdist.config import ParallelConfig
@@ -385,6 +386,7 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         # own devices (where their batches arrive) are the stage-0 ones.
         self.pipeline_devices = [devices[r * p:(r + 1) * p] for r in range(len(devices) // p)]
         super().__init__(devices=[group[0] for group in self.pipeline_devices])
+        strategy_keys_fixed_when_traced(self.extended)
         if config.tensor > 1:
             self._tensor_mesh = TensorMesh(self, config.tensor, self.pipeline_devices)
 
@@ -444,6 +446,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         # each one for the whole timeout. Lost peers are TensorFlow's
         # heartbeats' to find; the watchdog bounds each step.
         super().__init__(cluster_resolver=cluster_resolver)
+        strategy_keys_fixed_when_traced(self.extended)
         self._timeout_seconds = float(timeout_seconds)
         watch_step_functions(MultiWorkerStrategy, lambda strategy: strategy.timeout_seconds)
         self.pipeline_devices = _stages_on_each_worker(
