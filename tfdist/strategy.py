@@ -24,7 +24,8 @@ import tensorflow as tf
 from tfdist import usage_checks
 from tfdist._compat.keras_trainer import uses_keras_train_step
 from tfdist._compat.tf_collectives import strategy_keys_fixed_when_traced
-from tfdist.cluster.rendezvous import wait_for_peers
+from tfdist.cluster.agreement import check_tasks_agree
+from tfdist.cluster.rendezvous import SYNCHRONOUS_TASK_TYPES, wait_for_peers
 from tfdist.cluster.watchdog import watch_step_functions
 from tfdist.config import ParallelConfig
 from tfdist.devices import check_devices
@@ -438,7 +439,8 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         # fails before connecting:
         config = requested_config(config, fields, "MultiWorkerStrategy")
         check_layout_map(layout_map, config.tensor, config.zero)
-        wait_for_peers(timeout_seconds, cluster_resolver)  # TF's own wait has no deadline
+        # TF's own wait has no deadline:
+        task = wait_for_peers(timeout_seconds, cluster_resolver)
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
@@ -447,6 +449,8 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         # heartbeats' to find; the watchdog bounds each step.
         super().__init__(cluster_resolver=cluster_resolver)
         strategy_keys_fixed_when_traced(self.extended)
+        if task is not None and task.task_type in SYNCHRONOUS_TASK_TYPES:
+            check_tasks_agree(self, task.task, config, timeout_seconds)
         self._timeout_seconds = float(timeout_seconds)
         watch_step_functions(MultiWorkerStrategy, lambda strategy: strategy.timeout_seconds)
         self.pipeline_devices = _stages_on_each_worker(
