@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(BIN)/python tools/bench_tensor.py
 	$(BIN)/python tools/bench_attention_split.py
 	$(BIN)/python tools/bench_pipeline.py
+	$(BIN)/python tools/bench_soak.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -24,6 +24,13 @@ from tfdist.cluster.tf_config import TFConfig, local_tf_configs, read_tf_config
      r"\"type\"\] is 'trainer'"),
     ({"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": -1}},
      r"index\"\] must be an int >= 0, got -1"),
+    # one gRPC server per address: the second task failed to start while the
+    # others waited
+    ({"cluster": {"worker": ["h:1", "h:1"]}, "task": {"type": "worker", "index": 0}},
+     r"several tasks one address \(worker:0 and worker:1 are all at h:1\)"),
+    ({"cluster": {"chief": ["h:1"], "worker": ["h:2", "h:1"]},
+      "task": {"type": "worker", "index": 0}},
+     r"chief:0 and worker:1 are all at h:1\): each task serves"),
 ])
 def test_bad_tf_config_names_the_field(value, message):
     with pytest.raises(ValueError, match=message):

@@ -114,6 +114,17 @@ def _validate(config: TFConfig):
                     f'TF_CONFIG["cluster"][{task_type!r}] has address {address!r}; '
                     f'addresses are "host:port".'
                 )
+    tasks_at = {}
+    for task_type, addresses in cluster.items():
+        for index, address in enumerate(addresses):
+            tasks_at.setdefault(address, []).append(f"{task_type}:{index}")
+    shared = {address: tasks for address, tasks in tasks_at.items() if len(tasks) > 1}
+    if shared:
+        listed = "; ".join(f"{' and '.join(tasks)} are all at {address}"
+                           for address, tasks in shared.items())
+        raise ValueError(
+            f'TF_CONFIG["cluster"] gives several tasks one address ({listed}): each '
+            f"task serves on its own host:port, so give each its own port.")
     if config.task_type not in TASK_TYPES:
         raise ValueError(
             f'TF_CONFIG["task"]["type"] is {config.task_type!r}; valid types are '
