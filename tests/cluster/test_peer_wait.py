@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -31,3 +32,21 @@ def test_missing_peer_fails_the_constructor_within_its_timeout(index, missing):
     assert seconds < 30, seconds
     assert (f"TimeoutError: worker:{index} waited 10 s for the other tasks of the job, "
             f"but worker:{missing} ({addresses[missing]}) did not start") in done.stderr
+
+
+def test_a_port_taken_by_another_process_fails_the_constructor_at_once():
+    """TensorFlow would fail "Could not start gRPC server" only after the
+    peers answered; the peers would wait for this task meanwhile."""
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 0}}
+    env = dict(os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="2")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", int(addresses[0].rsplit(":", 1)[1])))
+        taken.listen(1)
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", CREATE_STRATEGY], env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "connected" not in done.stdout
+    assert time.monotonic() - start < 30
+    assert (f"worker:0's address {addresses[0]} (TF_CONFIG) is in use by another "
+            f"process") in done.stderr, done.stderr[-2000:]

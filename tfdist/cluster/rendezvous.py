@@ -69,7 +69,7 @@ def wait_for_peers(timeout_seconds: float, cluster_resolver=None,
     if not peers:
         return config
     deadline = time.monotonic() + timeout_seconds
-    with _answering(own):
+    with _answering(own, config.task):
         missing = {task: address for task, address in peers.items()
                    if not _reach(address, deadline)}
     if missing:
@@ -79,7 +79,12 @@ def wait_for_peers(timeout_seconds: float, cluster_resolver=None,
             f"job, but {listed} did not start: check that every task of TF_CONFIG "
             f"runs the same script (and, on a cluster, that the address is "
             f"reachable from here), or raise `timeout_seconds`.")
+    _handed_to_tensorflow.add(own)
     return config
+
+
+# The addresses whose port this process has handed to TensorFlow's server.
+_handed_to_tensorflow = set()
 
 
 def _this_task(cluster_resolver, environ):
@@ -94,11 +99,12 @@ def _this_task(cluster_resolver, environ):
 
 
 @contextlib.contextmanager
-def _answering(address):
+def _answering(address, task):
     """Accepts (and drops) connections on `address`'s port while in the block.
 
-    If the port is taken (this process's TensorFlow server already serves on
-    it, as when a second strategy is created), that server answers instead.
+    If the port is taken by this process's TensorFlow server (a second
+    strategy), that server answers instead; taken by another process, the
+    task could never serve: an OSError says so at once.
     """
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -111,6 +117,12 @@ def _answering(address):
         listener.close()
         if error.errno != errno.EADDRINUSE:
             raise
+        if address not in _handed_to_tensorflow:
+            raise OSError(
+                error.errno,
+                f"{task}'s address {address} (TF_CONFIG) is in use by another "
+                f"process, so this task cannot serve there: stop that process, or "
+                f"give the task a free port") from error
         yield
         return
     listener.listen(16)
