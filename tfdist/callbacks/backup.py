@@ -7,6 +7,9 @@ import tempfile
 import keras
 import tensorflow as tf
 
+from tfdist.cluster.agreement import gather_from_tasks
+from tfdist.cluster.tf_config import read_tf_config
+
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """Keras's `BackupAndRestore`, safe for the tasks of one job sharing `backup_dir`.
@@ -41,6 +44,37 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     ```
     """
 
+    def on_train_begin(self, logs=None):
+        self._check_tasks_restore_one_backup()
+        super().on_train_begin(logs)
+
+    def _check_tasks_restore_one_backup(self):
+        """Refuses tasks that would resume from different backups (each task its
+        own `backup_dir`, not one shared by all): they would train together on
+        different weights, and the chief's result would look fine."""
+        strategy = self.model.distribute_strategy
+        timeout = getattr(strategy, "timeout_seconds", None)
+        if timeout is None:
+            return  # not a MultiWorkerStrategy: one process reads the files
+        path = self._training_metadata_path
+        found = None
+        if tf.io.gfile.exists(path):
+            with tf.io.gfile.GFile(path) as f:
+                found = json.load(f)
+        task = read_tf_config()
+        own = {"task": task.task if task else "local", "backup": found}
+        backups = gather_from_tasks(strategy, own, timeout,
+                                    "comparing the tasks' backups")
+        differing = [b for b in backups if b["backup"] != found]
+        if differing:
+            seen = "; ".join(f"{b['task']}: {_resumes(b['backup'])}"
+                             for b in [own, *differing])
+            raise ValueError(
+                f"The tasks of this job would resume from different backups in "
+                f"`backup_dir` {self.backup_dir!r} ({seen}). Every task must read "
+                f"one backup: make `backup_dir` a directory all tasks share (a "
+                f"shared volume on Kubernetes), or remove the stale backups.")
+
     def _writes(self):
         extended = self.model.distribute_strategy.extended
         return getattr(extended, "should_checkpoint", True)
@@ -74,6 +108,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_train_end(self, logs=None):
         if self._writes():
             super().on_train_end(logs)
+
+
+def _resumes(backup):
+    if backup is None:
+        return "no backup, starts at epoch 1"
+    return f"resumes at epoch {backup['epoch'] + 1}"
 
 
 def _has_sharded_state(model):

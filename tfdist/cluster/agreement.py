@@ -57,6 +57,34 @@ def differences(descriptions: list[dict]) -> list[str]:
     return found
 
 
+def gather_from_tasks(strategy, value: dict, timeout_seconds: float, what: str) -> list[dict]:
+    """Every replica's `value` (a JSON-serialisable dict), gathered over the
+    strategy's replicas in replica order: each task's, once per replica it has.
+
+    Every task of the job must call it at the same point; bounded by
+    `timeout_seconds` (`what` says what for, in the error).
+
+    Example:
+
+    ```python
+    gather_from_tasks(strategy, {"task": "worker:0", "epoch": 3}, 300, "comparing backups")
+    ```
+    """
+    encoded = json.dumps(value).encode()
+    if len(encoded) > _MAX_BYTES:
+        raise ValueError(f"`value` is {len(encoded)} bytes as JSON, over {_MAX_BYTES}: "
+                         f"{encoded[:200]!r}...")
+    row = np.zeros(_MAX_BYTES + 1, np.int32)  # the length, then the bytes
+    row[0] = len(encoded)
+    row[1:len(encoded) + 1] = np.frombuffer(encoded, np.uint8)
+    rows = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(row[np.newaxis]))
+    with process_watchdog().deadline(timeout_seconds, what,
+                                     "every task must take part at the same point."):
+        gathered = strategy.gather(rows, axis=0).numpy()
+    return [json.loads(bytes(r[1:r[0] + 1].astype(np.uint8)).decode()) for r in gathered]
+
+
 def check_tasks_agree(strategy, task: str, config, timeout_seconds: float):
     """Gathers every task's `describe_task` over `strategy`'s replicas and
     raises ValueError if any differs from this task's.
@@ -70,21 +98,9 @@ def check_tasks_agree(strategy, task: str, config, timeout_seconds: float):
     check_tasks_agree(strategy, "worker:0", config, 300)
     ```
     """
-    encoded = json.dumps(describe_task(task, config)).encode()
-    if len(encoded) > _MAX_BYTES:
-        raise ValueError(f"The task description is {len(encoded)} bytes, over "
-                         f"{_MAX_BYTES}: {encoded[:200]!r}...")
-    row = np.zeros(_MAX_BYTES + 1, np.int32)  # the length, then the bytes
-    row[0] = len(encoded)
-    row[1:len(encoded) + 1] = np.frombuffer(encoded, np.uint8)
-    rows = strategy.experimental_distribute_values_from_function(
-        lambda context: tf.constant(row[np.newaxis]))
-    with process_watchdog().deadline(timeout_seconds, "comparing the tasks' configs",
-                                     "every task must create its strategy."):
-        gathered = strategy.gather(rows, axis=0).numpy()
-    descriptions = [json.loads(bytes(r[1:r[0] + 1].astype(np.uint8)).decode())
-                    for r in gathered]
-    found = differences([describe_task(task, config), *descriptions])
+    own = describe_task(task, config)
+    found = differences([own, *gather_from_tasks(
+        strategy, own, timeout_seconds, "comparing the tasks' configs")])
     if found:
         raise ValueError(
             "The tasks of this job do not run the same configuration: "
