@@ -56,8 +56,13 @@ def main(argv):
         # Every task saves (with `zero`, reading the optimizer state gathers
         # it from all tasks); only the chief's file is kept.
         chief = task is None or task.task in ("chief:0", "worker:0")
-        with tempfile.TemporaryDirectory() as private:
-            model.save(os.path.join(logdir if chief else private, "digits.keras"))
+        with tempfile.TemporaryDirectory(dir=logdir if chief else None) as private:
+            # Written aside, then renamed over the last model: a task killed
+            # mid-save leaves the previous file whole, not a truncated one.
+            model.save(os.path.join(private, "digits.keras"))
+            if chief:
+                os.replace(os.path.join(private, "digits.keras"),
+                           os.path.join(logdir, "digits.keras"))
 
 
 if __name__ == "__main__":

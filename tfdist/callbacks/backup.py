@@ -1,5 +1,6 @@
 """`BackupAndRestore` that every task of a multi-worker job can share."""
 
+import hashlib
 import json
 import os
 import tempfile
@@ -98,16 +99,43 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                     gfile.copy(path, previous, overwrite=True)
         partial = os.path.join(self.backup_dir, "partial.weights.h5")
         self.model.save_weights(partial, overwrite=True)
+        checksum = _sha256(partial)
         gfile.rename(partial, self._weights_path, overwrite=True)
-        metadata = {"epoch": self._current_epoch, "batch": self._last_batch_seen}
+        metadata = {"epoch": self._current_epoch, "batch": self._last_batch_seen,
+                    "weights_sha256": checksum}
         partial = os.path.join(self.backup_dir, "partial_training_metadata.json")
         with gfile.GFile(partial, "w") as f:
             f.write(json.dumps(metadata))
         gfile.rename(partial, self._training_metadata_path, overwrite=True)
 
+    def _load_model(self):
+        """Keras's, after checking the weights file against the checksum the
+        backup recorded: a corrupted or truncated file raises OSError (and
+        Keras falls back to the previous backup, if it keeps one) instead of
+        loading wrong weights or failing inside h5py."""
+        gfile = tf.io.gfile
+        if gfile.exists(self._training_metadata_path) and gfile.exists(self._weights_path):
+            with gfile.GFile(self._training_metadata_path) as f:
+                expected = json.load(f).get("weights_sha256")
+            if expected is not None and _sha256(self._weights_path) != expected:
+                raise OSError(
+                    f"The backup's weights file {self._weights_path} does not match "
+                    f"the checksum its backup recorded: it was corrupted or cut short "
+                    f"after it was written. Remove `backup_dir` "
+                    f"{self.backup_dir!r} to start over, or restore it from a copy.")
+        super()._load_model()
+
     def on_train_end(self, logs=None):
         if self._writes():
             super().on_train_end(logs)
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with tf.io.gfile.GFile(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _resumes(backup):
