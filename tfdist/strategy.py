@@ -23,7 +23,6 @@ import tensorflow as tf
 
 from tfdist import usage_checks
 from tfdist._compat.keras_trainer import uses_keras_train_step
-from tfdist._compat.tf_collectives import strategy_keys_fixed_when_traced
 from tfdist.cluster.agreement import check_tasks_agree
 from tfdist.cluster.rendezvous import SYNCHRONOUS_TASK_TYPES, wait_for_peers
 from tfdist.cluster.watchdog import watch_step_functions
@@ -387,7 +386,6 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         # own devices (where their batches arrive) are the stage-0 ones.
         self.pipeline_devices = [devices[r * p:(r + 1) * p] for r in range(len(devices) // p)]
         super().__init__(devices=[group[0] for group in self.pipeline_devices])
-        strategy_keys_fixed_when_traced(self.extended)
         if config.tensor > 1:
             self._tensor_mesh = TensorMesh(self, config.tensor, self.pipeline_devices)
 
@@ -448,7 +446,6 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         # each one for the whole timeout. Lost peers are TensorFlow's
         # heartbeats' to find; the watchdog bounds each step.
         super().__init__(cluster_resolver=cluster_resolver)
-        strategy_keys_fixed_when_traced(self.extended)
         if task is not None and task.task_type in SYNCHRONOUS_TASK_TYPES:
             check_tasks_agree(self, task.task, config, timeout_seconds)
         self._timeout_seconds = float(timeout_seconds)

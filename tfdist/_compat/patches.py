@@ -26,7 +26,7 @@ import keras
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
-from tensorflow.python.distribute import cross_device_utils, parameter_server_strategy_v2
+from tensorflow.python.distribute import parameter_server_strategy_v2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +124,6 @@ PER_OBJECT = (
           "tfdist/ps/keras_fit.py: make_counters_atomic, on step and metric counters"),
     Patch(keras.Variable, "assign_sub", "(self, value)",
           "tfdist/ps/keras_fit.py: make_counters_atomic, on step and metric counters"),
-    Patch(cross_device_utils.CollectiveReplicaLauncher, "_use_unique_instance_key",
-          "(self)", "tfdist/_compat/tf_collectives.py: keys_fixed_when_traced, on the "
-          "launchers of tfdist's strategies and its own group launchers"),
     Patch(keras.Variable, "_value", None,
           "tfdist/_compat/tf_variables.py: set_storage moves or shards one variable"),
     Patch(parameter_server_strategy_v2.ParameterServerStrategyV2Extended,

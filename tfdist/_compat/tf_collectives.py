@@ -49,43 +49,6 @@ def strategy_launcher(extended, local: int):
     return collectives._launchers[local]
 
 
-def keys_fixed_when_traced(launcher):
-    """Makes `launcher`'s collectives in a traced function keep the instance
-    key they were traced with, instead of taking a new one on every call.
-
-    TensorFlow feeds each collective of a `tf.function` a new instance key per
-    call (`capture_call_time_value`), and its collective runtime keeps state
-    for every instance key it has seen for the life of the process: a worker's
-    memory grew by 4.4 MiB per 1,000 steps of a small MLP (docs/benchmarks.md),
-    without end. A traced step is the same program on every replica and every
-    task, traced once, so a key fixed at trace time agrees across them as the
-    per-call keys do; it is reused by every call, which the launcher's ordering
-    token keeps in sequence. Returns the launcher.
-
-    Example:
-
-    ```python
-    keys_fixed_when_traced(strategy_launcher(strategy.extended, 0))
-    ```
-    """
-    launcher._use_unique_instance_key = lambda: False
-    return launcher
-
-
-def strategy_keys_fixed_when_traced(extended):
-    """`keys_fixed_when_traced` on every local replica's launcher of a
-    strategy (its gradient and metric all-reduces, tfdist's collectives).
-
-    Example:
-
-    ```python
-    strategy_keys_fixed_when_traced(strategy.extended)
-    ```
-    """
-    for launcher in extended._cross_device_ops._launchers:
-        keys_fixed_when_traced(launcher)
-
-
 def launcher_options(launcher):
     """The `CommunicationOptions` a launcher runs its collectives with.
 
@@ -115,7 +78,7 @@ def group_launcher(keys, group, device, own=None, options=None):
         own._options if own else options)
     if own is not None:
         launcher._ordering_token = own._ordering_token
-    return keys_fixed_when_traced(launcher)
+    return launcher
 
 
 def launcher_device(launcher) -> str:
