@@ -153,6 +153,16 @@ def test_single_worker_shape():
     assert manifest.to_yaml().startswith("apiVersion: kubeflow.org/v1\nkind: TFJob\n")
 
 
+def test_the_command_reaches_the_pod_as_typed():
+    # Kubernetes expands $(VAR) in a container's command from its environment,
+    # and reads $$ as $: every $ is doubled so the pod runs what was typed.
+    typed = ["python", "train.py", "--name=$(HOSTNAME)", "--price=$5", "--odd=$$(X)"]
+    container = tfjob("mnist", IMAGE, typed).to_dict()[
+        "spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert container["command"] == [
+        "python", "train.py", "--name=$$(HOSTNAME)", "--price=$$5", "--odd=$$$$(X)"]
+
+
 def test_replica_types_and_counts():
     manifest = tfjob(
         "mnist", IMAGE, COMMAND, chief=True, workers=3, ps=2, evaluator=True

@@ -224,7 +224,9 @@ def tfjob(
         container = client.V1Container(
             name=CONTAINER_NAME,
             image=image,
-            command=list(command),
+            # Kubernetes expands `$(VAR)` in a command with the container's
+            # environment; `$$` is its escape for `$`: the pod runs what was typed.
+            command=[part.replace("$", "$$") for part in command],
             env=env or None,
             ports=ports,
             resources=client.V1ResourceRequirements(
