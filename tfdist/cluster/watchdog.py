@@ -26,8 +26,11 @@ with process_watchdog().deadline(300, "a step of fit"):
 
 import contextlib
 import functools
+import re
 import threading
 import time
+
+import tensorflow as tf
 
 from tfdist._compat import patches
 from tfdist._compat.tf_collectives import abort_collectives
@@ -35,6 +38,15 @@ from tfdist._compat.tf_collectives import abort_collectives
 
 class StepTimeoutError(TimeoutError):
     """A watched call outlived its deadline; the process's collectives are aborted."""
+
+
+class TasksDivergedError(RuntimeError):
+    """The tasks of a job issued different collectives at the same point of a step."""
+
+
+# What TensorFlow says when the members of a collective disagree on it.
+_DIVERGED = re.compile(r"Collective instance \d+ expected|Shape mismatch in the collective "
+                       r"instance|another member in the group expected")
 
 
 STEP_CAUSES = (
@@ -155,8 +167,19 @@ class _WatchedFunction:
         self._what = what
 
     def __call__(self, *args, **kwargs):
-        with process_watchdog().deadline(self._seconds, self._what):
-            return self.__wrapped__(*args, **kwargs)
+        try:
+            with process_watchdog().deadline(self._seconds, self._what):
+                return self.__wrapped__(*args, **kwargs)
+        except tf.errors.InvalidArgumentError as error:
+            if not _DIVERGED.search(str(error)):
+                raise
+            said = next(line for line in str(error).splitlines() if _DIVERGED.search(line))
+            raise TasksDivergedError(
+                f"In {self._what}, the tasks of the job issued different collectives "
+                f"at the same point ({said.strip()}). Most often their data differ in "
+                f"length: every task must run the same number of steps per epoch "
+                f"(give each the same number of examples, or set `steps_per_epoch`); "
+                f"or the tasks run different code.") from error
 
     def __getattr__(self, name):
         if name == "__wrapped__":  # not yet set (a copy being made)
