@@ -170,7 +170,7 @@ class _WatchedFunction:
         try:
             with process_watchdog().deadline(self._seconds, self._what):
                 return self.__wrapped__(*args, **kwargs)
-        except tf.errors.InvalidArgumentError as error:
+        except tf.errors.OpError as error:
             if not _DIVERGED.search(str(error)):
                 raise
             said = next(line for line in str(error).splitlines() if _DIVERGED.search(line))
