@@ -50,3 +50,21 @@ def test_a_port_taken_by_another_process_fails_the_constructor_at_once():
     assert time.monotonic() - start < 30
     assert (f"worker:0's address {addresses[0]} (TF_CONFIG) is in use by another "
             f"process") in done.stderr, done.stderr[-2000:]
+
+
+def test_a_parameter_server_chief_names_the_tasks_that_never_start():
+    """The chief waited without end (240 s+, no message) for a ps task that never started."""
+    chief, worker, ps = (f"127.0.0.1:{port}" for port in free_ports(3))
+    tf_config = {"cluster": {"chief": [chief], "worker": [worker], "ps": [ps]},
+                 "task": {"type": "chief", "index": 0}}
+    env = dict(os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="2")
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", "import tfdist\n"
+         "tfdist.ParameterServerStrategy(timeout_seconds=10)\nprint('connected')\n"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "connected" not in done.stdout
+    assert time.monotonic() - start < 30
+    assert (f"TimeoutError: chief:0 waited 10 s for the other tasks of the job, but "
+            f"worker:0 ({worker}), ps:0 ({ps}) did not start") in done.stderr, \
+        done.stderr[-2000:]

@@ -29,19 +29,21 @@ _RETRY_SECONDS = 0.2
 
 
 def wait_for_peers(timeout_seconds: float, cluster_resolver=None,
-                   environ=None) -> TFConfig | None:
+                   environ=None, peer_types=SYNCHRONOUS_TASK_TYPES) -> TFConfig | None:
     """Validates this task's cluster and waits until its peers are up.
 
     The cluster comes from `cluster_resolver` if given, else from `TF_CONFIG`
     (validated: a malformed or incomplete one raises `ValueError` naming the
     field). Without either, there is no peer to wait for and None is returned.
-    The peers are the cluster's chief and worker tasks other than this one.
+    The peers are the cluster's tasks of `peer_types` other than this one
+    (chief and worker tasks; a parameter-server chief also waits for the ps).
 
     Args:
         timeout_seconds: how long to wait for every peer, a number > 0.
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`,
             or None to read `TF_CONFIG`.
         environ: the environment to read `TF_CONFIG` from (default `os.environ`).
+        peer_types: the task types to wait for.
 
     Returns:
         This task's `TFConfig`, or None when it runs alone.
@@ -63,7 +65,7 @@ def wait_for_peers(timeout_seconds: float, cluster_resolver=None,
         return config
     own = config.cluster[config.task_type][config.task_index]
     peers = {f"{task_type}:{index}": address
-             for task_type in SYNCHRONOUS_TASK_TYPES
+             for task_type in peer_types
              for index, address in enumerate(config.cluster.get(task_type, []))
              if address != own}
     if not peers:

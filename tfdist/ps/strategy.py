@@ -20,6 +20,7 @@ from absl import logging
 
 from tfdist._compat import tf_parameter_server
 from tfdist._compat.tf_logging import quiet_server_logs
+from tfdist.cluster.rendezvous import wait_for_peers
 from tfdist.cluster.tf_config import free_ports, read_tf_config
 from tfdist.profiling import start_profiler_server
 from tfdist.ps import keras_fit
@@ -56,6 +57,9 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
             one shard per ps task; `None` keeps every variable whole (placed
             round-robin); or a `tf.distribute.experimental.partitioners`
             object.
+        timeout_seconds: how long the chief waits at the start for every
+            worker and ps task to serve; one that has not by then is named in
+            a `TimeoutError` (TensorFlow's own connection waits without end).
         **fields: the `ParallelConfig` fields.
 
     Example:
@@ -73,7 +77,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
     """
 
     def __init__(self, config=None, *, cluster_resolver=None,
-                 variable_partitioner="auto", **fields):
+                 variable_partitioner="auto", timeout_seconds: float = 300.0, **fields):
         quiet_server_logs()
         config = requested_config(config, fields, "ParameterServerStrategy")
         if cluster_resolver is None:
@@ -88,6 +92,11 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
                 f"runs on the chief (and serves on worker and ps tasks). Run "
                 f"validation on the chief with `fit(validation_data=...)`."
             )
+        if not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0:
+            raise ValueError(
+                f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}.")
+        wait_for_peers(timeout_seconds, cluster_resolver,
+                       peer_types=("chief", "worker", "ps"))
         workers = len(cluster["worker"])
         if config.data not in (None, workers):
             raise ValueError(
