@@ -6,6 +6,10 @@ anywhere in the suite.
 """
 
 import os
+import shutil
+import subprocess
+import sys
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -24,3 +28,48 @@ tfdist.use_virtual_devices(NUM_DEVICES)
 def _doctest_names(doctest_namespace):
     """`keras`, `np`, `tf` and `tfdist` are imported in every `>>>` example."""
     doctest_namespace.update(keras=keras, np=np, tf=tf, tfdist=tfdist)
+
+
+SLOW_TEST_SECONDS = 120  # as setup.cfg's faulthandler_timeout (Python stacks)
+STACKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".pytest_cache",
+                          "native-stacks")
+
+
+@pytest.fixture(autouse=True)
+def _native_stacks_of_a_slow_test(request):
+    """A test still running after 120 s gets its process's native stacks (every
+    thread, inside TensorFlow too: `py-spy dump --native`) recorded, and the
+    run's summary prints them: a stalled test's log says what it waits for."""
+    timer = threading.Timer(SLOW_TEST_SECONDS, _record_native_stacks,
+                            args=(request.node.nodeid,))
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
+
+
+def _record_native_stacks(test):
+    py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if py_spy is None:
+        return
+    done = subprocess.run([py_spy, "dump", "--native", "--pid", str(os.getpid())],
+                          capture_output=True, text=True, timeout=120)
+    os.makedirs(STACKS_DIR, exist_ok=True)
+    name = f"{os.getpid()}-{abs(hash(test))}.txt"
+    with open(os.path.join(STACKS_DIR, name), "w") as f:
+        f.write(f"{test} still running after {SLOW_TEST_SECONDS} s; native stacks "
+                f"(py-spy):\n{done.stdout}{done.stderr}\n")
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller, not an xdist worker
+        shutil.rmtree(STACKS_DIR, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not os.path.isdir(STACKS_DIR):
+        return
+    for name in sorted(os.listdir(STACKS_DIR)):
+        with open(os.path.join(STACKS_DIR, name)) as f:
+            terminalreporter.write_sep("-", "native stacks of a slow test")
+            terminalreporter.write(f.read())
