@@ -227,7 +227,12 @@ def test_matches_one_device(name, optimizer, config):
     size = config.get("data", 1) * config.get("pipeline", 1) * config.get("tensor", 1)
     result = train(tfdist.Strategy(devices=devices(size), **config), make=make, x=x, y=y,
                    batch_size=BATCH)
-    assert_parity(result, reference, steps=STEPS)
+    # The attention's key bias has no true gradient (softmax ignores a shift
+    # shared by all keys): Adam turns its rounding noise into updates, so it
+    # stays below 1e-6 and differs by reduction order (measured 1.02e-6 at
+    # data=4); every other weight differs by about 1e-7, far inside rtol.
+    atol = 5e-6 if name == "text_transformer" and optimizer == "adam" else 1e-6
+    assert_parity(result, reference, steps=STEPS, atol=atol)
 
 
 @pytest.mark.parametrize("optimizer, size", [("adam", 4), ("sgd", 2)])
