@@ -20,6 +20,20 @@ TFDIST = [sys.executable, "-m", "tfdist.cli"]  # the `tfdist` command of this ch
 PRINT_TF_CONFIG = [sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'])"]
 
 
+# The start of a `python -c` task of a launched MultiWorkerStrategy job: its
+# `index`, the strategy, and a tiny compiled `model` (4 features -> 2).
+TINY_TASK = """
+import json, os, sys
+import keras, numpy as np
+import tfdist
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+strategy = tfdist.MultiWorkerStrategy(timeout_seconds=60)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+"""
+
+
 def run_tfdist(*args, timeout=120, env=None):
     """Runs the `tfdist` command with `args` (in `env`, default this process's
     environment); its output is captured as text."""

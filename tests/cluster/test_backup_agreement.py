@@ -5,21 +5,13 @@ import sys
 
 import pytest
 
-from helpers import run_tfdist
+from helpers import TINY_TASK, run_tfdist
 
 pytestmark = pytest.mark.multiprocess
 
 # Each task keeps its backup in a directory of its own (as on two hosts without
 # a shared volume): BACKUP_ROOT/worker<index>.
-FIT = """
-import json, os, sys
-import keras, numpy as np
-import tfdist
-index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-strategy = tfdist.MultiWorkerStrategy(timeout_seconds=60)
-with strategy.scope():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    model.compile(optimizer="sgd", loss="mse")
+FIT = TINY_TASK + """
 backup = tfdist.callbacks.BackupAndRestore(os.path.join(sys.argv[1], f"worker{index}"))
 model.fit(np.ones((32, 4)), np.ones((32, 2)), batch_size=8, epochs=6, verbose=0,
           callbacks=[backup])

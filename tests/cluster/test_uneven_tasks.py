@@ -4,20 +4,12 @@ import sys
 
 import pytest
 
-from helpers import run_tfdist
+from helpers import TINY_TASK, run_tfdist
 
 pytestmark = pytest.mark.multiprocess
 
 # worker:1 has 64 more examples (2 more steps per epoch) than worker:0.
-FIT = """
-import json, os
-import keras, numpy as np
-import tfdist
-index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-strategy = tfdist.MultiWorkerStrategy(timeout_seconds=60)
-with strategy.scope():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+FIT = TINY_TASK + """
 n = 320 + 64 * index
 model.fit(np.ones((n, 4)), np.ones((n, 2)), batch_size=32, epochs=3, verbose=0)
 print("trained")
