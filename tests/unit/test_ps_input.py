@@ -10,7 +10,8 @@ from tfdist.ps.keras_fit import check_fit_input
 
 
 def resolver(**cluster):
-    spec = {k: [f"127.0.0.1:{2000 + i}" for i in range(n)] for k, n in cluster.items()}
+    ports = iter(range(2000, 2100))
+    spec = {k: [f"127.0.0.1:{next(ports)}" for _ in range(n)] for k, n in cluster.items()}
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(spec), task_type="chief", task_id=0, rpc_layer="grpc")
 

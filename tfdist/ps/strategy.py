@@ -95,18 +95,17 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
         if not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0:
             raise ValueError(
                 f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}.")
-        wait_for_peers(timeout_seconds, cluster_resolver,
-                       peer_types=("chief", "worker", "ps"))
         workers = len(cluster["worker"])
         if config.data not in (None, workers):
             raise ValueError(
                 f"`data={config.data}` must equal the number of worker tasks, "
                 f"{workers}, under a ParameterServerStrategy (or be left unset)."
             )
-        super().__init__(
-            resolver,
-            variable_partitioner=_partitioner(variable_partitioner, len(cluster["ps"])),
-        )
+        partitioner = _partitioner(variable_partitioner, len(cluster["ps"]))
+        # Everything checked: now wait (bounded) for the tasks to serve.
+        wait_for_peers(timeout_seconds, cluster_resolver,
+                       peer_types=("chief", "worker", "ps"))
+        super().__init__(resolver, variable_partitioner=partitioner)
         # Keras 3 optimizers update each variable whole, partitioned ones too.
         tf_parameter_server.serve_keras_variables(self)
         self._init_step_owner(config.resolve(workers))
