@@ -24,7 +24,11 @@ import tensorflow as tf
 from tfdist import usage_checks
 from tfdist._compat.keras_trainer import uses_keras_train_step
 from tfdist.cluster.agreement import check_tasks_agree
-from tfdist.cluster.rendezvous import SYNCHRONOUS_TASK_TYPES, wait_for_peers
+from tfdist.cluster.rendezvous import (
+    SYNCHRONOUS_TASK_TYPES,
+    check_timeout_seconds,
+    wait_for_peers,
+)
 from tfdist.cluster.watchdog import watch_step_functions
 from tfdist.config import ParallelConfig
 from tfdist.devices import check_devices
@@ -430,10 +434,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
 
     def __init__(self, config=None, *, cluster_resolver=None,
                  timeout_seconds: float = 300.0, layout_map=None, **fields):
-        if not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0:
-            raise ValueError(
-                f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}."
-            )
+        check_timeout_seconds(timeout_seconds)
         # fails before connecting:
         config = requested_config(config, fields, "MultiWorkerStrategy")
         check_layout_map(layout_map, config.tensor, config.zero)
@@ -449,7 +450,7 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         if task is not None and task.task_type in SYNCHRONOUS_TASK_TYPES:
             check_tasks_agree(self, task.task, config, timeout_seconds)
         self._timeout_seconds = float(timeout_seconds)
-        watch_step_functions(MultiWorkerStrategy, lambda strategy: strategy.timeout_seconds)
+        watch_step_functions(MultiWorkerStrategy)
         self.pipeline_devices = _stages_on_each_worker(
             self.extended.worker_devices, config.pipeline)
         config = config.resolve(self.num_replicas_in_sync * config.pipeline)

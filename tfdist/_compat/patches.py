@@ -195,6 +195,25 @@ def _dispatch_on_strategy(original, patch):
     return method
 
 
+def wrap_made_function(original, model, force, attribute, wrapper_type, *args):
+    """Runs Keras's `make_*_function` (`original`), then replaces the function
+    it stored in `model.<attribute>` by `wrapper_type(function, *args)`, once
+    (a function already wrapped is returned as it is).
+
+    Example:
+
+    ```python
+    wrap_made_function(original, model, force, "test_function", _ChiefFunction, strategy)
+    ```
+    """
+    original(model, force)
+    function = getattr(model, attribute)
+    if not isinstance(function, wrapper_type):
+        function = wrapper_type(function, *args)
+        setattr(model, attribute, function)
+    return function
+
+
 def uninstall(patch: Patch):
     """Restores the attribute `install` replaced (the very same object).
 

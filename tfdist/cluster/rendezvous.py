@@ -89,6 +89,20 @@ def wait_for_peers(timeout_seconds: float, cluster_resolver=None,
 _handed_to_tensorflow = set()
 
 
+def check_timeout_seconds(timeout_seconds):
+    """Raises ValueError unless `timeout_seconds` is a number > 0.
+
+    Example:
+
+    >>> check_timeout_seconds(0)
+    Traceback (most recent call last):
+    ...
+    ValueError: `timeout_seconds` must be a number > 0, got 0.
+    """
+    if not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0:
+        raise ValueError(f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}.")
+
+
 def _this_task(cluster_resolver, environ):
     if cluster_resolver is None:
         return read_tf_config(environ)

@@ -194,26 +194,22 @@ _WATCHED = (
 )
 
 
-def watch_step_functions(strategy_class, timeout_of):
+def watch_step_functions(strategy_class):
     """Puts every call of `fit`'s, `evaluate`'s and `predict`'s step functions
-    under a deadline for models whose strategy is a `strategy_class`;
-    `timeout_of(strategy)` gives its seconds.
+    under a deadline of the strategy's `timeout_seconds`, for models whose
+    strategy is a `strategy_class`.
 
     Example:
 
     ```python
-    watch_step_functions(MultiWorkerStrategy, lambda strategy: strategy.timeout_seconds)
+    watch_step_functions(MultiWorkerStrategy)
     ```
     """
     for patch, attribute, what in _WATCHED:
         patches.install_for_strategy(patch, strategy_class, functools.partial(
-            _make_watched, attribute=attribute, what=what, timeout_of=timeout_of))
+            _make_watched, attribute=attribute, what=what))
 
 
-def _make_watched(original, model, strategy, force=False, *, attribute, what, timeout_of):
-    original(model, force)
-    function = getattr(model, attribute)
-    if not isinstance(function, _WatchedFunction):
-        function = _WatchedFunction(function, timeout_of(strategy), what)
-        setattr(model, attribute, function)
-    return function
+def _make_watched(original, model, strategy, force=False, *, attribute, what):
+    return patches.wrap_made_function(original, model, force, attribute, _WatchedFunction,
+                                      strategy.timeout_seconds, what)

@@ -217,13 +217,8 @@ def _on_chief(attribute):
     """Keras's own test or predict function, allowed to run on the chief."""
 
     def make(original, model, strategy, force=False):
-        original(model, force)
-        function = getattr(model, attribute)
-        if isinstance(function, _ChiefFunction):
-            return function
-        wrapped = _ChiefFunction(function, strategy)
-        setattr(model, attribute, wrapped)
-        return wrapped
+        return patches.wrap_made_function(original, model, force, attribute,
+                                          _ChiefFunction, strategy)
 
     return make
 

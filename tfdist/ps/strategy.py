@@ -20,7 +20,7 @@ from absl import logging
 
 from tfdist._compat import tf_parameter_server
 from tfdist._compat.tf_logging import quiet_server_logs
-from tfdist.cluster.rendezvous import wait_for_peers
+from tfdist.cluster.rendezvous import check_timeout_seconds, wait_for_peers
 from tfdist.cluster.tf_config import free_ports, read_tf_config
 from tfdist.profiling import start_profiler_server
 from tfdist.ps import keras_fit
@@ -92,9 +92,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
                 f"runs on the chief (and serves on worker and ps tasks). Run "
                 f"validation on the chief with `fit(validation_data=...)`."
             )
-        if not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0:
-            raise ValueError(
-                f"`timeout_seconds` must be a number > 0, got {timeout_seconds!r}.")
+        check_timeout_seconds(timeout_seconds)
         workers = len(cluster["worker"])
         if config.data not in (None, workers):
             raise ValueError(
