@@ -4,8 +4,9 @@
         validates a ParallelConfig and prints it as JSON.
     tfdist launch  [--chief] --workers N [--ps M] [--evaluator]
                    [--restart-on-failure K] [--timeout S] [--profiler-port P]
-                   [config flags] COMMAND...
-        runs COMMAND as every task of a local cluster (TF_CONFIG on 127.0.0.1).
+                   [--host-network] [config flags] COMMAND...
+        runs COMMAND as every task of a local cluster (TF_CONFIG on 127.0.0.1,
+        in a private network unless --host-network).
     tfdist tfjob   --name NAME --image IMAGE [--namespace NS] [--chief] --workers N
                    [--ps M] [--evaluator] [--gpus-per-worker G] [--cpu C --memory M]
                    [--logdir PATH] [--profiler-port P] [--restart-policy POLICY]
@@ -65,6 +66,9 @@ flags.DEFINE_boolean("evaluator", False, "Add an evaluator task.")
 # launch
 flags.DEFINE_integer("restart-on-failure", 0, "Restarts allowed per failing task.")
 flags.DEFINE_float("timeout", None, "Seconds the whole job may take.")
+flags.DEFINE_boolean("host-network", False, "Run the tasks in this host's network "
+                     "(they reach other hosts; their TensorFlow servers, on every "
+                     "interface, are reachable from them), not in a private one.")
 # tfjob
 flags.DEFINE_string("name", None, "TFJob name (a Kubernetes name).")
 flags.DEFINE_string("image", None, "Container image, with a tag or digest.")
@@ -141,7 +145,8 @@ def _launch_command(command):
     return launch(command, **_tasks(),
                   restart_on_failure=FLAGS["restart-on-failure"].value,
                   timeout=FLAGS.timeout, config=config_from_flags(),
-                  profiler_port=FLAGS["profiler-port"].value)
+                  profiler_port=FLAGS["profiler-port"].value,
+                  host_network=FLAGS["host-network"].value)
 
 
 def _tfjob_command(command):
@@ -196,7 +201,8 @@ COMMANDS = {
                        "Validate a ParallelConfig and print it as JSON.",
                        "tfdist config --config parallel.json --microbatches 4"),
     "launch": _Command(_launch_command, _CONFIG_FLAGS + _TASK_FLAGS
-                       + ("restart-on-failure", "timeout", "profiler-port"),
+                       + ("restart-on-failure", "timeout", "profiler-port",
+                          "host-network"),
                        "Run COMMAND as every task of a local cluster (TF_CONFIG on "
                        "127.0.0.1).",
                        "tfdist launch --workers 2 --microbatches 2 python train.py "

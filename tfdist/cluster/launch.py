@@ -16,10 +16,17 @@ then SIGKILL). On Linux each task runs under `supervisor.py`, which also stops
 the processes the task started (detached ones included) when the task ends or
 is stopped, and stops the task if the launcher dies, even by SIGKILL.
 
+The tasks run in a private network (`private_network.py`, Linux): they reach
+each other on 127.0.0.1 and nothing else, and nothing outside reaches their
+TensorFlow servers, which listen on every interface; the profiler ports are
+forwarded from this host's 127.0.0.1. `host_network=True` runs them in this
+host's network instead.
+
 The launcher never waits for a task's output beyond the job's end: output
 still buffered a moment after a task's process has exited is dropped.
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -28,6 +35,7 @@ import sys
 import threading
 import time
 
+from tfdist.cluster.private_network import PrivateNetwork
 from tfdist.cluster.tf_config import TF_CONFIG_ENV, TFConfig, local_tf_configs
 from tfdist.config import CONFIG_ENV, PROFILER_PORT_ENV, ParallelConfig
 
@@ -60,11 +68,12 @@ class _Task:
 
 
 class _Cluster:
-    def __init__(self, command, configs, parallel_config, profiler_port, output):
+    def __init__(self, command, configs, parallel_config, profiler_port, network, output):
         self.command = list(command)
         self.tasks = [_Task(c) for c in configs]
         self.parallel_config = parallel_config
         self.profiler_port = profiler_port
+        self.network = network
         self.output = output
         self.lock = threading.Lock()
         self.changed = threading.Event()  # some process exited
@@ -84,6 +93,8 @@ class _Cluster:
         task.exit_code = None
         task.reader = None
         command = self.command
+        if self.network is not None:
+            command = self.network.command(command)
         if _SUPERVISED:
             command = [sys.executable, _SUPERVISOR, str(os.getpid())] + command
         task.process = subprocess.Popen(
@@ -175,7 +186,7 @@ def _raise_terminated(signum, frame):
 
 def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
            restart_on_failure=0, timeout=None, config=None, profiler_port=None,
-           output=None) -> int:
+           host_network=False, output=None) -> int:
     """Runs `command` as every task of a local cluster; returns the job's exit code.
 
     Args:
@@ -189,8 +200,18 @@ def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
             `$TFDIST_CONFIG`.
         profiler_port: task k (in the order chief, workers, ps, evaluator)
             gets `$TFDIST_PROFILER_PORT` = `profiler_port + k`, where its
-            strategy starts a profiler server for `tfdist profile`.
+            strategy starts a profiler server for `tfdist profile` (forwarded
+            from this host's 127.0.0.1 to the task's private network).
+        host_network: run the tasks in this host's network, not in a private
+            one: they can then reach other hosts and this host's servers, and
+            their TensorFlow servers can be reached from every network this
+            host is on.
         output: where the prefixed output goes (default `sys.stdout`).
+
+    Raises:
+        ValueError: a bad argument, or a profiler port taken on this host.
+        RuntimeError: no private network can be made here (not Linux, user
+            namespaces forbidden), saying why; nothing has started.
 
     Returns:
         0 if the job succeeded; else the exit code of the first task that
@@ -228,7 +249,25 @@ def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
         raise ValueError(
             f"`profiler_port` must be an int in 1..{65535 - len(configs)} (task k "
             f"uses profiler_port + k), got {profiler_port!r}.")
-    cluster = _Cluster(command, configs, config, profiler_port, output or sys.stdout)
+    with contextlib.ExitStack() as stack:
+        network = None
+        if not host_network:
+            ports = [] if profiler_port is None else list(
+                range(profiler_port, profiler_port + len(configs)))
+            network = stack.enter_context(PrivateNetwork(forward=ports))
+        cluster = _Cluster(command, configs, config, profiler_port, network,
+                           output or sys.stdout)
+        if network is not None:
+            forwarded = (f"; profiler ports {ports[0]}-{ports[-1]} forwarded from this "
+                         f"host's 127.0.0.1" if ports else "")
+            cluster.say("launch", f"the tasks run in a private network: they reach each "
+                                  f"other on 127.0.0.1 and nothing else (--host-network: "
+                                  f"this host's network){forwarded}")
+        return _run(cluster, restart_on_failure, timeout)
+
+
+def _run(cluster, restart_on_failure, timeout):
+    """Runs the job, stopping every task when it ends, fails or is interrupted."""
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
