@@ -11,7 +11,7 @@ that package only. This check reports, as `file:line: name`, anywhere else in
   a name tfdist defines itself: a function or class, a `self._name =` /
   `cls._name =` attribute, a module- or class-level `_name =`, or an attribute
   in tfdist's own `_tfdist...` namespace. Dunder names and named tuples'
-  `_replace`, `_asdict`, ... are public.
+  `_replace`, `_asdict`, ... are public, as is Python's documented `os._exit`.
 
 Exits 1 if anything is found, 0 otherwise.
 
@@ -35,6 +35,8 @@ OWN_NAMESPACE = "_tfdist"
 _ATTRIBUTE_FUNCTIONS = {"getattr", "setattr", "hasattr", "delattr"}
 # Named tuples' public API, underscored so as not to clash with field names.
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+# Python's own documented names that start with an underscore.
+PYTHON_API = {"_exit"}
 
 
 def is_private(name: str) -> bool:
@@ -120,7 +122,7 @@ def _is_private_module(name: str) -> bool:
 
 def _is_foreign(name: str, own_names) -> bool:
     return (is_private(name) and name not in own_names and name not in NAMEDTUPLE_API
-            and not name.startswith(OWN_NAMESPACE))
+            and name not in PYTHON_API and not name.startswith(OWN_NAMESPACE))
 
 
 def main(argv) -> int:

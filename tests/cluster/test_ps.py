@@ -4,9 +4,12 @@ Clusters run in subprocesses (an in-process cluster turns its process into a
 cluster member for good): tests/scripts/ps_fit.py and the example.
 """
 
+import contextlib
 import json
 import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
 
@@ -95,6 +98,29 @@ def test_mixed_float16_worker_steps_are_all_applied():
                     "--workers=2", "--epochs=1", "--steps_per_epoch=20"]))
     assert r["iterations"] == r["steps"] == 40  # loss-scaled steps, none lost or repeated
     assert r["accuracy"] > 0.6  # it learned (4 classes: chance is 0.25)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("task", ["ps-0", "worker-1"])
+def test_a_frozen_task_fails_fit_naming_it_within_seconds(tmp_path, task):
+    # SIGSTOP: the task's port still accepts connections, nothing answers.
+    done = subprocess.run(
+        [*TFDIST, "launch", "--chief", "--workers=2", "--ps=1", "--timeout=150", "--",
+         sys.executable, str(SCRIPT), "--mode=drill", f"--pid_dir={tmp_path}", "--epochs=3",
+         "--steps_per_epoch=40", "--kill_at=10", f"--kill_task={task}", "--kill_signal=SIGSTOP"],
+        capture_output=True, text=True, timeout=200)
+    out = done.stdout + done.stderr
+    for pid in tmp_path.glob("*.pid"):  # whatever happened, leave nothing stopped
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid.read_text()), signal.SIGKILL)
+    assert f"killing {task}" in out
+    name = task.replace("-", ":")
+    said = re.search(rf"TaskUnresponsiveError: Task {name} \(127.0.0.1:\d+, no answer for "
+                     rf"(\d+) s\) stopped answering during training", out)
+    assert said, out[-4000:]
+    assert int(said.group(1)) <= 20
+    assert "[launch] chief:0 failed with exit code 1" in out
+    assert "timed out" not in out
 
 
 @pytest.mark.multiprocess

@@ -25,6 +25,8 @@ flags.DEFINE_integer("steps_per_epoch", 30, "Steps per epoch.")
 flags.DEFINE_string("pid_dir", None, "drill: where each task writes <type>-<index>.pid.")
 flags.DEFINE_integer("kill_at", 20, "drill: the chief kills --kill_task after this many steps.")
 flags.DEFINE_string("kill_task", "worker-1", "drill: the task the chief kills (<type>-<index>).")
+flags.DEFINE_enum("kill_signal", "SIGKILL", ["SIGKILL", "SIGSTOP"],
+                 "drill: the signal sent (SIGSTOP freezes the task).")
 flags.DEFINE_string("backup_dir", None, "drill: BackupAndRestore directory.")
 flags.DEFINE_integer("delay_ms", 100, "drill: time a worker takes to produce each batch.")
 flags.DEFINE_string("out_dir", None, "checks: where callbacks write.")
@@ -191,9 +193,9 @@ def run_drill():
             self.steps += 1
             if self.steps == FLAGS.kill_at:
                 pid = int((pid_dir / f"{FLAGS.kill_task}.pid").read_text())
-                print(f"killing {FLAGS.kill_task} (pid {pid}) after {self.steps} steps",
-                      flush=True)
-                os.kill(pid, signal.SIGKILL)
+                print(f"killing {FLAGS.kill_task} (pid {pid}) after {self.steps} steps "
+                      f"with {FLAGS.kill_signal}", flush=True)
+                os.kill(pid, getattr(signal, FLAGS.kill_signal))
 
     x, y = classification(2048, seed=0)
     # Each batch takes --delay_ms to produce on the worker: steps are in flight

@@ -71,6 +71,21 @@ def num_ps(extended) -> int:
     return extended._num_ps
 
 
+def wait_for_result(remote_value, seconds: float) -> bool:
+    """Waits up to `seconds` for a scheduled function's `RemoteValue` to have
+    its result (or error); whether it has (`fetch()` then returns at once).
+
+    Example:
+
+    ```python
+    while not wait_for_result(remote_value, 1.0):
+        monitor.check()
+    logs = remote_value.fetch()
+    ```
+    """
+    return remote_value._status_available_event.wait(seconds)
+
+
 @contextlib.contextmanager
 def running_without_coordinator(extended):
     """Lets the chief run a step function itself, not through the coordinator

@@ -13,6 +13,9 @@ model whose strategy is a tfdist `ParameterServerStrategy` (and only then):
   returns the logs of a step that finished earlier instead of waiting;
 - `_get_metrics_result_or_logs` (end of an epoch, of `evaluate`) first waits
   for every scheduled step, so epoch metrics are exact;
+- every wait of the chief for steps raises `TaskUnresponsiveError` naming a
+  task that froze meanwhile (the strategy's `task_monitor` probes the
+  tasks during `fit`; a dead task TensorFlow reports itself);
 - `make_test_function` / `make_predict_function` run Keras's own functions on
   the chief (the variables are read from the ps tasks).
 
@@ -25,19 +28,26 @@ import collections
 import contextlib
 import functools
 import inspect
+import time
 import types
 
 import keras
 import tensorflow as tf
 
 from tfdist._compat import keras_trainer, patches
-from tfdist._compat.tf_parameter_server import is_ps_failure, running_without_coordinator
+from tfdist._compat.tf_parameter_server import (
+    is_ps_failure,
+    running_without_coordinator,
+    wait_for_result,
+)
 from tfdist._compat.tf_variables import storage_of
 from tfdist.ps.ledger import StepLedger
 
 # Steps in flight per worker before a train-function call waits for the oldest
 # (bounds how stale the per-step logs are; enough to keep every worker busy).
 _IN_FLIGHT_PER_WORKER = 4
+# How often the chief's waits for steps look whether a task has frozen.
+_POLL_SECONDS = 0.5
 
 
 def install(strategy_class):
@@ -71,9 +81,32 @@ def _fit(original, model, strategy, *args, **kwargs):
         call.arguments["x"] = strategy.dataset_from_function(x)
     check_fit_input(call.arguments.get("x"), call.arguments.get("steps_per_epoch"),
                     model.steps_per_execution)
-    history = original(*call.args, **call.kwargs)
-    strategy.coordinator.join()
+    with strategy.task_monitor:
+        history = original(*call.args, **call.kwargs)
+        join(strategy)
     return history
+
+
+def join(strategy):
+    """`strategy.coordinator.join()`, which also raises `TaskUnresponsiveError`
+    if a task freezes meanwhile (the coordinator would wait for it forever).
+
+    Example:
+
+    ```python
+    join(strategy)   # every scheduled step has run
+    ```
+    """
+    while not strategy.coordinator.done():
+        strategy.task_monitor.check()
+        time.sleep(_POLL_SECONDS)
+
+
+def _fetch(remote_value, strategy):
+    """`remote_value.fetch()`, raising `TaskUnresponsiveError` if a task freezes meanwhile."""
+    while not wait_for_result(remote_value, _POLL_SECONDS):
+        strategy.task_monitor.check()
+    return remote_value.fetch()
 
 
 def check_fit_input(x, steps_per_epoch, steps_per_execution=1):
@@ -175,15 +208,17 @@ class ScheduledTrainFunction:
         )
         with _ps_failure_explained():
             while len(self._pending) > self._depth:
-                self._latest = keras_trainer.python_logs(self._pending.popleft().fetch())
+                self._latest = keras_trainer.python_logs(
+                    _fetch(self._pending.popleft(), self._strategy))
         return self._latest
 
     def flush(self):
         """Waits for every scheduled step; returns the newest step's logs."""
         with _ps_failure_explained():
-            self._strategy.coordinator.join()
+            join(self._strategy)
             while self._pending:
-                self._latest = keras_trainer.python_logs(self._pending.popleft().fetch())
+                self._latest = keras_trainer.python_logs(
+                    _fetch(self._pending.popleft(), self._strategy))
         return self._latest
 
 

@@ -20,6 +20,7 @@ from absl import logging
 
 from tfdist._compat import tf_parameter_server
 from tfdist._compat.tf_logging import quiet_server_logs
+from tfdist.cluster.liveness import TaskMonitor
 from tfdist.cluster.rendezvous import check_timeout_seconds, wait_for_peers
 from tfdist.cluster.tf_config import free_ports, read_tf_config
 from tfdist.profiling import start_profiler_server
@@ -29,6 +30,10 @@ from tfdist.strategy import _StepOwner, requested_config
 # Smallest shard a variable is split into across ps tasks (TensorFlow's
 # recommended partitioner, capped at one shard per ps task).
 _MIN_SHARD_BYTES = 256 << 10
+# A task found frozen while the chief is blocked inside TensorFlow on it
+# (reading variables for validation, evaluate, predict or a save) ends the
+# chief this long after, with the message: a restart is the only way on.
+_EXIT_AFTER_SECONDS = 30.0
 
 class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterServerStrategy):
     """Asynchronous data-parallel training with parameter servers, for `model.fit`.
@@ -44,6 +49,11 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
     Metrics are exact at the end of each epoch (the chief waits for the
     epoch's steps before reading them); the per-step values callbacks get
     lag the newest step by at most a few steps per worker.
+
+    A task that dies is reported by TensorFlow (a worker's steps are run on
+    the others until it is back; a lost ps fails `fit`); one that freezes,
+    alive but not answering, fails `fit` within about 10 s naming it
+    (`task_monitor`).
 
     Args:
         config: a `ParallelConfig` (or its dict); or give its fields as keywords.
@@ -108,6 +118,10 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
         tf_parameter_server.serve_keras_variables(self)
         self._init_step_owner(config.resolve(workers))
         self._coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
+        self._task_monitor = TaskMonitor(
+            {f"{job}:{index}": address for job in ("worker", "ps")
+             for index, address in enumerate(cluster[job])},
+            exit_after=_EXIT_AFTER_SECONDS)
         self._per_worker_iterators = weakref.WeakKeyDictionary()
         self._dataset_functions = weakref.WeakKeyDictionary()
         keras_fit.install(ParameterServerStrategy)
@@ -121,6 +135,14 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
     def num_ps(self) -> int:
         """Ps tasks in the cluster."""
         return tf_parameter_server.num_ps(self.extended)
+
+    @property
+    def task_monitor(self) -> TaskMonitor:
+        """Probes the worker and ps tasks during `fit`: a task that freezes
+        (alive, its port open, but not answering) fails `fit` within about
+        10 s with a `TaskUnresponsiveError` naming it
+        (`tfdist.cluster.liveness`)."""
+        return self._task_monitor
 
     @property
     def coordinator(self):
