@@ -124,8 +124,9 @@ class _StepOwner:
         batches differ in rows, which an elementwise reduction (`axis=None`)
         cannot combine; Keras's `fit` makes one such reduction of its first
         batch (to build the model). A value whose replicas hold different
-        numbers of rows is reduced over the rows they all have; one of a
-        dtype that has no sum (bool, string inputs) is the first replica's.
+        numbers of rows is reduced over the rows they all have; one that has
+        no sum (bool and string inputs, a `tf.RaggedTensor`) is the first
+        replica's, cut to those rows alike.
 
         Example:
 
@@ -139,21 +140,22 @@ class _StepOwner:
         return super().reduce(reduce_op, value, axis)
 
     def _common_rows(self, value):
-        """A per-replica value cut to the rows every replica has (a bool or
-        string one: this process's first replica's)."""
+        """A per-replica value cut to the rows every replica has (one that
+        has no sum: this process's first replica's)."""
         if not isinstance(value, tf.distribute.DistributedValues):
             return value
         first = self.experimental_local_results(value)[0]
-        if first.dtype in (tf.bool, tf.string):
-            return first
-        if not first.shape.rank:
-            return value
-        # In a tf.function: strategy.run eagerly makes TensorFlow warn of its overhead.
-        return tf.function(self._cut_to_common_rows)(value)
+        summable = first.dtype not in (tf.bool, tf.string) and not isinstance(
+            first, tf.RaggedTensor)
+        if first.shape.rank:
+            # In a tf.function: strategy.run eagerly makes TensorFlow warn of its overhead.
+            value = tf.function(self._cut_to_common_rows)(value)
+        return value if summable else self.experimental_local_results(value)[0]
 
     def _cut_to_common_rows(self, value):
         # Every replica's row count (across processes too), then its common rows.
-        rows = self.gather(self.run(lambda v: tf.shape(v)[:1], args=(value,)), axis=0)
+        rows = self.gather(self.run(lambda v: tf.shape(v)[0][tf.newaxis], args=(value,)),
+                           axis=0)
         common = tf.reduce_min(rows)
         return self.run(lambda v: v[:common], args=(value,))
 

@@ -306,8 +306,8 @@ class StageRunner:
                                               output_gradients=seeds)
         else:
             grads = [None] * (len(floating) + len(weights))
-        input_grads = [None if g is None else tf.convert_to_tensor(g)
-                       for g in grads[:len(floating)]]
+        input_grads = [g if g is None or isinstance(g, tf.RaggedTensor) else
+                       tf.convert_to_tensor(g) for g in grads[:len(floating)]]
         weight_grads = grads[len(floating):]
         if activations.weights is not None:  # gathered, maybe in a compute dtype:
             # back to each weight's dtype, as the gradient of Keras's cast is
@@ -318,7 +318,9 @@ class StageRunner:
             sparse_gradients.sum_fixed_lookups(weight_grads),
             [g for g in input_grads if g is not None])
         if defer_weights:
-            result.weight_ops = _weight_only(graph.get_operations()[built:], result.inputs,
+            result.weight_ops = _weight_only(graph.get_operations()[built:],
+                                             tf.nest.flatten(result.inputs,
+                                                             expand_composites=True),
                                              tf.nest.flatten(result.weights,
                                                              expand_composites=True))
         input_grads = iter(input_grads)

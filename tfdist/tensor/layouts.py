@@ -254,6 +254,8 @@ class Vocabulary(TensorLayout):
             logits = type(layer).call(layer, mesh.copy(inputs), reverse=True)
             return logits if self.sharded_loss and logits_are_sharded() else (
                 mesh.gather_last(logits))
+        if isinstance(inputs, tf.RaggedTensor):  # the ids' vectors, in the same rows
+            return inputs.with_flat_values(self.sharded_call(layer, mesh, inputs.flat_values))
         rows = layer.input_dim // mesh.tensor
         ids = tf.cast(inputs, tf.int32) - mesh.rank() * rows
         owned = tf.logical_and(ids >= 0, ids < rows)

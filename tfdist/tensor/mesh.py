@@ -200,19 +200,24 @@ class TensorMesh:
 
         Each replica of a strategy receives its own slice of the global
         batch; the replicas of one tensor group must compute on the same
-        examples, so they exchange their slices (sizes may differ).
+        examples, so they exchange their slices (sizes may differ). A
+        `tf.RaggedTensor` travels as its row lengths and its values.
         """
         launcher = self._tensor_launcher()
         tensors = [t for t in tf.nest.flatten(data) if t is not None]
-        sizes = tf_collectives.all_gather(launcher, tf.shape(tensors[0])[:1])  # (t,)
+        sizes = self._group_sizes(tf.shape(tensors[0])[0])
         rank = self.rank()
         own = (tf.reduce_sum(sizes[:rank]), sizes[rank])
-        # Every slice padded to the longest, gathered, then the padding dropped.
-        longest = tf.reduce_max(sizes)
-        rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
-                          for i in range(self.tensor)], axis=0)
 
-        def gather(t):
+        def gather(t, sizes):
+            if isinstance(t, tf.RaggedTensor):
+                return tf.RaggedTensor.from_row_lengths(
+                    gather(t.values, self._group_sizes(tf.shape(t.values)[0])),
+                    gather(t.row_lengths(), sizes), validate=False)
+            # Every slice padded to the longest, gathered, then the padding dropped.
+            longest = tf.reduce_max(sizes)
+            rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
+                              for i in range(self.tensor)], axis=0)
             padding = [[0, longest - tf.shape(t)[0]]] + [[0, 0]] * (t.shape.rank - 1)
             sent, received = _gatherable(t.dtype)
             gathered = tf_collectives.all_gather(launcher, sent(tf.pad(t, padding)))
@@ -220,8 +225,13 @@ class TensorMesh:
             gathered.set_shape([None, *t.shape[1:]])
             return gathered
 
-        gathered = tf.nest.map_structure(lambda t: None if t is None else gather(t), data)
+        gathered = tf.nest.map_structure(
+            lambda t: None if t is None else gather(t, sizes), data)
         return gathered, own
+
+    def _group_sizes(self, rows):
+        """Every rank's `rows` (a scalar), in rank order: shape (t,)."""
+        return tf_collectives.all_gather(self._tensor_launcher(), rows[tf.newaxis])
 
     def on_group_batch(self, step, own_rows=False):
         """`step` (Keras's test or predict step) run on the tensor group's
