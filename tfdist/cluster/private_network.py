@@ -69,7 +69,7 @@ class PrivateNetwork:
 
     def __init__(self, forward=()):
         if not sys.platform.startswith("linux"):
-            _refuse("network namespaces are Linux only")
+            _refuse("network namespaces are Linux only", linux=False)
         with contextlib.ExitStack() as stack:
             fds = [stack.enter_context(_listen(port)).fileno() for port in forward]
             self.holder = subprocess.Popen(
@@ -117,16 +117,17 @@ class PrivateNetwork:
         self.close()
 
 
-def _refuse(reason):
+def _refuse(reason, linux=True):
     restrictions = ", ".join(f"{name} = {value}" for name, value in _restrictions().items())
+    allow = ("Allow this user to create user namespaces (on Ubuntu: sysctl "
+             "kernel.apparmor_restrict_unprivileged_userns=0, or an AppArmor profile "
+             "granting `userns` to this Python), or run" if linux else "Run")
     raise RuntimeError(
         f"The job's tasks run in a private network (TensorFlow's task servers listen "
         f"on every interface and run any graph sent to them), which cannot be made "
-        f"here: {reason}{f' ({restrictions})' if restrictions else ''}. Allow this "
-        f"user to create user namespaces (on Ubuntu: sysctl kernel.apparmor_restrict_"
-        f"unprivileged_userns=0, or an AppArmor profile granting `userns` to this "
-        f"Python), or run the tasks in this host's network with --host-network "
-        f"(`host_network=True`), their ports then open to whoever reaches this host.")
+        f"here: {reason}{f' ({restrictions})' if restrictions else ''}. {allow} the "
+        f"tasks in this host's network with --host-network (`host_network=True`), "
+        f"their ports then open to whoever reaches this host.")
 
 
 def _restrictions():
