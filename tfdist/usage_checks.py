@@ -11,11 +11,17 @@ import inspect
 import keras
 import tensorflow as tf
 
+from tfdist._compat import patches
+from tfdist._compat.keras_trainer import is_validation_iterator, predicted_no_batch
 from tfdist._compat.tf_variables import distribute_strategy_of
 from tfdist.engine.build import keras_flavour, step_level_options
 
 # Names a training function calls: a model's train step, or a tape and an optimizer.
 _TRAINING_CALLS = frozenset({"train_step", "gradient", "apply_gradients", "minimize"})
+# What leaves an input without examples.
+_EMPTY_CAUSES = ("an empty array, a file pattern matching no file, `take(0)`, a "
+                 "`filter` that keeps nothing, or a batch size larger than the data "
+                 "with `drop_remainder=True`")
 
 
 def check_built_in_scope(model, strategy):
@@ -60,10 +66,58 @@ def check_not_empty(dataset: tf.data.Dataset):
     """
     if int(dataset.cardinality()) == 0:
         raise ValueError(
-            "The dataset is empty (0 batches): there is nothing to train or "
-            "evaluate on. Check the data given to `fit`/`evaluate`/`predict` (an "
-            "empty array, a file pattern matching no file, `take(0)`, or a batch "
-            "size larger than the data with `drop_remainder=True`).")
+            f"The dataset is empty (0 batches): there is nothing to train or "
+            f"evaluate on. Check the data given to `fit`/`evaluate`/`predict` "
+            f"({_EMPTY_CAUSES}).")
+
+
+def refuse_empty_input(strategy_class):
+    """Makes `fit`, `evaluate` and `predict` of the models whose strategy is a
+    `strategy_class` raise a ValueError naming an input that has no examples.
+
+    Keras reads the first batch of `fit`'s and `evaluate`'s input before their
+    first step (to build the model) and ends in a bare `StopIteration` when
+    there is none; `predict` ends in an `UnboundLocalError`. This covers the
+    inputs whose size is only known by reading them (arrays, which Keras
+    turns into such a dataset, a `filter`ed dataset), which `check_not_empty`
+    cannot see. `fit`'s `validation_data` is read, and refused, after the
+    first epoch, as Keras first reads it then.
+
+    Example:
+
+    ```python
+    refuse_empty_input(tfdist.Strategy)   # every tfdist strategy does it
+    model.fit(np.zeros((0, 16)), np.zeros((0,)))
+    # ValueError: `x` has no examples: not one batch could be read from it...
+    ```
+    """
+    patches.install_for_strategy(patches.TRAINER_SYMBOLIC_BUILD, strategy_class,
+                                 _build_from_first_batch)
+    patches.install_for_strategy(patches.TRAINER_PREDICT, strategy_class, _predict)
+
+
+def _build_from_first_batch(original, model, strategy, iterator=None, data_batch=None):
+    try:
+        return original(model, iterator=iterator, data_batch=data_batch)
+    except StopIteration:  # from reading the first batch, the only read
+        argument = "validation_data" if is_validation_iterator(model, iterator) else "x"
+        raise _no_examples(argument) from None
+
+
+def _predict(original, model, strategy, *args, **kwargs):
+    try:
+        return original(model, *args, **kwargs)
+    except UnboundLocalError as error:
+        if predicted_no_batch(error):
+            raise _no_examples("x") from error
+        raise
+
+
+def _no_examples(argument):
+    return ValueError(
+        f"`{argument}` has no examples: not one batch could be read from it, so "
+        f"there is nothing to train, evaluate or predict on. Give it at least one "
+        f"example (look for {_EMPTY_CAUSES}).")
 
 
 def check_run_function(fn, config) -> str | None:

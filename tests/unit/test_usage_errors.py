@@ -37,6 +37,31 @@ def test_empty_dataset_says_it_is_empty(data):
         model.fit(x, y, verbose=0)
 
 
+@pytest.mark.parametrize("call", ["fit", "evaluate", "predict"])
+@pytest.mark.parametrize("data", [
+    lambda: (X[:0], Y[:0]),  # arrays: Keras makes them a dataset of unknown size
+    lambda: (tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: False).batch(4),
+             None),
+], ids=["arrays", "filtered_dataset"])
+def test_input_without_examples_says_so_naming_it(call, data):
+    strategy = tfdist.Strategy(devices=["CPU:0", "CPU:1"])
+    with strategy.scope():
+        model = build()
+    x, y = data()
+    inputs = (x,) if call == "predict" else (x, y)
+    with pytest.raises(ValueError, match=r"^`x` has no examples: not one batch could be "
+                                         r"read from it.*Give it at least one example"):
+        getattr(model, call)(*inputs, verbose=0)
+
+
+def test_validation_data_without_examples_is_named():
+    strategy = tfdist.Strategy(devices=["CPU:0", "CPU:1"])
+    with strategy.scope():
+        model = build()
+    with pytest.raises(ValueError, match=r"^`validation_data` has no examples"):
+        model.fit(X, Y, validation_data=(X[:0], Y[:0]), verbose=0)
+
+
 def test_model_built_outside_the_scope_says_to_build_it_inside():
     strategy = tfdist.Strategy(devices=["CPU:0", "CPU:1"])
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

@@ -128,3 +128,32 @@ def dataset_of(iterator):
     ```
     """
     return getattr(iterator, "_dataset", None)
+
+
+def is_validation_iterator(model, iterator) -> bool:
+    """Whether `iterator` is the epoch iterator `fit` made of its
+    `validation_data` (Keras's `_eval_epoch_iterator`).
+
+    Example:
+
+    ```python
+    is_validation_iterator(model, iterator)   # False outside `fit`'s validation
+    ```
+    """
+    return iterator is not None and iterator is getattr(model, "_eval_epoch_iterator", None)
+
+
+def predicted_no_batch(error) -> bool:
+    """Whether `error`, raised by Keras's `predict`, says it read no batch:
+    its loop never ran, which leaves its `batch_outputs` unassigned.
+
+    Example:
+
+    ```python
+    try:
+        model.predict(x)
+    except UnboundLocalError as error:
+        predicted_no_batch(error)   # True when `x` has no examples
+    ```
+    """
+    return isinstance(error, UnboundLocalError) and "batch_outputs" in str(error)

@@ -93,6 +93,14 @@ TRAINER_MAKE_PREDICT_FUNCTION = Patch(
     TensorFlowTrainer, "make_predict_function", "(self, force=False)", _TRAINER)
 TRAINER_METRICS_RESULT = Patch(
     TensorFlowTrainer, "_get_metrics_result_or_logs", "(self, logs)", _TRAINER)
+_EMPTY_INPUT = ("tfdist/usage_checks.py: refuse_empty_input, input without examples "
+                "named under Strategy and MultiWorkerStrategy")
+TRAINER_SYMBOLIC_BUILD = Patch(
+    TensorFlowTrainer, "_maybe_symbolic_build", "(self, iterator=None, data_batch=None)",
+    _EMPTY_INPUT)
+TRAINER_PREDICT = Patch(
+    TensorFlowTrainer, "predict",
+    "(self, x, batch_size=None, verbose='auto', steps=None, callbacks=None)", _EMPTY_INPUT)
 
 PROCESS_WIDE = (
     MODEL_SUMMARY,
@@ -101,6 +109,8 @@ PROCESS_WIDE = (
     TRAINER_MAKE_TEST_FUNCTION,
     TRAINER_MAKE_PREDICT_FUNCTION,
     TRAINER_METRICS_RESULT,
+    TRAINER_SYMBOLIC_BUILD,
+    TRAINER_PREDICT,
 )
 
 _PS_EXTENDED = ("tfdist/_compat/tf_parameter_server.py: serve_keras_variables swaps the "
