@@ -21,7 +21,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfdist import usage_checks
+from tfdist import usage_checks, weight_files
 from tfdist._compat.keras_trainer import uses_keras_train_step
 from tfdist.cluster.agreement import check_tasks_agree
 from tfdist.cluster.rendezvous import (
@@ -97,6 +97,7 @@ class _StepOwner:
     def _init_step_owner(self, config: ParallelConfig, layout_map=None):
         self._layout_map = check_layout_map(layout_map, config.tensor, config.zero)
         usage_checks.refuse_empty_input(_StepOwner)
+        weight_files.name_unreadable_files(_StepOwner)
         start_profiler_server()  # when $TFDIST_PROFILER_PORT asks for one
         if config.pipeline > 1:
             pipeline_summary.install()

@@ -94,13 +94,17 @@ TRAINER_MAKE_PREDICT_FUNCTION = Patch(
 TRAINER_METRICS_RESULT = Patch(
     TensorFlowTrainer, "_get_metrics_result_or_logs", "(self, logs)", _TRAINER)
 _EMPTY_INPUT = ("tfdist/usage_checks.py: refuse_empty_input, input without examples "
-                "named under Strategy and MultiWorkerStrategy")
+                "named under tfdist's strategies")
 TRAINER_SYMBOLIC_BUILD = Patch(
     TensorFlowTrainer, "_maybe_symbolic_build", "(self, iterator=None, data_batch=None)",
     _EMPTY_INPUT)
 TRAINER_PREDICT = Patch(
     TensorFlowTrainer, "predict",
     "(self, x, batch_size=None, verbose='auto', steps=None, callbacks=None)", _EMPTY_INPUT)
+MODEL_LOAD_WEIGHTS = Patch(
+    keras.Model, "load_weights", "(self, filepath, skip_mismatch=False, **kwargs)",
+    "tfdist/weight_files.py: name_unreadable_files, a truncated or corrupt weights file "
+    "named under tfdist's strategies")
 
 PROCESS_WIDE = (
     MODEL_SUMMARY,
@@ -111,6 +115,7 @@ PROCESS_WIDE = (
     TRAINER_METRICS_RESULT,
     TRAINER_SYMBOLIC_BUILD,
     TRAINER_PREDICT,
+    MODEL_LOAD_WEIGHTS,
 )
 
 _PS_EXTENDED = ("tfdist/_compat/tf_parameter_server.py: serve_keras_variables swaps the "
