@@ -15,6 +15,7 @@ arguments and behave as their parents everywhere except two places:
 import contextlib
 import inspect
 import itertools
+import re
 import sys
 import warnings
 
@@ -23,6 +24,7 @@ import tensorflow as tf
 
 from tfdist import usage_checks, weight_files
 from tfdist._compat.keras_trainer import uses_keras_train_step
+from tfdist._compat.tf_distribute import bound_task_registration
 from tfdist.cluster.agreement import check_tasks_agree
 from tfdist.cluster.rendezvous import (
     SYNCHRONOUS_TASK_TYPES,
@@ -447,10 +449,17 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
         )
+        if task is not None:  # a task dying after the wait above: bounded too
+            bound_task_registration(task.cluster, task.task_type, timeout_seconds)
         # No per-collective timeout: TensorFlow spends a sleeping thread on
         # each one for the whole timeout. Lost peers are TensorFlow's
         # heartbeats' to find; the watchdog bounds each step.
-        super().__init__(cluster_resolver=cluster_resolver)
+        try:
+            super().__init__(cluster_resolver=cluster_resolver)
+        except tf.errors.DeadlineExceededError as error:
+            if "Wait_for_all_tasks_to_register" not in str(error):
+                raise
+            raise _registration_timeout(error, task, timeout_seconds) from error
         if task is not None and task.task_type in SYNCHRONOUS_TASK_TYPES:
             check_tasks_agree(self, task.task, config, timeout_seconds)
         self._timeout_seconds = float(timeout_seconds)
@@ -483,6 +492,17 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
         if axis is not None and _rank(value) == 0:
             axis = None
         return super().reduce(reduce_op, value, axis)
+
+
+def _registration_timeout(error, task, timeout_seconds):
+    """A clear `TimeoutError` for TensorFlow's registration barrier timing
+    out: the tasks that never registered (started, then died or hung)."""
+    missing = re.findall(r"^/job:(\w+)/replica:\d+/task:(\d+)$", str(error), re.MULTILINE)
+    names = ", ".join(sorted({f"{job}:{index}" for job, index in missing})) or "some task"
+    return TimeoutError(
+        f"{task.task} waited {timeout_seconds:g} s for every task to register with "
+        f"TensorFlow, but {names} did not: it answered at the start, then died or "
+        f"hung before joining (look at its log), or raise `timeout_seconds`.")
 
 
 def _rank(value):

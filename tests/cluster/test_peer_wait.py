@@ -1,4 +1,5 @@
-"""A MultiWorkerStrategy whose peer never starts fails within its timeout, naming the peer."""
+"""A MultiWorkerStrategy whose peer never starts, or dies while starting,
+fails within its timeout, naming the peer."""
 
 import json
 import os
@@ -68,3 +69,29 @@ def test_a_parameter_server_chief_names_the_tasks_that_never_start():
     assert (f"TimeoutError: chief:0 waited 10 s for the other tasks of the job, but "
             f"worker:0 ({worker}), ps:0 ({ps}) did not start") in done.stderr, \
         done.stderr[-2000:]
+
+
+def test_a_peer_dying_after_answering_fails_the_constructor_within_its_timeout():
+    """Worker 1 answers the start's wait, then dies before registering with
+    TensorFlow: worker 0 waited in TensorFlow's registration without end."""
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
+
+    def env(index):
+        tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
+        return dict(os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="2")
+
+    dying = subprocess.Popen(
+        [sys.executable, "-c", "import os\nfrom tfdist.cluster.rendezvous import wait_for_peers\n"
+         "wait_for_peers(60)\nos._exit(3)\n"], env=env(1))
+    try:
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", CREATE_STRATEGY], env=env(0),
+                              capture_output=True, text=True, timeout=120)
+        seconds = time.monotonic() - start
+        assert dying.wait(timeout=30) == 3
+    finally:
+        dying.kill()
+    assert done.returncode != 0 and "connected" not in done.stdout
+    assert seconds < 40, seconds
+    assert ("TimeoutError: worker:0 waited 10 s for every task to register with TensorFlow, "
+            "but worker:1 did not") in done.stderr, done.stderr[-2000:]

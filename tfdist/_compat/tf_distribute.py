@@ -5,12 +5,14 @@ device is and holds the collective group keys; none of it is public.
 """
 
 import tensorflow as tf
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import (
     collective_util,
     distribute_lib,
     multi_worker_util,
     values_util,
 )
+from tensorflow.python.eager import context as eager_context
 from tensorflow.python.util import nest
 
 
@@ -120,3 +122,36 @@ def summed_across_replicas(values):
     else:
         reduced = extended._replica_ctx_all_reduce(sum_, flat, options)
     return nest.pack_sequence_as(values, reduced)
+
+
+def bound_task_registration(cluster: dict, task_type: str, timeout_seconds: float):
+    """Makes the next `MultiWorkerMirroredStrategy` of this process wait at
+    most `timeout_seconds` for every chief and worker task of `cluster` (its
+    TF_CONFIG dict) to register with TensorFlow's coordination service.
+
+    The strategy configures that service as done here, but with no
+    registration deadline: a task that dies before registering leaves the
+    others in `WaitForAllTasks` forever (Python signal handlers do not run
+    there). With a registration barrier the wait fails instead with a
+    `tf.errors.DeadlineExceededError` naming the missing tasks. Nothing is
+    done if the service is already configured (by an earlier strategy).
+
+    Example:
+
+    ```python
+    bound_task_registration({"worker": ["h0:2222", "h1:2222"]}, "worker", 300)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    ```
+    """
+    context = eager_context.context()
+    if context.coordination_service is not None or task_type not in ("chief", "worker"):
+        return
+    spec = tf.train.ClusterSpec(cluster)
+    context.configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=[
+            coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(cluster[job]))
+            for job in ("chief", "worker") if job in cluster],
+        cluster_register_timeout_in_ms=int(timeout_seconds * 1000))
+    context.coordination_service.cluster_register_with_barrier = True
