@@ -140,28 +140,38 @@ class _StepOwner:
         ```
         """
         if axis is None:
-            value = tf.nest.map_structure(self._common_rows, value)
+            value = self._common_rows(value)
         return super().reduce(reduce_op, value, axis)
 
     def _common_rows(self, value):
-        """A per-replica value cut to the rows every replica has (one that
-        has no sum: this process's first replica's)."""
-        if not isinstance(value, tf.distribute.DistributedValues):
-            return value
-        first = self.experimental_local_results(value)[0]
-        summable = first.dtype not in (tf.bool, tf.string) and not isinstance(
-            first, tf.RaggedTensor)
-        if first.shape.rank:
-            # In a tf.function: strategy.run eagerly makes TensorFlow warn of its overhead.
-            value = tf.function(self._cut_to_common_rows)(value)
-        return value if summable else self.experimental_local_results(value)[0]
+        """`value`'s per-replica values cut to the rows every replica has (one
+        that has no sum: this process's first replica's), in one call of one
+        function whatever the structure."""
+        flat = tf.nest.flatten(value)
+        firsts = [self.experimental_local_results(v)[0]
+                  if isinstance(v, tf.distribute.DistributedValues) else None for v in flat]
+        cut = [i for i, first in enumerate(firsts) if first is not None and first.shape.rank]
+        if cut:
+            if self._cut_function is None:  # traced once: no autograph, no retracing per call
+                self._cut_function = tf.function(
+                    self._cut_to_common_rows, autograph=False, reduce_retracing=True)
+            for i, v in zip(cut, self._cut_function(*[flat[i] for i in cut])):
+                flat[i] = v
+        for i, first in enumerate(firsts):
+            if first is not None and (first.dtype in (tf.bool, tf.string)
+                                      or isinstance(first, tf.RaggedTensor)):
+                flat[i] = self.experimental_local_results(flat[i])[0]
+        return tf.nest.pack_sequence_as(value, flat)
 
-    def _cut_to_common_rows(self, value):
-        # Every replica's row count (across processes too), then its common rows.
-        rows = self.gather(self.run(lambda v: tf.shape(v)[0][tf.newaxis], args=(value,)),
-                           axis=0)
-        common = tf.reduce_min(rows)
-        return self.run(lambda v: v[:common], args=(value,))
+    _cut_function = None
+
+    def _cut_to_common_rows(self, *values):
+        # Every replica's row count of each value (across processes too), then
+        # each value's common rows.
+        counts = self.gather(self.run(
+            lambda *vs: tf.stack([tf.shape(v)[0] for v in vs])[tf.newaxis], args=values), axis=0)
+        common = tf.reduce_min(counts, axis=0)  # (values,)
+        return self.run(lambda *vs: [v[:common[j]] for j, v in enumerate(vs)], args=values)
 
     def describe(self, model: keras.Model, sequence_length: int | None = None) -> str:
         """How `model`'s layers are laid out under this strategy, one per line.
