@@ -148,8 +148,11 @@ class _StepOwner:
         that has no sum: this process's first replica's), in one call of one
         function whatever the structure."""
         flat = tf.nest.flatten(value)
+        # A variable's copies all have its shape (and traced as an argument of
+        # the shared function, every variable would read as the first one).
         firsts = [self.experimental_local_results(v)[0]
-                  if isinstance(v, tf.distribute.DistributedValues) else None for v in flat]
+                  if isinstance(v, tf.distribute.DistributedValues)
+                  and not isinstance(v, tf.Variable) else None for v in flat]
         cut = [i for i, first in enumerate(firsts) if first is not None and first.shape.rank]
         if cut:
             if self._cut_function is None:  # traced once: no autograph, no retracing per call

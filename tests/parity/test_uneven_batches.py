@@ -92,3 +92,23 @@ def test_tensor(case):
 def test_tensor_microbatches():
     # Groups of 8 rows cut into 2 + 3 + 3, then of 7 and 6 rows.
     check("last13of4", data=2, tensor=2, microbatches=3)
+
+
+def test_reduce_cuts_batches_to_common_rows_and_reads_each_variable_as_itself():
+    """`Strategy.reduce` of a batch whose replicas differ in rows keeps the
+    rows every replica has; a sync-on-read variable (tf_keras's moving
+    statistics) read across replicas is its own mean, not another's."""
+    import numpy as np
+    import tensorflow as tf
+
+    strategy = tfdist.Strategy(devices=devices(2))
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.range(3).map(lambda i: tf.cast(i, tf.float32)).batch(3))))
+    np.testing.assert_array_equal(  # replicas hold [0, 1] and [2]: row 0 of each
+        strategy.reduce("SUM", {"x": batch, "y": batch}, axis=None)["x"], [2.0])
+    with strategy.scope():
+        on_read = [tf.Variable(value, synchronization=tf.VariableSynchronization.ON_READ,
+                               aggregation=tf.VariableAggregation.MEAN)
+                   for value in ([1.0, 2.0], [3.0, 4.0], [5.0, 6.0])]
+    for variable, value in zip(on_read, ([1.0, 2.0], [3.0, 4.0], [5.0, 6.0])):
+        np.testing.assert_array_equal(tf.convert_to_tensor(variable), value)
