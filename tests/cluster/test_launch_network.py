@@ -30,7 +30,9 @@ config = json.loads(os.environ["TF_CONFIG"])
 seen = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
 print("serving", json.dumps({"address": config["cluster"]["worker"][index],
                              "pid": os.getpid(), "seen": seen}), flush=True)
+go = time.monotonic() + 120
 while not pathlib.Path(sys.argv[1]).exists():
+    assert time.monotonic() < go, "the test never gave the go-ahead (120 s)"
     time.sleep(0.1)
 history = model.fit(np.ones((64, 4)), np.zeros((64, 2)), batch_size=16, epochs=3,
                     verbose=0)
@@ -54,7 +56,9 @@ while True:
         assert time.monotonic() < deadline, "the peer never answered"
         time.sleep(0.1)
 print("serving", json.dumps({"address": own, "pid": os.getpid()}), flush=True)
+go = time.monotonic() + 120
 while not pathlib.Path(sys.argv[1]).exists():
+    assert time.monotonic() < go, "the test never gave the go-ahead (120 s)"
     time.sleep(0.1)
 """
 
