@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+from helpers import REFERENCES_DIR  # noqa: E402  (tests/, on pytest's pythonpath)
 
 NUM_DEVICES = 8
 tfdist.use_virtual_devices(NUM_DEVICES)
@@ -64,6 +65,9 @@ def _record_native_stacks(test):
 def pytest_sessionstart(session):
     if not hasattr(session.config, "workerinput"):  # the controller, not an xdist worker
         shutil.rmtree(STACKS_DIR, ignore_errors=True)
+        # The single-device references of this run's processes
+        # (helpers.trained_reference): none from an earlier run.
+        shutil.rmtree(REFERENCES_DIR, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):

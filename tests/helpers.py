@@ -5,10 +5,14 @@ optimizer, trained once on a single device and once under the mode under test.
 """
 
 import contextlib
+import functools
+import hashlib
+import inspect
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import keras
 import numpy as np
@@ -102,17 +106,119 @@ def train(strategy=None, *, epochs=1, batch_size=32, make=make_model, fit_kwargs
 
 
 _REFERENCES = {}
+# Single-device references shared by the processes of one pytest run (xdist
+# workers, the rounds of `make test` start fresh ones): the controller empties
+# it at the session's start (conftest.py), so a run never reads an older run's.
+REFERENCES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              ".pytest_cache", "tfdist-references")
+_STABLE_TYPES = (str, int, float, bool, type(None), bytes)
+
+
+def _stable(value):
+    """Whether `value`'s repr is the same in every process (no addresses)."""
+    if isinstance(value, (tuple, list)):
+        return all(_stable(v) for v in value)
+    if isinstance(value, dict):
+        return all(_stable(k) and _stable(v) for k, v in value.items())
+    return isinstance(value, _STABLE_TYPES)
+
+
+def recipe_text(make):
+    """A text that stands for the recipe `make` in any process: its module,
+    qualified name and source (and a `functools.partial`'s arguments, a nested
+    function's closed-over values and defaults), or None when there is no such
+    text: a lambda (several can share a line of source), a callable without
+    source, a closure over or default of an object whose repr is not stable.
+
+    Example:
+
+    ```python
+    recipe_text(make_model)              # "helpers.make_model () (0, None, None), None)\ndef ..."
+    recipe_text(lambda: make_model())    # None
+    ```
+    """
+    if isinstance(make, functools.partial):
+        inner = recipe_text(make.func)
+        if inner is None or not (_stable(make.args) and _stable(make.keywords)):
+            return None
+        return f"partial({inner}, *{make.args!r}, **{sorted(make.keywords.items())!r})"
+    if not inspect.isfunction(make) or make.__name__ == "<lambda>":
+        return None
+    cells = tuple(cell.cell_contents for cell in make.__closure__ or ())
+    defaults = (make.__defaults__, make.__kwdefaults__)
+    if not (_stable(cells) and _stable(defaults)):
+        return None
+    try:
+        source = inspect.getsource(make)
+    except (OSError, TypeError):
+        return None
+    return f"{make.__module__}.{make.__qualname__} {cells!r} {defaults!r}\n{source}"
+
+
+def _digest(arrays):
+    digest = hashlib.sha256()
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str} {array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def reference_key(*, make=make_model, x=None, y=None, **train_kwargs):
+    """The on-disk key of `trained_reference(make=make, x=x, y=y,
+    **train_kwargs)`: a hash of everything that decides its result (the
+    recipe's `recipe_text`, the data, the other arguments of `train`, the
+    global dtype policy, the TensorFlow and Keras versions), or None when the
+    recipe or the arguments have no text that is the same in every process.
+    """
+    recipe = recipe_text(make)
+    if recipe is None or not _stable(train_kwargs):
+        return None
+    if x is None:
+        x, y = data()
+    parts = (recipe, _digest(tf.nest.flatten((x, y))), repr(sorted(train_kwargs.items())),
+             keras.config.dtype_policy().name, tf.__version__, keras.__version__)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _read_reference(key):
+    try:
+        with np.load(os.path.join(REFERENCES_DIR, f"{key}.npz"), allow_pickle=False) as f:
+            count = int(f["count"])
+            return [float(v) for v in f["losses"]], [f[f"w{i}"] for i in range(count)], None
+    except (OSError, KeyError, ValueError):  # not there (yet), or emptied meanwhile
+        return None
+
+
+def _write_reference(key, losses, weights):
+    if any(np.asarray(w).dtype.isbuiltin != 1 for w in weights):  # bfloat16: not npz-able
+        return
+    try:
+        os.makedirs(REFERENCES_DIR, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=REFERENCES_DIR, suffix=".tmp",
+                                         delete=False) as f:
+            temporary = f.name
+            np.savez(f, count=len(weights), losses=np.asarray(losses, "float64"),
+                     **{f"w{i}": w for i, w in enumerate(weights)})
+        os.replace(temporary, os.path.join(REFERENCES_DIR, f"{key}.npz"))  # atomic
+    except OSError:  # the directory emptied by another run's start: not kept
+        with contextlib.suppress(OSError, NameError):
+            os.unlink(temporary)
 
 
 def trained_reference(*, make=make_model, x=None, y=None, **train_kwargs):
     """`train()` without a strategy: a recipe's single-device reference, trained
-    once per test process and shared by every test that compares against it.
+    once per pytest run and shared by every test that compares against it.
 
     The recipe is `make` (a function: a lambda is a new recipe each time), the
     data (an array or a list of arrays), the other arguments of `train` and the
     global dtype policy. The result is (losses, weights, None): the model is
     not kept, so that a test process does not hold every reference model and
     its traced steps (gigabytes over a tier).
+
+    A reference is kept in the process, and on disk (`REFERENCES_DIR`) for
+    the run's other processes when the recipe has a stable text
+    (`reference_key`): a module-level or nested function, not a lambda.
 
     Example:
 
@@ -125,8 +231,14 @@ def trained_reference(*, make=make_model, x=None, y=None, **train_kwargs):
     arrays = tuple(np.asarray(a).tobytes() for a in tf.nest.flatten((x, y)))
     key = (make, arrays, repr(sorted(train_kwargs.items())), keras.config.dtype_policy().name)
     if key not in _REFERENCES:
-        losses, weights, _ = train(make=make, x=x, y=y, **train_kwargs)
-        _REFERENCES[key] = (losses, weights, None)
+        on_disk = reference_key(make=make, x=x, y=y, **train_kwargs)
+        found = on_disk and _read_reference(on_disk)
+        if not found:
+            losses, weights, _ = train(make=make, x=x, y=y, **train_kwargs)
+            found = (losses, weights, None)
+            if on_disk:
+                _write_reference(on_disk, losses, weights)
+        _REFERENCES[key] = found
     return _REFERENCES[key]
 
 
