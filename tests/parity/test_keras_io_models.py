@@ -166,7 +166,9 @@ def maker(name, optimizer):
     `trained_reference` trains each reference once)."""
     key = (name, optimizer)
     if key not in _MADE:
-        _MADE[key] = lambda: MAKERS[name](optimizer)
+        def make():  # a function, not a lambda: its reference is kept on disk too
+            return MAKERS[name](optimizer)
+        _MADE[key] = make
     return _MADE[key]
 
 # Every mode of the real-model suite; each model in each, Adam and SGD
