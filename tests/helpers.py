@@ -206,6 +206,35 @@ def _write_reference(key, losses, weights):
             os.unlink(temporary)
 
 
+def cached_reference(parts, arrays, compute):
+    """(losses, weights, None) of `compute()` (which returns losses and
+    weights first), trained once per pytest run: read from disk if another
+    process of the run wrote it. For references `trained_reference` does not
+    make (tf_keras models under orbit). `parts` are texts (`recipe_text` of
+    each function involved, constants) and `arrays` the inputs (initial
+    weights) that decide the result; the TF and Keras versions are added.
+
+    Example:
+
+    ```python
+    cached_reference([recipe_text(train), recipe_text(bert_classifier), str(STEPS)],
+                     initial, lambda: train(None, initial))
+    ```
+    """
+    if any(part is None for part in parts):
+        raise ValueError(f"Every part of a reference's key needs a stable text: {parts}")
+    key = hashlib.sha256(repr((tuple(parts), _digest(arrays), tf.__version__,
+                               keras.__version__)).encode()).hexdigest()
+    if key not in _REFERENCES:
+        found = _read_reference(key)
+        if not found:
+            losses, weights = compute()[:2]
+            found = (losses, weights, None)
+            _write_reference(key, losses, weights)
+        _REFERENCES[key] = found
+    return _REFERENCES[key]
+
+
 def trained_reference(*, make=make_model, x=None, y=None, **train_kwargs):
     """`train()` without a strategy: a recipe's single-device reference, trained
     once per pytest run and shared by every test that compares against it.

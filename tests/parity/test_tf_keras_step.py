@@ -4,6 +4,7 @@
 the same weights and data order."""
 
 import contextlib
+import inspect
 
 import numpy as np
 import orbit
@@ -12,7 +13,7 @@ import tensorflow as tf
 import tf_keras
 
 import tfdist
-from helpers import devices
+from helpers import cached_reference, devices, recipe_text
 from tfdist.sharding.storage import ShardedStorage
 
 STEPS, BATCH, SEQUENCE = 10, 16, 16
@@ -122,7 +123,10 @@ def initial():
 
 @pytest.fixture(scope="module")
 def reference(initial):
-    return train(None, initial)
+    """One device's (losses, weights) (no model), once per pytest run."""
+    recipe = [inspect.getsource(train), recipe_text(bert_classifier), recipe_text(dataset)]
+    return cached_reference([*recipe, f"{STEPS} {BATCH} {SEQUENCE}"], initial,
+                            lambda: train(None, initial))
 
 
 @pytest.fixture(scope="module")
