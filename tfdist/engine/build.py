@@ -222,7 +222,7 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
             update = ShardedUpdate(model, 3)
         units = zero3.GatheredUnits(model, update.layouts, strategy.pipeline_devices,
                                     config.zero3_unit_params, mesh)
-        return PipelinedCompute(model, k, units, mesh), AlreadyReduced(), update
+        return PipelinedCompute(model, k, units, mesh), AlreadyReduced(mesh), update
     if config.pipeline > 1:
         compute = PipelinedCompute(model, k, pipeline_compute(model, strategy, sequence_length),
                                    mesh)

@@ -4,7 +4,9 @@ The first of a step's three parts (`TrainStep` = update(reduce(compute(batch))))
 Every compute part is called in replica context with the replica's batch and
 returns `(gradients, metrics)`: the gradients of the replica's whole batch loss
 (aligned with `model.trainable_weights`, None where a weight has none), not yet
-reduced across replicas, and the compiled metrics' results.
+reduced across replicas, and the compiled metrics' results on this replica's
+examples (the step then syncs them over the global batch:
+`tfdist.engine.metrics`).
 
 - `LocalCompute`: the batch's microbatches one after another on the replica's
   device (one forward and backward when `microbatches=1`), XLA-compiled with
@@ -23,7 +25,6 @@ import tensorflow as tf
 from tfdist import sparse_gradients
 from tfdist._compat.keras_trainer import call_has_training_arg
 from tfdist.engine import microbatch
-from tfdist.engine.metrics import synced_results
 from tfdist.engine.moving_statistics import MovingStatistics
 
 
@@ -57,10 +58,7 @@ class Compute:
             with tf.name_scope("group_batch"):  # a tensor group shares its batch
                 data, _ = self.mesh.group_batch(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        grads, results = self.gradients(x, y, sample_weight)
-        with tf.name_scope("metrics"):
-            copies = self.mesh.tensor if self.mesh is not None else 1
-            return grads, synced_results(self.model, results, copies)
+        return self.gradients(x, y, sample_weight)
 
     def split(self, x, y, sample_weight):
         """The batch's microbatches, after checking it can be cut into them,

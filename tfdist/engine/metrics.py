@@ -5,45 +5,50 @@ tracker, the compiled metrics) with its own examples. Keras's `fit` then
 averages the replicas' *results*, which is the global result only when every
 replica saw as many examples: a global batch that does not split evenly over
 the replicas (a last partial batch, a batch size the replicas do not divide)
-would report another loss than one device. `synced_results` computes each
-result from the state summed over the replicas instead, so every replica
-returns the global value.
+would report another loss than one device. tfdist computes each result from
+the state summed over the global batch's examples instead, so every replica
+returns the global value: `local_states` gives the states to sum, the step's
+reduce part sums them in the gradients' own all-reduce where it can
+(`tfdist.engine.reduce`: one collective per step, not two), and
+`synced_results` computes the results from the sums. The strategies then
+take those results from any replica instead of averaging them across replicas
+as Keras asks (`TrainStep.synced`: no collective either).
 """
 
 import tensorflow as tf
 
-from tfdist._compat.tf_distribute import summed_across_replicas
 
-
-def synced_results(model, local_results, copies: int = 1):
-    """`local_results` with each metric of `model` recomputed from the sum of
-    every replica's state (one packed all-reduce), in replica context.
-
-    Args:
-        model: the compiled Keras model whose `metrics` were just updated.
-        local_results: what `model.compute_metrics` returned on this replica.
-        copies: how many replicas hold the same state (the ranks of a tensor
-            group, which compute on the same examples): the sums are divided
-            by it.
+def local_states(model):
+    """This replica's additive metric states, to be summed over the global
+    batch, with the metrics they belong to, in replica context:
+    `(metrics, states)`, both empty with one replica.
 
     Example:
 
     ```python
-    results = model.compute_metrics(x, y, y_pred, sample_weight)
-    results = synced_results(model, results)   # inside strategy.run
+    metrics, states = local_states(model)   # inside strategy.run, after the updates
     ```
     """
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return local_results
+        return [], []
     metrics = [m for m in model.metrics if _summed(m)]
-    states = [tf.identity(v.value) for m in metrics for v in m.variables]  # local values
-    if not states:
-        return local_results
-    summed = summed_across_replicas(states)
-    if copies > 1:
-        summed = [s / tf.cast(copies, s.dtype) for s in summed]
-    results = dict(local_results)
+    return metrics, [tf.identity(v.value) for m in metrics for v in m.variables]
+
+
+def synced_results(metrics, summed):
+    """The results of `metrics` computed from their `summed` states (aligned
+    with `local_states`'s), by name: the global results, equal on every
+    replica, to replace this replica's own.
+
+    Example:
+
+    >>> metric = keras.metrics.Mean(name="loss")
+    >>> synced_results([metric], [tf.constant(6.0), tf.constant(3.0)])
+    {'loss': <tf.Tensor: shape=(), dtype=float32, numpy=2.0>}
+    """
+    results = {}
+    summed = list(summed)
     for metric in metrics:
         count = len(metric.variables)
         result, summed = metric.stateless_result(summed[:count]), summed[count:]

@@ -17,6 +17,11 @@ once per step, whatever the number of microbatches:
 - `AlreadyReduced`: `zero=3`'s compute reduce-scatters each unit's gradients
   as soon as its backward makes them (`tfdist.optim.zero3`): nothing is left.
 
+Each part's `with_states(grads, states)` also sums the replicas' metric states
+over the global batch (`tfdist.engine.metrics`): in the gradients' own
+all-reduce where the part has one (a step then crosses devices once, metrics
+included), else in a collective of their own.
+
 Sparse gradients (`tf.IndexedSlices`, an Embedding's) are never summed: their
 slices are gathered, as `tf.distribute`'s own all-reduce does, so the
 optimizer sees the global batch's slices (`tfdist.sparse_gradients`); under ZeRO
@@ -45,12 +50,18 @@ class AllReduce:
     """
 
     def __call__(self, grads):
+        return self.with_states(grads, [])[0]
+
+    def with_states(self, grads, states):
+        """(the reduced `grads`, `states` summed over every replica): one
+        packed all-reduce when they share a dtype."""
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
-            return grads
-        present = [g for g in grads if g is not None]
-        reduced = iter(summed_across_replicas(present))
-        return [None if g is None else next(reduced) for g in grads]
+            return grads, states
+        present, states = _summed_together(
+            summed_across_replicas, [g for g in grads if g is not None], states)
+        reduced = iter(present)
+        return [None if g is None else next(reduced) for g in grads], states
 
 
 class DataGroupAllReduce:
@@ -80,10 +91,18 @@ class DataGroupAllReduce:
         self.share_non_finite = share_non_finite
 
     def __call__(self, grads):
+        return self.with_states(grads, [])[0]
+
+    def with_states(self, grads, states):
+        """(the reduced `grads`, `states` summed over the data group, which
+        together holds every example once: a tensor group's ranks compute on
+        the same examples)."""
         mesh = self.mesh
         present = [g for g in grads if g is not None]
-        if mesh.data > 1 and present:
-            present = _data_group_sum(present, mesh.data_launcher())
+        if mesh.data > 1:
+            launcher = mesh.data_launcher()
+            present, states = _summed_together(
+                lambda values: _data_group_sum(values, launcher), present, states)
         present = [sparse_gradients.map_values(g, lambda v: v * tf.cast(mesh.tensor, v.dtype))
                    for g in present]
         if self.share_non_finite and present:
@@ -97,12 +116,16 @@ class DataGroupAllReduce:
             present[k] = sparse_gradients.map_values(
                 present[k], lambda v: v + tf.cast(poison, v.dtype))
         reduced = iter(present)
-        return [None if g is None else next(reduced) for g in grads]
+        return [None if g is None else next(reduced) for g in grads], states
 
 
 class AlreadyReduced:
     """The reduce part of `zero=3`, whose compute part already gives this
     replica's shard of every reduced gradient: they pass through.
+
+    Args:
+        mesh: the strategy's `TensorMesh`, or None: metric states are summed
+            over the data group, or over every replica.
 
     Example:
 
@@ -110,8 +133,29 @@ class AlreadyReduced:
     [None]
     """
 
+    def __init__(self, mesh=None):
+        self.mesh = mesh
+
     def __call__(self, grads):
         return grads
+
+    def with_states(self, grads, states):
+        """(`grads`, `states` summed in a collective of their own)."""
+        sum_ = DataGroupAllReduce(self.mesh) if self.mesh is not None else AllReduce()
+        return grads, sum_.with_states([], states)[1]
+
+
+def _summed_together(sum_, present, states):
+    """`sum_` of `present` and of `states`, in one call when their dense
+    tensors share one dtype (a packed collective concatenates them), else in
+    two: `(summed present, summed states)`."""
+    if not states or not present:
+        return (sum_(present) if present else []), (sum_(states) if states else [])
+    dtypes = {t.dtype for t in present + states if not sparse_gradients.is_sparse(t)}
+    if len(dtypes) > 1:
+        return sum_(present), sum_(states)
+    summed = list(sum_(present + states))
+    return summed[:len(present)], summed[len(present):]
 
 
 def _data_group_sum(grads, launcher):
@@ -149,6 +193,12 @@ class ShardedReduce:
         self._full = DataGroupAllReduce(mesh) if mesh is not None else AllReduce()
 
     def __call__(self, grads):
+        return self.with_states(grads, [])[0]
+
+    def with_states(self, grads, states):
+        """(this replica's shards of the reduced `grads`, `states` summed over
+        the global batch: in the all-reduce of the gradients reduced whole
+        under `zero=1`)."""
         mesh = self.mesh
         positions = [i for i, g in enumerate(grads) if g is not None]
         if not positions:
@@ -164,9 +214,9 @@ class ShardedReduce:
                     if self.zero == 1 or sparse_gradients.is_sparse(g)]
         scattered = [k for k in range(len(present)) if k not in gathered]
         shards = [None] * len(present)
-        if gathered:
-            for k, g in zip(gathered, self._full([present[k] for k in gathered])):
-                shards[k] = layouts[k].shard(g, index)
+        full, states = self._full.with_states([present[k] for k in gathered], states)
+        for k, g in zip(gathered, full):
+            shards[k] = layouts[k].shard(g, index)
         if scattered:
             parts = packed_reduce_scatter([present[k] for k in scattered],
                                           [layouts[k] for k in scattered],
@@ -176,4 +226,4 @@ class ShardedReduce:
         out = [None] * len(grads)
         for i, shard in zip(positions, shards):
             out[i] = shard
-        return out
+        return out, states

@@ -12,7 +12,8 @@ inside `strategy.run`), made of three parts chosen once per model by
    through pipeline stages.
 2. **reduce** (`tfdist.engine.reduce`): the gradients cross devices once per
    step: all-reduce, all-reduce over the data group, or ZeRO's
-   reduce-scatter into shards.
+   reduce-scatter into shards; the metric states are summed over the global
+   batch in the same collective where there is one (`tfdist.engine.metrics`).
 3. **update** (`tfdist.engine.update`, `tfdist.optim.zero`): the model's own
    Keras optimizer applies them, or ZeRO's sharded update runs on the shards
    and the parameters are gathered.
@@ -32,6 +33,7 @@ import tensorflow as tf
 from tfdist._compat.keras_trainer import symbolic_build
 from tfdist.config import ParallelConfig
 from tfdist.engine import build, tf_keras
+from tfdist.engine.metrics import local_states, synced_results
 from tfdist.pipeline.cost import sequence_length_of
 from tfdist.pipeline.graph import graph_of
 
@@ -74,6 +76,7 @@ class TrainStep:
         self.model = model
         self.config = config
         self.compute, self.reduce, self.update = parts or (None, None, None)
+        self.synced = frozenset()  # the names of the results every replica shares
 
     def build(self, data):
         """Creates every variable the step needs, from a batch or its spec.
@@ -155,6 +158,12 @@ class TrainStep:
                 "Run the step with the tfdist strategy's `run` (or call "
                 "`TrainStep.prepare()` first): its parts are chosen, and their "
                 "state readied, before the first step.")
-        grads, metrics = self.compute(data)
-        with tf.name_scope("reduce"):
-            return self.reduce(grads), metrics
+        grads, results = self.compute(data)
+        with tf.name_scope("metrics"):
+            metrics, states = local_states(self.model)
+        with tf.name_scope("reduce"):  # the metric states in the gradients' collective
+            grads, summed = self.reduce.with_states(grads, states)
+        with tf.name_scope("metrics"):
+            synced = synced_results(metrics, summed)
+        self.synced = frozenset(synced)  # equal on every replica
+        return grads, {**results, **synced}
