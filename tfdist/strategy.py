@@ -93,6 +93,12 @@ def default_devices() -> list[str]:
     return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
 
 
+# Set on a value `run` returns whose replicas all hold the same result (a
+# metric `TrainStep` computed from states summed over the global batch): its
+# mean over the replicas is any replica's.
+_SHARED_BY_REPLICAS = "_tfdist_shared_by_replicas"
+
+
 class _StepOwner:
     """What both tfdist strategies add to their `tf.distribute` parent."""
 
@@ -130,7 +136,9 @@ class _StepOwner:
         batch (to build the model). A value whose replicas hold different
         numbers of rows is reduced over the rows they all have; one that has
         no sum (bool and string inputs, a `tf.RaggedTensor`) is the first
-        replica's, cut to those rows alike.
+        replica's, cut to those rows alike. The mean of a metric tfdist's step
+        already computed over the global batch (Keras asks for one every step)
+        is any replica's: no collective.
 
         Example:
 
@@ -139,6 +147,9 @@ class _StepOwner:
         first_rows = strategy.reduce("MEAN", batch, axis=None)
         ```
         """
+        if axis is None and _SHARED_BY_REPLICAS in getattr(value, "__dict__", ()) and \
+                tf.distribute.ReduceOp(reduce_op) == tf.distribute.ReduceOp.MEAN:
+            return self.experimental_local_results(value)[0]  # a metric the step synced
         if axis is None:
             value = self._common_rows(value)
         return super().reduce(reduce_op, value, axis)
@@ -293,7 +304,12 @@ class _StepOwner:
             self._notice_own_function(fn)
         if isinstance(fn, TrainStep):
             fn.prepare(args[0] if args else None)  # before the replicas trace it
-        return super().run(fn, args=args, kwargs=kwargs, options=options)
+        results = super().run(fn, args=args, kwargs=kwargs, options=options)
+        if isinstance(fn, TrainStep) and isinstance(results, dict):
+            for name in fn.synced:  # equal on every replica: reduced without a collective
+                if hasattr(results[name], "__dict__"):  # a graph tensor or `PerReplica`
+                    vars(results[name])[_SHARED_BY_REPLICAS] = True
+        return results
 
     def _notice_own_function(self, fn):
         """Refuses a foreign model's training function under step-level
