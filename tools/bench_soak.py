@@ -1,6 +1,7 @@
 """Benchmark: a long multi-worker `fit` - threads, RSS and open files per worker over time.
 
     python tools/bench_soak.py [--workers=2] [--steps=5000] [--zero=0] [--out=results.jsonl]
+    python tools/bench_soak.py --strategy=keras   # the same job under plain tf.distribute
 
 Launches `--workers` tasks with `tfdist launch`; each trains a small MLP with
 `tfdist.MultiWorkerStrategy` and `model.fit` for `--steps` steps (epochs of
@@ -31,6 +32,9 @@ flags.DEFINE_integer("steps_per_epoch", 100, "Steps per epoch.")
 flags.DEFINE_integer("sample_every", 250, "Steps between two samples.")
 flags.DEFINE_integer("warmup", 500, "Steps before the sample growth is measured from.")
 flags.DEFINE_integer("zero", 0, "ParallelConfig.zero of the job.")
+flags.DEFINE_enum("strategy", "tfdist", ["tfdist", "keras"],
+                  "tfdist: tfdist.MultiWorkerStrategy; keras: "
+                  "tf.distribute.MultiWorkerMirroredStrategy and Keras's own step.")
 flags.DEFINE_float("timeout_seconds", 300, "MultiWorkerStrategy(timeout_seconds=).")
 flags.DEFINE_integer("stall_task", -1, "Task index that stalls (default: none).")
 flags.DEFINE_integer("stall_at", 0, "Step at which --stall_task sleeps.")
@@ -61,8 +65,13 @@ def task():
     import tfdist
 
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    strategy = tfdist.MultiWorkerStrategy(
-        config=tfdist.ParallelConfig.from_env(), timeout_seconds=FLAGS.timeout_seconds)
+    if FLAGS.strategy == "keras":
+        import tensorflow as tf
+
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        strategy = tfdist.MultiWorkerStrategy(
+            config=tfdist.ParallelConfig.from_env(), timeout_seconds=FLAGS.timeout_seconds)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * FLAGS.steps_per_epoch, 16)).astype("float32")
     y = (x[:, :4] + 0.3 * rng.normal(size=(len(x), 4))).argmax(-1).astype("int32")
@@ -92,10 +101,41 @@ def task():
 
     samples.append({"step": 0, "seconds": 0.0, **usage()})
     epochs = -(-FLAGS.steps // FLAGS.steps_per_epoch)
-    model.fit(x, y, batch_size=BATCH, epochs=epochs, callbacks=[Sample()], verbose=0,
-              shuffle=False)
+    if FLAGS.strategy == "keras":
+        custom_loop(strategy, model, x, y, epochs, Sample())
+    else:
+        model.fit(x, y, batch_size=BATCH, epochs=epochs, callbacks=[Sample()], verbose=0,
+                  shuffle=False)
     with open(os.path.join(FLAGS.samples, f"worker{index}.json"), "w") as f:
         json.dump(samples, f)
+
+
+def custom_loop(strategy, model, x, y, epochs, callback):
+    """`epochs` of the model's step under plain `tf.distribute`, in a custom
+    loop (Keras 3's `fit` fails under `MultiWorkerMirroredStrategy` before its
+    first step: its symbolic build reduces the first batch across workers
+    eagerly): each worker reads `BATCH` rows a step and Keras's optimizer
+    all-reduces the gradients, one collective a step."""
+    import tensorflow as tf
+
+    workers = strategy.num_replicas_in_sync
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH * workers)
+
+    def step(batch):
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            per_example = tf.keras.losses.sparse_categorical_crossentropy(
+                labels, model(features, training=True), from_logits=True)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=BATCH * workers)
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    train = tf.function(lambda batch: strategy.run(step, args=(batch,)))
+    for _ in range(epochs):
+        for batch in strategy.experimental_distribute_dataset(dataset):
+            callback.on_train_batch_begin(0)
+            train(batch)
+            callback.on_train_batch_end(0)
 
 
 def growth(samples, warmup):
@@ -117,7 +157,7 @@ def bench():
              f"--samples={samples}", f"--steps={FLAGS.steps}",
              f"--steps_per_epoch={FLAGS.steps_per_epoch}",
              f"--sample_every={FLAGS.sample_every}",
-             f"--timeout_seconds={FLAGS.timeout_seconds}"],
+             f"--timeout_seconds={FLAGS.timeout_seconds}", f"--strategy={FLAGS.strategy}"],
             capture_output=True, text=True, cwd=ROOT)
         if done.returncode:
             sys.exit(f"the job failed ({done.returncode}):\n{done.stdout[-4000:]}")
@@ -127,14 +167,16 @@ def bench():
     rows = []
     for index, task_samples in per_task.items():
         for sample in task_samples:
-            emit({"bench": "soak", "task": f"worker:{index}", "zero": FLAGS.zero, **sample},
-                 FLAGS.out)
+            emit({"bench": "soak", "strategy": FLAGS.strategy, "task": f"worker:{index}",
+                  "zero": FLAGS.zero, **sample}, FLAGS.out)
         grown = growth(task_samples, FLAGS.warmup)
-        emit({"bench": "soak_growth", "task": f"worker:{index}", "zero": FLAGS.zero,
+        emit({"bench": "soak_growth", "strategy": FLAGS.strategy, "task": f"worker:{index}",
+              "zero": FLAGS.zero,
               "steps": FLAGS.steps, "warmup": FLAGS.warmup, **grown}, FLAGS.out)
         rows.append((index, task_samples, grown))
-    print(f"\n{FLAGS.workers} workers, zero={FLAGS.zero}, {FLAGS.steps} steps in {wall:.0f} s "
-          f"(growth from step {FLAGS.warmup} to the last sample)")
+    print(f"\n{FLAGS.strategy}: {FLAGS.workers} workers, zero={FLAGS.zero}, "
+          f"{FLAGS.steps} steps in {wall:.0f} s (growth from step {FLAGS.warmup} "
+          "to the last sample)")
     print("| task | threads (start, warm, end) | RSS MiB (warm, end) | fds (warm, end) "
           "| growth threads / RSS / fds |")
     print("|---|---|---|---|---|")
