@@ -4,6 +4,7 @@ Parity (docs/architecture.md): the same model, initial weights, data order and
 optimizer, trained once on a single device and once under the mode under test.
 """
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -103,6 +104,19 @@ def train(strategy=None, *, epochs=1, batch_size=32, make=make_model, fit_kwargs
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
               callbacks=[recorder], **(fit_kwargs or {}))
     return recorder.losses, [w.numpy() for w in model.weights], model
+
+
+def executed_op_counts(model):
+    """Op types in the graph of the training function `fit` ran (with callees)."""
+    cells = [c.cell_contents for c in model.train_function.__closure__]
+    (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
+    counts = collections.Counter()
+    for concrete in traced._list_all_concrete_functions():
+        graph_def = concrete.graph.as_graph_def()
+        counts.update(node.op for node in graph_def.node)
+        for function in graph_def.library.function:
+            counts.update(node.op for node in function.node_def)
+    return counts
 
 
 _REFERENCES = {}

@@ -27,6 +27,13 @@ def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, micro
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
     workers = json.loads(out.read_text())
     assert workers["replicas"] == 2
+    if (microbatches, zero) == (1, 0):
+        # Three collectives a step cross the workers: the input's agreement
+        # that both have a batch (tf.distribute's), the batch's row count, and
+        # the gradients packed with the metric states; Keras's mean of each
+        # reported metric over the replicas needs none (each collective key
+        # TensorFlow has seen costs memory for good: docs/benchmarks.md).
+        assert workers["collectives"] == {"CollectiveReduceV2": 3}
     # zero=1 shards the optimizer state across the two processes (zero=3 the
     # parameters too); the local run does not, so this is also zero against zero=0.
     local = train(tfdist.Strategy(data=2, microbatches=microbatches, devices=devices(2)))

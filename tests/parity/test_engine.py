@@ -1,27 +1,20 @@
 """The step engine: one all-reduce per step, loss-scale skips, refusals."""
 
-import collections
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import assert_parity, data, devices, make_model, train, trained_reference
-
-
-def executed_op_counts(model):
-    """Op types in the graph of the training function `fit` ran (with callees)."""
-    cells = [c.cell_contents for c in model.train_function.__closure__]
-    (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
-    counts = collections.Counter()
-    for concrete in traced._list_all_concrete_functions():
-        graph_def = concrete.graph.as_graph_def()
-        counts.update(node.op for node in graph_def.node)
-        for function in graph_def.library.function:
-            counts.update(node.op for node in function.node_def)
-    return counts
+from helpers import (
+    assert_parity,
+    data,
+    devices,
+    executed_op_counts,
+    make_model,
+    train,
+    trained_reference,
+)
 
 
 def collective_ops(counts):

@@ -3,8 +3,8 @@
 Takes its cluster from TF_CONFIG and its ParallelConfig from TFDIST_CONFIG (both
 set by the launcher), trains the test MLP with `model.fit` and writes the
 reported losses, final weights and optimizer state (read whole: under `zero` every
-worker takes part in gathering them), and optimizer-state and parameter bytes per
-device to `--out` (worker 0 only).
+worker takes part in gathering them), optimizer-state and parameter bytes per
+device, and the collective ops of the training function to `--out` (worker 0 only).
 """
 
 import json
@@ -33,7 +33,7 @@ def main(argv):
         tfdist.use_virtual_devices(devices)
     strategy = tfdist.MultiWorkerStrategy(config=config, timeout_seconds=120)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from helpers import data, train
+    from helpers import data, executed_op_counts, train
     from tfdist.callbacks.metrics import optimizer_state_bytes, variable_bytes
 
     x, y = data(FLAGS.examples)
@@ -46,7 +46,9 @@ def main(argv):
                        "optimizer": optimizer,
                        "optimizer_bytes": optimizer_state_bytes(model.optimizer),
                        "parameter_bytes": variable_bytes(model.trainable_weights),
-                       "replicas": strategy.num_replicas_in_sync}, f)
+                       "replicas": strategy.num_replicas_in_sync,
+                       "collectives": {op: n for op, n in executed_op_counts(model).items()
+                                       if op.startswith("Collective")}}, f)
 
 
 if __name__ == "__main__":
