@@ -18,6 +18,8 @@
         prints the tfdist, TensorFlow and Keras versions.
 
 `tfdist --help` lists the commands, `tfdist launch --help` one command's flags.
+Flags are spelled `--kebab-case` (`--restart-on-failure`, `--virtual-stages`);
+`--snake_case` is accepted too. Usage errors exit with status 2.
 For launch and tfjob, everything from COMMAND's first word on is COMMAND's, as
 with torchrun and `kubectl exec`: `tfdist launch --workers 2 python train.py
 --data 2` gives `--data 2` to train.py (`--` before COMMAND works too).
@@ -29,11 +31,17 @@ Example:
 
 import collections
 import json
+import os
+import re
 import sys
 
-from absl import app, flags
+# TensorFlow's C++ INFO and WARNING lines (CUDA probing, oneDNN, CPU features)
+# are noise for a command-line tool; the user's own value wins.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tfdist.config import PRECISIONS, SCHEDULES, ParallelConfig
+from absl import app, flags  # noqa: E402
+
+from tfdist.config import PRECISIONS, SCHEDULES, ParallelConfig  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -64,28 +72,27 @@ flags.DEFINE_integer("workers", 1, "Worker tasks (>= 1).")
 flags.DEFINE_integer("ps", 0, "Parameter-server tasks.")
 flags.DEFINE_boolean("evaluator", False, "Add an evaluator task.")
 # launch
-flags.DEFINE_integer("restart-on-failure", 0, "Restarts allowed per failing task.")
+flags.DEFINE_integer("restart_on_failure", 0, "Restarts allowed per failing task.")
 flags.DEFINE_float("timeout", None, "Seconds the whole job may take.")
-flags.DEFINE_boolean("host-network", False, "Run the tasks in this host's network "
+flags.DEFINE_boolean("host_network", False, "Run the tasks in this host's network "
                      "(they reach other hosts; their TensorFlow servers, on every "
                      "interface, are reachable from them), not in a private one.")
 # tfjob
 flags.DEFINE_string("name", None, "TFJob name (a Kubernetes name).")
 flags.DEFINE_string("image", None, "Container image, with a tag or digest.")
 flags.DEFINE_string("namespace", "default", "Kubernetes namespace.")
-flags.DEFINE_integer("gpus-per-worker", 0, "GPUs of each chief and worker pod.")
+flags.DEFINE_integer("gpus_per_worker", 0, "GPUs of each chief and worker pod.")
 flags.DEFINE_string("cpu", None, "CPU request and limit of each pod, e.g. 2 or 500m.")
 flags.DEFINE_string("memory", None, "Memory request and limit of each pod, e.g. 4Gi.")
-flags.DEFINE_string("logdir", None, "Log directory given to the pods (TFDIST_LOGDIR).")
-flags.DEFINE_integer("profiler-port", None, "Port of each task's profiler server "
-                     "(tfdist launch: task k gets this port + k).")
-flags.DEFINE_string("restart-policy", "OnFailure", "Pod restart policy.")
-flags.DEFINE_integer("backoff-limit", None, "Retries before the job is failed.")
+flags.DEFINE_string("logdir", None, "Log directory.")
+flags.DEFINE_integer("profiler_port", None, "Port of each task's profiler server.")
+flags.DEFINE_string("restart_policy", "OnFailure", "Pod restart policy.")
+flags.DEFINE_integer("backoff_limit", None, "Retries before the job is failed.")
 flags.DEFINE_boolean("submit", False, "Create the TFJob in the current kubeconfig's "
                      "cluster instead of printing it.")
 # profile
 flags.DEFINE_list("tasks", None, "host:port of each task's profiler server.")
-flags.DEFINE_integer("duration-ms", 2000, "How long to record, in milliseconds.")
+flags.DEFINE_integer("duration_ms", 2000, "How long to record, in milliseconds.")
 
 _CONFIG_FIELDS = ("data", "pipeline", "tensor", "microbatches", "zero",
                   "precision", "xla", "schedule", "virtual_stages", "stage_boundaries", "remat",
@@ -143,10 +150,10 @@ def _launch_command(command):
         raise app.UsageError("`tfdist launch` needs a command: tfdist launch "
                              "--workers=2 -- python train.py")
     return launch(command, **_tasks(),
-                  restart_on_failure=FLAGS["restart-on-failure"].value,
+                  restart_on_failure=FLAGS.restart_on_failure,
                   timeout=FLAGS.timeout, config=config_from_flags(),
-                  profiler_port=FLAGS["profiler-port"].value,
-                  host_network=FLAGS["host-network"].value)
+                  profiler_port=FLAGS.profiler_port,
+                  host_network=FLAGS.host_network)
 
 
 def _tfjob_command(command):
@@ -158,11 +165,11 @@ def _tfjob_command(command):
             raise app.UsageError(f"`tfdist tfjob` needs --{name}.")
     manifest = tfjob(
         FLAGS.name, FLAGS.image, command, namespace=FLAGS.namespace, **_tasks(),
-        gpus_per_worker=FLAGS["gpus-per-worker"].value, cpu=FLAGS.cpu,
+        gpus_per_worker=FLAGS.gpus_per_worker, cpu=FLAGS.cpu,
         memory=FLAGS.memory, config=config_from_flags(), logdir=FLAGS.logdir,
-        profiler_port=FLAGS["profiler-port"].value,
-        restart_policy=FLAGS["restart-policy"].value,
-        backoff_limit=FLAGS["backoff-limit"].value)
+        profiler_port=FLAGS.profiler_port,
+        restart_policy=FLAGS.restart_policy,
+        backoff_limit=FLAGS.backoff_limit)
     if FLAGS.submit:
         submit(manifest)
         print(f"created TFJob {FLAGS.namespace}/{FLAGS.name}")
@@ -177,17 +184,63 @@ def _profile_command(args):
         raise app.UsageError(f"`tfdist profile` takes no arguments, got {args}.")
     if not FLAGS.tasks or not FLAGS.logdir:
         raise app.UsageError("`tfdist profile` needs --tasks=host:port,... and --logdir.")
-    from tfdist.profiling import capture
+    # TensorFlow's import (cuInit on a host without a GPU driver) and its
+    # profiler client (its attempts, and on failure a tip naming its own flag,
+    # --num_tracing_attempts) write to the process's stdout and stderr: kept
+    # aside, and a failure told in tfdist's words.
+    with _silenced_fds():
+        import tensorflow as tf
 
-    for path in capture(FLAGS.tasks, FLAGS.logdir, FLAGS["duration-ms"].value):
+        from tfdist.profiling import capture
+    try:
+        with _silenced_fds():
+            paths = capture(FLAGS.tasks, FLAGS.logdir, FLAGS.duration_ms)
+    except (RuntimeError, tf.errors.OpError) as error:
+        detail = getattr(error, "message", None) or str(error)
+        print(f"tfdist profile: no trace recorded from {', '.join(FLAGS.tasks)}: "
+              f"{detail.strip()}\nCheck that each task runs with its profiler server "
+              f"on that port (`tfdist launch --profiler-port=P`, or "
+              f"$TFDIST_PROFILER_PORT) and is running TensorFlow work (training) "
+              f"while it is captured; a longer --duration-ms helps with slow steps.",
+              file=sys.stderr)
+        return 1
+    for path in paths:
         print(path)
     return 0
 
 
+class _silenced_fds:
+    """Sends file descriptors `fds` (C++ output included) to /dev/null."""
+
+    def __init__(self, fds=(1, 2)):
+        self._fds = fds
+
+    def __enter__(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._saved = [os.dup(fd) for fd in self._fds]
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in self._fds:
+            os.dup2(null, fd)
+        os.close(null)
+
+    def __exit__(self, *exc_info):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in zip(self._fds, self._saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
 def _version_command(args):
     """Prints the versions of tfdist, TensorFlow and Keras."""
-    import keras
-    import tensorflow as tf
+    if args:
+        raise app.UsageError(f"`tfdist version` takes no arguments, got {args}.")
+    # Importing TensorFlow logs at ERROR on a host without a GPU driver
+    # (cuInit): not news when asking for a version.
+    with _silenced_fds((2,)):
+        import keras
+        import tensorflow as tf
 
     import tfdist
 
@@ -201,20 +254,20 @@ COMMANDS = {
                        "Validate a ParallelConfig and print it as JSON.",
                        "tfdist config --config parallel.json --microbatches 4"),
     "launch": _Command(_launch_command, _CONFIG_FLAGS + _TASK_FLAGS
-                       + ("restart-on-failure", "timeout", "profiler-port",
-                          "host-network"),
+                       + ("restart_on_failure", "timeout", "profiler_port",
+                          "host_network"),
                        "Run COMMAND as every task of a local cluster (TF_CONFIG on "
                        "127.0.0.1).",
                        "tfdist launch --workers 2 --microbatches 2 python train.py "
                        "--epochs 3"),
     "tfjob": _Command(_tfjob_command, _CONFIG_FLAGS + _TASK_FLAGS
-                      + ("name", "image", "namespace", "gpus-per-worker", "cpu",
-                         "memory", "logdir", "profiler-port", "restart-policy",
-                         "backoff-limit", "submit"),
+                      + ("name", "image", "namespace", "gpus_per_worker", "cpu",
+                         "memory", "logdir", "profiler_port", "restart_policy",
+                         "backoff_limit", "submit"),
                       "Print a Kubeflow TFJob manifest for COMMAND (--submit creates it).",
                       "tfdist tfjob --name mnist --image registry.example.com/mnist:1 "
                       "--workers 2 python train.py"),
-    "profile": _Command(_profile_command, ("tasks", "logdir", "duration-ms"),
+    "profile": _Command(_profile_command, ("tasks", "logdir", "duration_ms"),
                         "Record a trace of every listed task's profiler server at once.",
                         "tfdist profile --tasks 127.0.0.1:6009,127.0.0.1:6010 "
                         "--logdir logs"),
@@ -222,9 +275,65 @@ COMMANDS = {
                         "Print the tfdist, TensorFlow and Keras versions.",
                         "tfdist version"),
 }
+# A flag's help where it means something else for this command.
+_COMMAND_HELP = {
+    "launch": {
+        "workers": "Worker tasks (>= 1), local processes.",
+        "profiler_port": "Port of task 0's profiler server; task k gets this port + k, "
+                         "forwarded from this host's 127.0.0.1 (TFDIST_PROFILER_PORT).",
+    },
+    "tfjob": {
+        "chief": "Add a chief pod.",
+        "workers": "Worker pods (>= 1).",
+        "ps": "Parameter-server pods.",
+        "evaluator": "Add an evaluator pod.",
+        "logdir": "Log directory given to the pods (TFDIST_LOGDIR).",
+        "profiler_port": "Port of each pod's profiler server, exposed on the pod "
+                         "(TFDIST_PROFILER_PORT).",
+    },
+    "profile": {
+        "tasks": "host:port of each task's profiler server, comma-separated.",
+        "logdir": "TensorBoard log directory the traces are written to (one run, "
+                  "one file per task).",
+    },
+}
 _TAKES_A_COMMAND = ("launch", "tfjob")
 _OWN_FLAGS = {name for command in COMMANDS.values() for name in command.flags}
-_HELP_FLAGS = ("-h", "--help", "-help")
+# absl's --helpshort and --helpfull would list its own flags: every help is ours.
+_HELP_FLAGS = ("-h", "--help", "-help", "--helpshort", "-helpshort", "--helpfull",
+               "-helpfull")
+_FLAG_WORD = re.compile(r"^(--?)([A-Za-z][A-Za-z0-9_-]*)(=.*)?$", re.DOTALL)
+
+
+def spelled(name: str) -> str:
+    """A flag's documented spelling: `--kebab-case`.
+
+    Example:
+
+    >>> spelled("restart_on_failure")
+    '--restart-on-failure'
+    """
+    return "--" + name.replace("_", "-")
+
+
+def normalise(word: str) -> str:
+    """A command-line word with its flag name in absl's spelling (underscores).
+
+    Both `--restart-on-failure=2` and `--restart_on_failure=2` are accepted;
+    values and words that are not flags are left as they are.
+
+    Example:
+
+    >>> normalise("--virtual-stages=2"), normalise("--no-host-network"), normalise("-1")
+    ('--virtual_stages=2', '--nohost_network', '-1')
+    """
+    match = _FLAG_WORD.match(word)
+    if match is None:
+        return word
+    name = match[2].replace("-", "_")
+    if name.startswith("no_") and name[3:] in FLAGS and name not in FLAGS:
+        name = "no" + name[3:]  # absl's negation of a boolean: --nohost_network
+    return match[1] + name + (match[3] or "")
 
 
 def overview() -> str:
@@ -261,9 +370,13 @@ def command_help(name: str) -> str:
         for flag in command.flags:
             value = FLAGS[flag]
             default = "" if value.default in (None, False) else f" (default: {value.default})"
-            lines.append(f"  --{flag:<20} {value.help}{default}")
+            text = _COMMAND_HELP.get(name, {}).get(flag, value.help)
+            lines.append(f"  {spelled(flag):<22} {text}{default}")
     if name in _TAKES_A_COMMAND:
         lines += ["", "Everything from COMMAND's first word on is passed to COMMAND."]
+    if command.flags:
+        lines += ["", "Flags are spelled --kebab-case; their names with underscores for "
+                  "hyphens are accepted too."]
     lines += ["", "Example:", f"  {command.example}"]
     return "\n".join(lines)
 
@@ -287,6 +400,7 @@ def split_argv(argv):
             return own, rest
         if not word.startswith("-"):
             return own, [word] + rest
+        word = normalise(word)
         own.append(word)
         name = word.lstrip("-").split("=", 1)[0]
         if "=" not in word and name in FLAGS and not isinstance(
@@ -295,16 +409,29 @@ def split_argv(argv):
     return own, []
 
 
+def _parse_flags(argv):
+    """absl's parsing, with a flag error a usage error (exit 2) in one line."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:
+        name = argv[1] if len(argv) > 1 else ""
+        print(f"tfdist {name}: {error}\nSee `tfdist {name} --help`.", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv):
     name = argv[1]
     command = COMMANDS[name]
-    stray = sorted(n for n in _OWN_FLAGS - set(command.flags) if FLAGS[n].present)
-    if stray:
-        raise app.UsageError(
-            f"`tfdist {name}` does not take --{', --'.join(stray)}; see "
-            f"`tfdist {name} --help`.")
     try:
+        stray = sorted(n for n in _OWN_FLAGS - set(command.flags) if FLAGS[n].present)
+        if stray:
+            raise app.UsageError(
+                f"`tfdist {name}` does not take {', '.join(map(spelled, stray))}; see "
+                f"`tfdist {name} --help`.")
         return command.run(argv[2:]) or 0
+    except app.UsageError as error:  # names the command itself
+        print(error, file=sys.stderr)
+        return 2
     except (ValueError, TypeError) as error:  # bad input
         print(f"tfdist {name}: {error}", file=sys.stderr)
         return 2
@@ -320,6 +447,8 @@ def run(argv=None):
     with a launch or tfjob COMMAND after `--`.
     """
     argv = list(sys.argv if argv is None else argv)
+    if len(argv) > 2 and argv[1] == "help" and argv[2] in COMMANDS:
+        argv = [argv[0], argv[2], "--help"]  # `tfdist help launch`
     if len(argv) < 2 or argv[1] in _HELP_FLAGS + ("help",):
         print(overview(), file=sys.stdout if len(argv) >= 2 else sys.stderr)
         sys.exit(0 if len(argv) >= 2 else 2)
@@ -328,11 +457,15 @@ def run(argv=None):
         print(f"tfdist: unknown command {name!r}; commands are "
               f"{', '.join(COMMANDS)} (see `tfdist --help`).", file=sys.stderr)
         sys.exit(2)
-    own, command = split_argv(argv) if name in _TAKES_A_COMMAND else (argv, [])
+    if name in _TAKES_A_COMMAND:
+        own, command = split_argv(argv)
+    else:
+        own, command = argv[:2] + [normalise(word) for word in argv[2:]], []
     if any(word in _HELP_FLAGS for word in own[2:]):
         print(command_help(name))
         sys.exit(0)
-    app.run(main, argv=own + (["--"] + command if command else []))
+    app.run(main, argv=own + (["--"] + command if command else []),
+            flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
