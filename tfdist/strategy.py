@@ -415,7 +415,11 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
 
     def __init__(self, config=None, *, devices=None, layout_map=None, **fields):
         devices = default_devices() if devices is None else check_devices(devices)
-        config = requested_config(config, fields, "Strategy").resolve(len(devices))
+        requested = requested_config(config, fields, "Strategy")
+        try:
+            config = requested.resolve(len(devices))
+        except ValueError as error:
+            raise ValueError(f"{error}{_devices_hint(requested, devices)}") from None
         self._init_step_owner(config, layout_map)
         self._collective_key_base = (
             next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
@@ -539,6 +543,23 @@ def _rank(value):
     if isinstance(value, tf.distribute.DistributedValues):
         value = value.values[0]
     return getattr(value, "shape", tf.TensorShape(None)).rank
+
+
+def _devices_hint(config, devices) -> str:
+    """How to run a mesh smaller than the host on some of its devices.
+
+    Example:
+
+    >>> print(_devices_hint(ParallelConfig(data=2), ["CPU:0", "CPU:1", "CPU:2"]))
+     To use 2 of the 3 devices, name them: tfdist.Strategy(..., devices=['CPU:0', 'CPU:1']).
+    """
+    if config.data is None:
+        return ""
+    needed = config.data * config.pipeline * config.tensor
+    if needed >= len(devices):
+        return ""
+    return (f" To use {needed} of the {len(devices)} devices, name them: "
+            f"tfdist.Strategy(..., devices={list(devices[:needed])!r}).")
 
 
 def _stages_on_each_worker(replica_devices, stages):

@@ -70,3 +70,13 @@ def test_model_built_outside_the_scope_says_to_build_it_inside():
         with pytest.raises(ValueError, match=r"was built outside `strategy.scope\(\)`.*"
                                              r"Build \(create the layers and weights"):
             model.fit(X, Y, verbose=0)
+
+
+def test_mesh_smaller_than_the_host_says_how_to_use_some_devices():
+    # data=2 on the 8 logical devices of the test process.
+    with pytest.raises(ValueError, match=r"needs 2 devices, but there are 8: .*To use 2 of "
+                                         r"the 8 devices, name them: tfdist.Strategy\(\.\.\., "
+                                         r"devices=\['/device:CPU:0', '/device:CPU:1'\]\)"):
+        tfdist.Strategy(data=2, microbatches=2)
+    named = tfdist.Strategy(data=2, microbatches=2, devices=["/device:CPU:0", "/device:CPU:1"])
+    assert named.num_replicas_in_sync == 2
