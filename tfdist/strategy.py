@@ -105,6 +105,7 @@ class _StepOwner:
     def _init_step_owner(self, config: ParallelConfig, layout_map=None):
         self._layout_map = check_layout_map(layout_map, config.tensor, config.zero)
         usage_checks.refuse_empty_input(_StepOwner)
+        usage_checks.warn_of_unscoped_fit(self)
         weight_files.name_unreadable_files(_StepOwner)
         start_profiler_server()  # when $TFDIST_PROFILER_PORT asks for one
         if config.pipeline > 1:

@@ -7,6 +7,8 @@ checks where they first see the model and the data.
 """
 
 import inspect
+import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -49,6 +51,49 @@ def check_built_in_scope(model, strategy):
             f"(create the layers and weights of) and compile the model inside the "
             f"scope:\n\n    with strategy.scope():\n        model = build_model()\n"
             f"        model.compile(...)\n    model.fit(...)")
+
+
+_live_strategies = weakref.WeakSet()  # the tfdist strategies of this process
+_warned_models = weakref.WeakSet()
+
+
+def warn_of_unscoped_fit(strategy):
+    """Makes `fit` of a Keras model built outside every strategy's scope warn
+    (once per model) while `strategy`, or another tfdist strategy, exists.
+
+    Such a model has no strategy: Keras trains it on one device, as if tfdist
+    were not there. Models built in a strategy's scope, and every model of a
+    process without a tfdist strategy, are not concerned.
+
+    Example:
+
+    ```python
+    strategy = tfdist.Strategy()          # calls warn_of_unscoped_fit(strategy)
+    model = build_model()                 # outside strategy.scope()
+    model.compile(...)
+    model.fit(x, y)   # UserWarning: ... trains on one device ...
+    ```
+    """
+    _live_strategies.add(strategy)
+    patches.install_for_other_models(patches.TRAINER_FIT, _fit_of_other_model)
+
+
+def _fit_of_other_model(original, model, strategy, *args, **kwargs):
+    # `strategy` is the model's own, else the one of the scope `fit` is called
+    # in: Keras's default strategy means neither.
+    if (len(_live_strategies) and not tf.distribute.has_strategy()
+            and strategy is tf.distribute.get_strategy() and model not in _warned_models):
+        _warned_models.add(model)
+        kinds = sorted({type(s).__name__ for s in _live_strategies})
+        warnings.warn(
+            f"Model {model.name!r} was built outside `strategy.scope()`: `fit` "
+            f"trains it on one device, as plain Keras, although a tfdist "
+            f"{' / '.join(kinds)} exists in this process. To train it with the "
+            f"strategy, build (create the layers and weights of) and compile it "
+            f"inside the scope:\n\n    with strategy.scope():\n        model = "
+            f"build_model()\n        model.compile(...)\n    model.fit(...)",
+            UserWarning, stacklevel=3)
+    return original(model, *args, **kwargs)
 
 
 def check_not_empty(dataset: tf.data.Dataset):

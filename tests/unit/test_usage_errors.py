@@ -1,5 +1,10 @@
 """Common mistakes under a tfdist strategy fail at once, saying what to do."""
 
+import os
+import subprocess
+import sys
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -80,3 +85,57 @@ def test_mesh_smaller_than_the_host_says_how_to_use_some_devices():
         tfdist.Strategy(data=2, microbatches=2)
     named = tfdist.Strategy(data=2, microbatches=2, devices=["/device:CPU:0", "/device:CPU:1"])
     assert named.num_replicas_in_sync == 2
+
+
+_UNSCOPED = r"Model '\w+' was built outside `strategy.scope\(\)`: `fit` trains it on one device"
+
+
+def test_model_built_and_fitted_outside_every_scope_warns_once():
+    strategy = tfdist.Strategy(devices=["CPU:0", "CPU:1"])
+    model = build()  # outside strategy.scope(), as is the fit
+    with pytest.warns(UserWarning, match=_UNSCOPED + r".*build \(create the layers and "
+                                         r"weights of\) and compile it inside the scope"):
+        model.fit(X, Y, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(X, Y, verbose=0)
+    assert not [w for w in caught if "was built outside" in str(w.message)]
+    assert strategy.num_replicas_in_sync == 2
+
+
+def test_model_built_inside_the_scope_does_not_warn():
+    strategy = tfdist.Strategy(devices=["CPU:0", "CPU:1"])
+    with strategy.scope():
+        model = build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(X, Y, verbose=0)  # outside the scope: the model keeps its strategy
+        with strategy.scope():
+            model.fit(X, Y, verbose=0)
+    assert not [w for w in caught if "was built outside" in str(w.message)]
+
+
+def test_plain_keras_does_not_warn():
+    # In a process of its own: no tfdist strategy was ever made there.
+    code = """
+import warnings
+import keras, numpy as np, tensorflow as tf
+import tfdist
+x, y = np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32")
+def build():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    return model
+warnings.simplefilter("always")
+build().fit(x, y, verbose=0)                      # plain Keras
+strategy = tfdist.Strategy(devices=["CPU:0"])
+with tf.distribute.OneDeviceStrategy("CPU:0").scope():
+    other = build()                                 # another tf.distribute strategy's
+other.fit(x, y, verbose=0)
+build().fit(x, y, verbose=0)                      # now it warns
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("was built outside `strategy.scope()`") == 1, done.stderr
+    assert "'sequential_2'" in done.stderr, done.stderr

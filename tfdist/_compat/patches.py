@@ -84,7 +84,9 @@ TRAINER_FIT = Patch(
     "(self, x=None, y=None, batch_size=None, epochs=1, verbose='auto', callbacks=None, "
     "validation_split=0.0, validation_data=None, shuffle=True, class_weight=None, "
     "sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None, "
-    "validation_batch_size=None, validation_freq=1)", _TRAINER)
+    "validation_batch_size=None, validation_freq=1)",
+    _TRAINER + "; tfdist/usage_checks.py: warn_of_unscoped_fit, a model of no "
+    "strategy trained while a tfdist strategy exists")
 TRAINER_MAKE_TRAIN_FUNCTION = Patch(
     TensorFlowTrainer, "make_train_function", "(self, force=False)", _TRAINER)
 TRAINER_MAKE_TEST_FUNCTION = Patch(
@@ -196,6 +198,25 @@ def install_for_strategy(patch: Patch, strategy_class: type, version):
 
 
 _strategy_versions = {}  # Patch -> {strategy class: version}
+_other_versions = {}  # Patch -> version for the models of no registered class
+
+
+def install_for_other_models(patch: Patch, version):
+    """Like `install_for_strategy`, for the models whose `distribute_strategy`
+    is of none of the classes registered for `patch` (Keras's default
+    strategy, another `tf.distribute` strategy): `version(original, model,
+    strategy, *args, **kwargs)`. One such version per patch.
+
+    Example:
+
+    ```python
+    install_for_other_models(TRAINER_FIT, lambda original, model, strategy, *a, **k:
+                             original(model, *a, **k))
+    ```
+    """
+    with _lock:
+        _other_versions[patch] = version
+    install(patch, functools.partial(_dispatch_on_strategy, patch=patch))
 
 
 def _dispatch_on_strategy(original, patch):
@@ -205,6 +226,9 @@ def _dispatch_on_strategy(original, patch):
         for strategy_class, version in _strategy_versions.get(patch, {}).items():
             if isinstance(strategy, strategy_class):
                 return version(original, model, strategy, *args, **kwargs)
+        other = _other_versions.get(patch)
+        if other is not None:
+            return other(original, model, strategy, *args, **kwargs)
         return original(model, *args, **kwargs)
 
     return method
@@ -243,6 +267,7 @@ def uninstall(patch: Patch):
             return
         owned, original = _originals.pop(patch)
         _strategy_versions.pop(patch, None)
+        _other_versions.pop(patch, None)
         if owned:
             setattr(patch.owner, patch.attribute, original)
         else:
