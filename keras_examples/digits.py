@@ -3,10 +3,14 @@
 The digits ship inside scikit-learn (1,797 8x8 images), so nothing downloads.
 """
 
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+from tfdist.logs import quiet_tensorflow
+
+# Before TensorFlow loads: its C++ log level (errors only, unless
+# TF_CPP_MIN_LOG_LEVEL is set), and on a host without a GPU driver no line
+# about the missing GPU.
+quiet_tensorflow(discover_devices=True)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

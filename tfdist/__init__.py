@@ -17,8 +17,14 @@ and manifest tools start without importing it.
 """
 
 import importlib
+import sys
 
-from tfdist.config import ParallelConfig
+if "tensorflow" not in sys.modules:  # else TensorFlow has read its log level
+    from tfdist.logs import quiet_tensorflow
+
+    quiet_tensorflow()
+
+from tfdist.config import ParallelConfig  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -31,13 +31,14 @@ Example:
 
 import collections
 import json
-import os
 import re
 import sys
 
+from tfdist.logs import quiet_tensorflow, silenced_fds
+
 # TensorFlow's C++ INFO and WARNING lines (CUDA probing, oneDNN, CPU features)
-# are noise for a command-line tool; the user's own value wins.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# are noise for a command-line tool; the user's own TF_CPP_MIN_LOG_LEVEL wins.
+quiet_tensorflow()
 
 from absl import app, flags  # noqa: E402
 
@@ -188,12 +189,12 @@ def _profile_command(args):
     # profiler client (its attempts, and on failure a tip naming its own flag,
     # --num_tracing_attempts) write to the process's stdout and stderr: kept
     # aside, and a failure told in tfdist's words.
-    with _silenced_fds():
+    with silenced_fds():
         import tensorflow as tf
 
         from tfdist.profiling import capture
     try:
-        with _silenced_fds():
+        with silenced_fds():
             paths = capture(FLAGS.tasks, FLAGS.logdir, FLAGS.duration_ms)
     except (RuntimeError, tf.errors.OpError) as error:
         detail = getattr(error, "message", None) or str(error)
@@ -209,36 +210,13 @@ def _profile_command(args):
     return 0
 
 
-class _silenced_fds:
-    """Sends file descriptors `fds` (C++ output included) to /dev/null."""
-
-    def __init__(self, fds=(1, 2)):
-        self._fds = fds
-
-    def __enter__(self):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self._saved = [os.dup(fd) for fd in self._fds]
-        null = os.open(os.devnull, os.O_WRONLY)
-        for fd in self._fds:
-            os.dup2(null, fd)
-        os.close(null)
-
-    def __exit__(self, *exc_info):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, saved in zip(self._fds, self._saved):
-            os.dup2(saved, fd)
-            os.close(saved)
-
-
 def _version_command(args):
     """Prints the versions of tfdist, TensorFlow and Keras."""
     if args:
         raise app.UsageError(f"`tfdist version` takes no arguments, got {args}.")
     # Importing TensorFlow logs at ERROR on a host without a GPU driver
     # (cuInit): not news when asking for a version.
-    with _silenced_fds((2,)):
+    with silenced_fds((2,)):
         import keras
         import tensorflow as tf
 

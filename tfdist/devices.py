@@ -7,6 +7,8 @@ accelerators: a 4-way data-parallel run uses 4 logical CPU devices in one proces
 
 import tensorflow as tf
 
+from tfdist.logs import discover_devices_quietly
+
 
 def use_virtual_devices(n: int) -> None:
     """Splits the host CPU into `n` logical devices.
@@ -35,6 +37,7 @@ def use_virtual_devices(n: int) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"`n` must be an int >= 1, got {n!r}.")
+    discover_devices_quietly()
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(
@@ -75,6 +78,7 @@ def check_devices(devices) -> list[str]:
             f"`devices` must be a non-empty list of device names, got {devices!r}."
         )
     devices = list(devices)
+    discover_devices_quietly()
     available = tf.config.list_logical_devices()
     have = {(d.device_type, _index(d.name)) for d in available}
     unknown = []

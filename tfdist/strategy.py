@@ -37,6 +37,7 @@ from tfdist.devices import check_devices
 from tfdist.engine.build import check_own_train_step
 from tfdist.engine.microbatch import check_divides
 from tfdist.engine.step import TrainStep
+from tfdist.logs import discover_devices_quietly
 from tfdist.optim import zero3
 from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline import stages as pipeline_stages
@@ -89,6 +90,7 @@ def default_devices() -> list[str]:
     >>> default_devices()[0]  # on a host without GPUs
     '/device:CPU:0'
     """
+    discover_devices_quietly()
     gpus = tf.config.list_logical_devices("GPU")
     return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
 
