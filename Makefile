@@ -36,8 +36,12 @@ lint: $(STAMP)
 # fresh-process time late in a worker that ran the whole suite). Each process
 # takes half of its round's tests in file order and then takes over the
 # other's last ones (`worksteal`), so a file's tests mostly share one process
-# and its single-device references. Every command runs; the target fails if any did.
+# and its single-device references; the rounds share the references kept on
+# disk (tests/helpers.py), emptied once here. Every command runs; the target
+# fails if any did.
 test: $(STAMP)
+	rm -rf .pytest_cache/tfdist-references; \
+	export TFDIST_TEST_KEEP_REFERENCES=1; \
 	status=0; \
 	$(BIN)/python -m pytest -m alone tests/cluster || status=1; \
 	$(BIN)/python -m pytest -n 2 --dist worksteal -m "not alone" \

@@ -66,8 +66,11 @@ def pytest_sessionstart(session):
     if not hasattr(session.config, "workerinput"):  # the controller, not an xdist worker
         shutil.rmtree(STACKS_DIR, ignore_errors=True)
         # The single-device references of this run's processes
-        # (helpers.trained_reference): none from an earlier run.
-        shutil.rmtree(REFERENCES_DIR, ignore_errors=True)
+        # (helpers.trained_reference): none from an earlier run, unless the
+        # run is one of several sharing them (`make test`'s rounds, which
+        # empty the directory once before the first).
+        if not os.environ.get("TFDIST_TEST_KEEP_REFERENCES"):
+            shutil.rmtree(REFERENCES_DIR, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):
