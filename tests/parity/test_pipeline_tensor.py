@@ -92,11 +92,10 @@ def test_each_stage_all_reduces_megatrons_count_on_its_own_devices(one_f_one_b):
         first, second = map(_short, replica)
         # Stage 0 (embedding, block 1) per microbatch: the embedding's "g" and
         # the block's 2 forward + 2 backward all-reduces; once per step, the
-        # data group's packed gradient all-reduce (every stage's gradients
-        # meet on the replica's device), and the two of a few scalars (the
-        # batch's row counts, the metric state). Stage 1 (block 2, head): the
-        # block's 4.
-        assert counts["CollectiveReduceV2", first] == microbatches * (1 + 4) + 1 + 2
+        # data group's packed all-reduce of the gradients (every stage's meet
+        # on the replica's device) and metric states, and the batch's row
+        # count's. Stage 1 (block 2, head): the block's 4.
+        assert counts["CollectiveReduceV2", first] == microbatches * (1 + 4) + 1 + 1
         assert counts["CollectiveReduceV2", second] == microbatches * 4
         # On stage 0: the tensor group's batch exchange (the slices' sizes,
         # then x and y padded to the longest slice), and the data group's
@@ -105,7 +104,7 @@ def test_each_stage_all_reduces_megatrons_count_on_its_own_devices(one_f_one_b):
         # indices in each of its two branches, equal counts or padded).
         assert counts["CollectiveGatherV2", first] == (1 + 2) + 5
         assert counts["CollectiveGatherV2", second] == 0
-    assert sum(counts.values()) == 4 * (13 + 8 + 8)  # nothing anywhere else
+    assert sum(counts.values()) == 4 * (12 + 8 + 8)  # nothing anywhere else
 
 
 def test_class_split_classifier_in_the_last_stage_matches_one_device(reference):

@@ -95,9 +95,9 @@ def test_two_all_reduces_forward_and_two_backward_per_block(data_size, tensor):
     blocks = 2
     # Megatron: per block, forward the attention output's and the MLP
     # output's all-reduce, backward those of their inputs' gradients. Plus
-    # one packed gradient all-reduce across data groups when data > 1, and
-    # two of a few scalars over every replica (row counts, metric state).
-    per_replica = blocks * (2 + 2) + (1 if data_size > 1 else 0) + 2
+    # one packed all-reduce of the gradients and metric states across data
+    # groups when data > 1, and the row count's over every replica.
+    per_replica = blocks * (2 + 2) + (1 if data_size > 1 else 0) + 1
     assert counts["CollectiveReduceV2"] == n * per_replica
     # The tensor group exchanges its batch: the slices' sizes, then x and y
     # (padded to the longest slice).

@@ -171,12 +171,13 @@ def test_zero2_never_materialises_a_reduced_full_gradient():
     collectives = {zero: collections.Counter(
         op.type for op in g.get_operations() if op.type.startswith("Collective"))
         for zero, g in graphs.items()}
-    # zero=1: one packed all-reduce and one parameter gather per replica; each
-    # replica holds the whole reduced gradient (the check below can fail).
-    # Besides, per replica, two all-reduces of a few scalars (the batch's row
-    # counts, the metric state), in every mode.
+    # zero=1: one packed all-reduce (the gradients and the metric states) and
+    # one parameter gather per replica; each replica holds the whole reduced
+    # gradient (the check below can fail). Besides, per replica, an all-reduce
+    # of the batch's row count in every mode, and under zero=2 (no gradient
+    # all-reduce to join) one of the metric states.
     scalars = 2 * 4
-    assert collectives[1] == {"CollectiveReduceV2": 4 + scalars, "CollectiveGatherV2": 4}
+    assert collectives[1] == {"CollectiveReduceV2": 4 + 4, "CollectiveGatherV2": 4}
     assert _largest_from(ops(1, "CollectiveReduceV2")) >= 10756
     # zero=2: no gradient all-reduce; the gradients cross devices only in one
     # all-to-all per replica (the reduce-scatter). What a replica receives is

@@ -159,11 +159,11 @@ class TrainStep:
                 "`TrainStep.prepare()` first): its parts are chosen, and their "
                 "state readied, before the first step.")
         grads, results = self.compute(data)
-        with tf.name_scope("metrics"):
+        with tf.name_scope("metrics") as metrics_scope:
             metrics, states = local_states(self.model)
         with tf.name_scope("reduce"):  # the metric states in the gradients' collective
             grads, summed = self.reduce.with_states(grads, states)
-        with tf.name_scope("metrics"):
+        with tf.name_scope(metrics_scope):  # the same scope again: tfdist/metrics/
             synced = synced_results(metrics, summed)
         self.synced = frozenset(synced)  # equal on every replica
         return grads, {**results, **synced}
