@@ -43,6 +43,7 @@ from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline import summary as pipeline_summary
 from tfdist.profiling import start_profiler_server
+from tfdist.sharding.creation import sharded_creation, whole_where_not_kept
 from tfdist.sharding.layout import AxisLayout
 from tfdist.tensor import plan as tensor_plan
 from tfdist.tensor.layout_map import check_layout_map
@@ -254,9 +255,13 @@ class _StepOwner:
 
         Build and compile the model inside it: its layers then compute in
         `precision`, and under "mixed_float16" `compile` wraps the optimizer
-        in a `LossScaleOptimizer`.
+        in a `LossScaleOptimizer`. With `zero` (without `tensor` and
+        `pipeline`), variables the ZeRO step shards are created as shards
+        (`tfdist.sharding.creation`): under `zero=3` no worker ever holds
+        the whole model.
         """
-        return _precision_scope(super().scope(), self._config.precision)
+        return _precision_scope(super().scope(), self._config.precision,
+                                sharded_creation(self, self._config))
 
     def train_step(self, model: keras.Model) -> TrainStep:
         """tfdist's `TrainStep` for `model` (one per model, built on first use).
@@ -288,6 +293,9 @@ class _StepOwner:
         mesh = self.tensor_mesh
         evaluated = _keras_step_owner(fn, ("test_step",))
         predicted = None if evaluated is not None else _keras_predict_model(fn)
+        if (evaluated or predicted) is not None:
+            with tf.init_scope():  # (before a first training step has placed them)
+                whole_where_not_kept(evaluated or predicted)
         if self._config.zero == 3 and (evaluated or predicted) is not None:
             # evaluate and predict with the parameters gathered
             fn = zero3.with_gathered_parameters(fn, evaluated or predicted)
@@ -364,15 +372,16 @@ def _keras_predict_model(fn):
 
 
 @contextlib.contextmanager
-def _precision_scope(strategy_scope, precision):
+def _precision_scope(strategy_scope, precision, creation):
     """Keras's dtype policy set to `precision` inside `strategy_scope`; also
-    tf_keras's when it is imported (a Model Garden model built inside)."""
+    tf_keras's when it is imported (a Model Garden model built inside); and
+    the variable creator scope `creation`."""
     tf_keras = sys.modules.get("tf_keras")
     policies = [(keras.config.dtype_policy(), keras.config.set_dtype_policy)]
     if tf_keras is not None:
         policies.append((tf_keras.mixed_precision.global_policy(),
                          tf_keras.mixed_precision.set_global_policy))
-    with strategy_scope:
+    with strategy_scope, creation:
         for _, set_policy in policies:
             set_policy(precision)
         try:

@@ -13,6 +13,7 @@ from tensorflow.python.distribute import (
     values_util,
 )
 from tensorflow.python.eager import context as eager_context
+from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
 
@@ -122,6 +123,31 @@ def summed_across_replicas(values):
     else:
         reduced = extended._replica_ctx_all_reduce(sum_, flat, options)
     return nest.pack_sequence_as(values, reduced)
+
+
+def agreed_initial_value(extended, **kwargs):
+    """The initial value of a variable that `tf.Variable(**kwargs)` would
+    give its first replica, as a tensor on this task's first device: under a
+    `MultiWorkerMirroredStrategy` the chief's value, broadcast to every task
+    (each task must create its variables in the same order, as for any
+    variable of that strategy); under a `MirroredStrategy` the value itself.
+
+    Example:
+
+    ```python
+    with tf.init_scope():
+        value = agreed_initial_value(strategy.extended, initial_value=init, dtype="float32")
+    ```
+    """
+    device = extended.worker_devices[0]
+    value = extended._get_variable_creator_initial_value(
+        replica_id=0, device=device, primary_var=None, **kwargs)
+    with tf.device(device):
+        if callable(value):
+            value = value()
+        if isinstance(value, trackable_base.CheckpointInitialValue):
+            value = value.wrapped_value
+        return tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
 
 
 def bound_task_registration(cluster: dict, task_type: str, timeout_seconds: float):

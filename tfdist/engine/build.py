@@ -34,6 +34,7 @@ from tfdist.engine.update import KerasApply
 from tfdist.optim import zero3
 from tfdist.optim.zero import ShardedUpdate, check_shardable
 from tfdist.pipeline.compute import pipeline_compute
+from tfdist.sharding.creation import whole_where_not_kept
 from tfdist.tensor.plan import partition_model
 
 # Fields whose value only tfdist's own step can honour, and their off value.
@@ -190,8 +191,9 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
 
     Readies the state they keep, in this order: pipeline stages' variables
     moved to their stages' devices, layers split over tensor groups (where
-    their stage put them), the optimizer's state moved into ZeRO shards.
-    Values are kept.
+    their stage put them), what neither took made whole where the scope
+    created it as shards (`tfdist.sharding.creation`), the optimizer's state
+    moved into ZeRO shards. Values are kept.
 
     Example:
 
@@ -212,6 +214,7 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
     if config.zero == 3 and config.pipeline > 1:  # stages placed, then sharded there
         pipeline = pipeline_compute(model, strategy, sequence_length)
         with tf.init_scope():
+            whole_where_not_kept(model)
             update = ShardedUpdate(model, 3)
         zero3.gather_stage_parameters(pipeline, update.layouts)
         return PipelinedCompute(model, k, pipeline), ShardedReduce(update.layouts, 2), update
@@ -219,6 +222,7 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
         with tf.init_scope():
             if mesh is not None:
                 partition_model(model, mesh)
+            whole_where_not_kept(model)
             update = ShardedUpdate(model, 3)
         units = zero3.GatheredUnits(model, update.layouts, strategy.pipeline_devices,
                                     config.zero3_unit_params, mesh)
@@ -228,11 +232,12 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
                                    mesh)
     else:
         compute = LocalCompute(model, k, mesh, xla=config.xla)
-    if mesh is not None:
-        with tf.init_scope():
+    with tf.init_scope():
+        if mesh is not None:
             partition_model(model, mesh)
             if config.pipeline > 1:
                 compute.pipeline.split_copies()  # a tied embedding's, on the last stage
+        whole_where_not_kept(model)
     if config.zero:
         with tf.init_scope():
             update = ShardedUpdate(model, config.zero)

@@ -130,6 +130,8 @@ class TfKerasShardedUpdate(ShardedUpdate):
     def _shard_slots(self, slots, storage, strategy):
         sharded = {}
         for slot, index in slots:
+            if getattr(slot, "layout", None) == storage[index]:  # created as shards
+                continue
             sharded[id(slot)] = ShardedStorage.create(
                 strategy, storage[index], slot.read_value(), slot.name.split(":")[0],
                 slot.dtype, devices=copy_devices(slot, strategy))

@@ -187,8 +187,7 @@ class ShardedUpdate:
         self.num_shards = strategy.num_replicas_in_sync // tensor
         self.variables = self._optimizer_variables()
         # Where each replica's state lives, and its slicing of the local part.
-        storage = [MeshShardLayout(v.shape, tensor, self.num_shards, storage_layout(v))
-                   for v in self.variables]
+        storage = [_state_layout(v, tensor, self.num_shards) for v in self.variables]
         # Layouts by optimizer index, and aligned with the model's weights.
         self._by_index = [layout.part for layout in storage]
         self.layouts = [self._by_index[self._index_of(v)] for v in model.trainable_weights]
@@ -353,6 +352,15 @@ class ShardedUpdate:
         return value - value * wd * lr
 
 
+
+
+def _state_layout(variable, tensor, data):
+    """The `MeshShardLayout` of a variable's optimizer state: its own when it
+    was created as shards (`tfdist.sharding.creation`)."""
+    layout = storage_layout(variable)
+    if isinstance(layout, MeshShardLayout):
+        return layout
+    return MeshShardLayout(variable.shape, tensor, data, layout)
 
 
 def _flat_name(variable):

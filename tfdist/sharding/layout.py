@@ -181,3 +181,14 @@ class MeshShardLayout:
         """The full value from every replica's shard, stacked in replica order."""
         parts = [self.part.unshard(shards[rank::self.tensor]) for rank in range(self.tensor)]
         return parts[0] if self.split is None else self.split.unshard(parts)
+
+    def __eq__(self, other):
+        """Equal layouts put the same elements on each replica."""
+        return isinstance(other, MeshShardLayout) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def _key(self):
+        split = None if self.split is None else (self.split.axis, self.split.parts)
+        return tuple(self.shape.as_list()), self.tensor, self.part.num_shards, split

@@ -60,7 +60,7 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
                 index = replica_id_in_sync_group(extended, local)
                 with tf.device(device):
                     shard = (tf.zeros(layout.shard_shape, dtype) if initial is None
-                             else layout.shard(initial, index))
+                             else own_copy(layout.shard(initial, index)))
                     # ResourceVariable directly: the strategy's variable creator
                     # (which would mirror it) is bypassed.
                     components.append(tf_variables.ResourceVariable(
@@ -116,7 +116,7 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         for local, component in enumerate(self._values):
             index = replica_id_in_sync_group(extended, local)
             with tf.device(component.device):
-                component.assign(self._layout.shard(value, index), use_locking)
+                component.assign(own_copy(self._layout.shard(value, index)), use_locking)
         return self if read_value else None
 
     def assign_add(self, value, use_locking=False, name=None, read_value=True):
@@ -156,6 +156,21 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
+def own_copy(shard):
+    """`shard` in a buffer of its own. A slice of a tensor (`ShardLayout`'s
+    rows, `tf.split` along the first axis) can share the whole tensor's
+    buffer, and a variable assigned it would then keep the whole value alive:
+    the memory sharding exists to save.
+
+    Example:
+
+    >>> rows = tf.reshape(tf.range(8.0), (2, 4))
+    >>> own_copy(rows[1]).numpy()
+    array([4., 5., 6., 7.], dtype=float32)
+    """
+    return tf.raw_ops.DeepCopy(x=shard)
+
+
 def shard_keras_variable(variable, layout, strategy):
     """Moves a Keras variable's storage into `ShardedStorage`, keeping its value.
 
@@ -176,6 +191,8 @@ def shard_keras_variable(variable, layout, strategy):
     """
     if isinstance(layout, int):
         layout = ShardLayout(variable.shape, layout)
+    if storage_layout(variable) == layout:  # created as these shards
+        return tf_variables.storage_of(variable)
     storage = ShardedStorage.create(
         strategy, layout, variable.value, name=variable.name, dtype=variable.dtype,
         trainable=variable.trainable, devices=copy_devices(variable, strategy))

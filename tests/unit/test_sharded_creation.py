@@ -1,0 +1,125 @@
+"""Variables created as shards in a tfdist scope with `zero` (seconds, no training).
+
+Where each variable lives right after it is built, before any step, and that
+its value is the one a one-device build makes with the same seed.
+"""
+
+import gc
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist._compat.tf_variables import storage_of
+from tfdist.sharding.creation import whole_where_not_kept
+from tfdist.sharding.layout import MeshShardLayout
+from tfdist.sharding.storage import ShardedStorage, own_copy
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+
+
+def _model():
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([keras.Input((10,)), keras.layers.Dense(7, "relu"),
+                             keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+
+
+def _built(strategy):
+    with strategy.scope():
+        model = _model()
+        model.compile(optimizer="adam", loss="mse")
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _slots(model):
+    optimizer = model.optimizer
+    return list(zip(model.trainable_variables, optimizer._momentums, optimizer._velocities))
+
+
+def test_zero3_creates_each_weight_as_shards_of_a_one_device_build():
+    reference = _model()
+    model = _built(tfdist.Strategy(zero=3, devices=DEVICES))
+    for variable, expected in zip(model.weights, reference.weights):
+        storage = storage_of(variable)
+        if not expected.trainable:  # BatchNormalization's moving statistics
+            assert not isinstance(storage, ShardedStorage), variable.path
+            continue
+        assert isinstance(storage, ShardedStorage), variable.path
+        assert storage.layout == MeshShardLayout(expected.shape, 1, 4)
+        shard = -(-int(np.prod(expected.shape)) // 4)
+        assert [c.shape.as_list() for c in storage.values] == [[shard]] * 4
+        assert [c.device for c in storage.values] == list(
+            model.distribute_strategy.extended.worker_devices)
+        np.testing.assert_array_equal(variable.numpy(), expected.numpy())
+    # The optimizer's slots: shards of their weight's layout, made as shards.
+    for variable, momentum, velocity in _slots(model):
+        for slot in (momentum, velocity):
+            assert storage_of(slot).layout is storage_of(variable).layout
+            np.testing.assert_array_equal(slot.numpy(), np.zeros(variable.shape))
+    assert not isinstance(storage_of(model.optimizer.iterations), ShardedStorage)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_and_2_create_the_slots_as_shards_and_the_weights_whole(zero):
+    model = _built(tfdist.Strategy(zero=zero, devices=DEVICES))
+    for variable, momentum, velocity in _slots(model):
+        assert not isinstance(storage_of(variable), ShardedStorage)
+        for slot in (momentum, velocity):
+            assert storage_of(slot).layout == MeshShardLayout(variable.shape, 1, 4)
+
+
+def test_plain_data_parallelism_creates_nothing_as_shards():
+    model = _built(tfdist.Strategy(devices=DEVICES))
+    assert not any(isinstance(storage_of(v), ShardedStorage)
+                   for v in model.weights + model.optimizer.variables)
+
+
+@pytest.mark.parametrize("config", [dict(tensor=2), dict(pipeline=2, zero=1)])
+def test_tensor_and_pipeline_hold_weights_as_shards_until_the_step_places_them(config):
+    reference = _model()
+    model = _built(tfdist.Strategy(devices=DEVICES, **config))
+    for variable, expected in zip(model.weights, reference.weights):
+        assert isinstance(storage_of(variable), ShardedStorage) == expected.trainable
+    # What no split or stage takes (here: everything, no step has run) is
+    # made whole again, slots too, values kept.
+    whole_where_not_kept(model)
+    for variable, expected in zip(model.weights, reference.weights):
+        assert not isinstance(storage_of(variable), ShardedStorage), variable.path
+        np.testing.assert_array_equal(variable.numpy(), expected.numpy())
+    assert not any(isinstance(storage_of(v), ShardedStorage) for v in model.optimizer.variables)
+
+
+def test_a_layer_frozen_after_creation_is_made_whole_again():
+    model = _built(tfdist.Strategy(zero=3, devices=DEVICES))
+    first = model.layers[0]
+    value = first.kernel.numpy()
+    first.trainable = False
+    whole_where_not_kept(model)
+    assert not isinstance(storage_of(first.kernel), ShardedStorage)
+    assert len(storage_of(first.kernel).values) == 4
+    np.testing.assert_array_equal(first.kernel.numpy(), value)
+    assert isinstance(storage_of(model.layers[2].kernel), ShardedStorage)
+
+
+def _rss_mib():
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise KeyError("VmRSS")
+
+
+def test_a_stored_shard_does_not_keep_the_whole_value_alive():
+    # A row of a reshaped tensor shares the whole tensor's buffer: a variable
+    # holding it would keep all 64 MiB of each value (512 MiB here).
+    gc.collect()
+    before, kept = _rss_mib(), []
+    for _ in range(8):
+        whole = tf.random.uniform((4096, 4096))
+        kept.append(tf.Variable(own_copy(tf.reshape(whole, (4, -1))[1])))
+        del whole
+    gc.collect()
+    assert _rss_mib() - before < 300  # 8 x 16 MiB kept, plus the allocator's slack

@@ -1,0 +1,138 @@
+"""Variables created as shards: a model-parallel mode never holds its whole state.
+
+In the scope of a tfdist strategy, `sharded_creation` makes variables as
+`ShardedStorage` element shards over the replicas (`MeshShardLayout`, the
+layout `ShardedUpdate` gives them with neither `tensor` nor `pipeline`)
+instead of one whole copy per replica:
+
+- every trainable variable (a model's weights) with `zero=3`, `tensor` > 1
+  or `pipeline` > 1;
+- every optimizer slot of its variable's shape (Adam's `m` and `v`, which
+  Keras builds colocated with their variable) of such a weight, and with any
+  `zero` of any weight.
+
+A variable's initial value is computed whole once, on the task's first
+device (under `MultiWorkerStrategy` the chief's value, broadcast, as
+`tf.distribute` does for every variable), each local replica keeps its
+shard, and the whole value is dropped before the next variable is made: the
+values equal a one-device build's with the same seed, and the largest
+transient is one variable. Other variables (non-trainable ones, the
+optimizer's counter, Adafactor's factors) are made as `tf.distribute` makes
+them.
+
+With `zero` alone these shards are the step's own. With `tensor` or
+`pipeline` they are a holding layout until the first step: splitting a weight
+over its tensor group or moving it to its stage reads it whole, one variable
+at a time, and `whole_where_not_kept` then makes whole (one copy per replica)
+what neither took, as replicated weights are.
+
+Example:
+
+```python
+strategy = tfdist.Strategy(zero=3, devices=4)
+with strategy.scope():   # (the strategy's scope installs it)
+    dense = keras.layers.Dense(4096)
+    dense.build((None, 4096))
+[c.shape for c in dense.kernel.value.values]   # four (4194304,) shards
+```
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from tfdist._compat.tf_distribute import agreed_initial_value
+from tfdist._compat.tf_variables import storage_of
+from tfdist.pipeline.placement import move_variable
+from tfdist.sharding.keys import optimizer_keys_follow
+from tfdist.sharding.layout import MeshShardLayout
+from tfdist.sharding.storage import ShardedStorage
+
+
+def sharded_creation(strategy, config):
+    """A variable creator scope making `config`'s sharded state as shards in
+    `strategy` (enter it inside the strategy's scope), or a null context
+    when `config` shards nothing (plain data parallelism).
+
+    Example:
+
+    ```python
+    with strategy.scope(), sharded_creation(strategy, strategy.config):
+        model = build_model()
+    ```
+    """
+    weights_too = config.zero == 3 or config.tensor > 1 or config.pipeline > 1
+    if not (config.zero or weights_too):
+        return contextlib.nullcontext()
+
+    def create(next_creator, **kwargs):
+        colocate_with = kwargs.get("colocate_with")
+        slot_of = colocate_with if getattr(colocate_with, "trainable", False) and (
+            config.zero or isinstance(colocate_with, ShardedStorage)) else None
+        weight = weights_too and colocate_with is None and kwargs.get("trainable") is True
+        if slot_of is None and not weight:
+            return next_creator(**kwargs)
+        with tf.init_scope():
+            value = agreed_initial_value(strategy.extended, **kwargs)
+            if slot_of is not None and value.shape != _full_shape(slot_of):
+                return next_creator(**{**kwargs, "initial_value": value})
+            layout = (slot_of.layout if isinstance(slot_of, ShardedStorage) else
+                      holding_layout(value.shape, strategy))
+            devices = [v.device for v in slot_of.values] if slot_of is not None else None
+            name = kwargs.get("name") or "Variable"
+            return ShardedStorage.create(strategy, layout, value, name, value.dtype,
+                                         trainable=weight, devices=devices)
+
+    return tf.variable_creator_scope(create)
+
+
+def holding_layout(shape, strategy):
+    """The layout `sharded_creation` gives a variable of `shape`: element
+    shards over every replica of `strategy`.
+
+    Example:
+
+    ```python
+    holding_layout((4096, 4096), strategy)   # MeshShardLayout: 4 x (4194304,)
+    ```
+    """
+    return MeshShardLayout(shape, 1, strategy.num_replicas_in_sync)
+
+
+def _full_shape(variable):
+    """A (possibly sharded) TensorFlow variable's full shape."""
+    layout = getattr(variable, "layout", None)
+    return layout.shape if layout is not None else variable.shape
+
+
+def whole_where_not_kept(model):
+    """Makes whole again (one copy per replica) each variable of `model` and
+    of its optimizer still in the layout `sharded_creation` gave it where the
+    step does not keep that layout: with `tensor` or `pipeline`, everything
+    their split and placement left (replicated weights and their slots);
+    with `zero` alone, weights that are not trainable now (a layer frozen
+    after it was built: only trainable weights are gathered unit by unit).
+
+    Example:
+
+    ```python
+    model.layers[0].trainable = False
+    whole_where_not_kept(model)   # under zero=3: the first layer's weights, mirrored
+    ```
+    """
+    strategy = model.distribute_strategy
+    config = strategy.config
+    data_only = config.tensor == 1 and config.pipeline == 1
+    trainable = {id(v) for v in model.trainable_weights}
+    weights = {id(v) for v in model.weights}
+    optimizer = getattr(model, "optimizer", None)
+    state = list(optimizer.variables) if optimizer is not None and optimizer.built else []
+    with optimizer_keys_follow(model):
+        for variable in list(model.weights) + state:
+            storage = storage_of(variable)
+            if not isinstance(storage, ShardedStorage) or (
+                    storage.layout != holding_layout(storage.layout.shape, strategy)):
+                continue
+            if data_only and (id(variable) in trainable or id(variable) not in weights):
+                continue  # the step's own shards
+            move_variable(variable, strategy.extended.worker_devices, strategy)
