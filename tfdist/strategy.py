@@ -45,6 +45,7 @@ from tfdist.pipeline import summary as pipeline_summary
 from tfdist.profiling import start_profiler_server
 from tfdist.sharding.creation import sharded_creation, whole_where_not_kept
 from tfdist.sharding.layout import AxisLayout
+from tfdist.sharding.peak import predict_peak
 from tfdist.tensor import plan as tensor_plan
 from tfdist.tensor.layout_map import check_layout_map
 from tfdist.tensor.mesh import TensorMesh
@@ -191,7 +192,8 @@ class _StepOwner:
         common = tf.reduce_min(counts, axis=0)  # (values,)
         return self.run(lambda *vs: [v[:common[j]] for j, v in enumerate(vs)], args=values)
 
-    def describe(self, model: keras.Model, sequence_length: int | None = None) -> str:
+    def describe(self, model: keras.Model, sequence_length: int | None = None,
+                 batch_size: int | None = None) -> str:
         """How `model`'s layers are laid out under this strategy, one per line.
 
         With `pipeline` > 1: each stage's devices, parameters, estimated
@@ -206,7 +208,10 @@ class _StepOwner:
         (`tfdist.optim.zero3.describe`). With
         `pipeline` > 1 it ends with the schedule's grid: each stage's forward
         "F" and backward "B" of each microbatch per clock step, "." when idle
-        (`tfdist.pipeline.schedule.grid`).
+        (`tfdist.pipeline.schedule.grid`). With `batch_size` (the global
+        batch), a last line predicts the busiest device's peak memory in a
+        step and its parts (`tfdist.sharding.peak`; the optimizer's slots
+        count once it is built).
 
         Example:
 
@@ -221,19 +226,13 @@ class _StepOwner:
         # dense_2  Dense  replicated  no Dense consumes its output alone
         ```
         """
-        parts, stages = [], None
-        if self._config.pipeline > 1:
-            stages = pipeline_stages.plan_stages(
-                model, self._config.model_stages, self._config.stage_boundaries,
-                sequence_length)
+        parts = []
+        stages, decisions, split = self._plan(model, sequence_length)
+        if stages:
             parts.append(pipeline_stages.describe(
                 stages, pipeline_stages.stage_devices(self._config, self.pipeline_devices)))
         tensor = self._config.tensor
-        decisions = tensor_plan.plan(model, tensor, self._config.vocab_parallel_classifier,
-                                     self._layout_map) if tensor > 1 else []
         if self._config.zero == 3:
-            split = {id(v): AxisLayout(v.shape, axis, tensor) for d in decisions
-                     for v, axis in d.layout.weight_axes(d.layer)}
             parts.append(zero3.describe(model, self.num_replicas_in_sync // tensor,
                                         self._config.zero3_unit_params, stages, split))
         if tensor > 1 or not parts:
@@ -247,7 +246,38 @@ class _StepOwner:
                          f"{virtual}:")
             parts.append(pipeline_schedule.grid(pipeline_schedule.stage_orders(
                 config.schedule, config.pipeline, config.microbatches, config.virtual_stages)))
+        if batch_size is not None:
+            parts.append(str(self.predicted_peak(model, batch_size, sequence_length)))
         return "\n".join(parts)
+
+    def predicted_peak(self, model: keras.Model, batch_size: int,
+                       sequence_length: int | None = None):
+        """The busiest device's predicted peak memory in a training step of
+        `model` on global batches of `batch_size` rows, by part (a
+        `tfdist.sharding.peak.PeakEstimate`; its `total` in bytes). The
+        optimizer's slots count once it is built.
+
+        Example:
+
+        ```python
+        strategy.predicted_peak(model, batch_size=64).total / 2**30   # GiB
+        ```
+        """
+        stages, _, split = self._plan(model, sequence_length)
+        return predict_peak(self, model, batch_size, sequence_length, split, stages)
+
+    def _plan(self, model, sequence_length):
+        """`model`'s pipeline stages (None without `pipeline`), tensor plan
+        decisions, and the `AxisLayout` of each weight they split, by id."""
+        config = self._config
+        stages = pipeline_stages.plan_stages(
+            model, config.model_stages, config.stage_boundaries,
+            sequence_length) if config.pipeline > 1 else None
+        decisions = tensor_plan.plan(model, config.tensor, config.vocab_parallel_classifier,
+                                     self._layout_map) if config.tensor > 1 else []
+        split = {id(v): AxisLayout(v.shape, axis, config.tensor) for d in decisions
+                 for v, axis in d.layout.weight_axes(d.layer)}
+        return stages, decisions, split
 
     def scope(self):
         """The parent's scope, with the Keras dtype policy of `precision` set

@@ -1,7 +1,7 @@
 """Benchmark: peak memory per worker of a model-parallel `fit`, against one process.
 
     python tools/bench_memory.py [--width=4096] [--layers=8] [--workers=4]
-        [--modes=single,zero0,zero1,zero2,zero3,tensor4,data2_tensor2_zero3]
+        [--modes=single,zero0,zero1,zero2,zero3,tensor4,pipeline4,data2_tensor2_zero3]
         [--out=results.jsonl]
 
 A model-parallel mode exists so that a model one worker cannot train alone
@@ -16,8 +16,9 @@ parameters) for `--epochs` epochs of `model.fit`:
 
 Each process measures its baseline (RSS once TensorFlow and the strategy
 exist), resets its high-water mark (`/proc/self/clear_refs`), builds,
-compiles and fits, then reads its peak (`VmHWM`). One JSON line per process,
-then a table of each mode's worst worker against `single`.
+compiles and fits, then reads its peak (`VmHWM`) and the strategy's
+prediction of it (`Strategy.predicted_peak`). One JSON line per process,
+then a table of each mode's worst worker against `single` and the prediction.
 """
 
 import contextlib
@@ -39,7 +40,8 @@ flags.DEFINE_integer("workers", 4, "Worker tasks of the launched modes.")
 flags.DEFINE_integer("epochs", 2, "Epochs of fit.")
 flags.DEFINE_integer("examples", 64, "Training examples (batch 16).")
 flags.DEFINE_list("modes", ["single", "zero0", "zero1", "zero2", "zero3", "tensor4",
-                            "data2_tensor2_zero3"], "What to run (see the module docstring).")
+                            "pipeline4", "data2_tensor2_zero3"],
+                  "What to run (see the module docstring).")
 flags.DEFINE_string("mode", None, "Internal: the mode this task runs.")
 flags.DEFINE_string("report", None, "Internal: where this task writes its measures.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
@@ -48,7 +50,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH = 16
 # A mode's ParallelConfig fields, as `tfdist launch` flags.
 MODES = {"zero0": [], "zero1": ["--zero=1"], "zero2": ["--zero=2"], "zero3": ["--zero=3"],
-         "tensor4": ["--tensor=4"], "data2_tensor2_zero3": ["--tensor=2", "--zero=3"]}
+         "tensor4": ["--tensor=4"], "pipeline4": ["--pipeline=4", "--microbatches=4"],
+         "data2_tensor2_zero3": ["--tensor=2", "--zero=3"]}
 
 
 def status_bytes(field):
@@ -89,6 +92,10 @@ def run_task():
               "fit_seconds": round(time.monotonic() - started, 1),
               "final_loss": history.history["loss"][-1]}
     record["peak_above_baseline_bytes"] = record["peak_bytes"] - baseline
+    if strategy is not None:
+        estimate = strategy.predicted_peak(model, BATCH)
+        record["predicted_peak_bytes"] = estimate.total
+        record["predicted_parts"] = {k: v for k, v in vars(estimate).items()}
     pathlib.Path(FLAGS.report, f"{record['task'].replace(':', '')}.json").write_text(
         json.dumps(record))
 
@@ -124,19 +131,23 @@ def main(argv):
     unknown = [m for m in FLAGS.modes if m != "single" and m not in MODES]
     if unknown:
         sys.exit(f"--modes: unknown {unknown}; choose from single, {', '.join(MODES)}")
-    worst = {}
+    worst, predicted = {}, {}
     for mode in FLAGS.modes:
         for record in run_mode(mode):
             emit({"bench": "memory", "width": FLAGS.width, "layers": FLAGS.layers,
                   "workers": 1 if mode == "single" else FLAGS.workers, **record}, FLAGS.out)
             worst[mode] = max(worst.get(mode, 0), record["peak_above_baseline_bytes"])
+            predicted[mode] = max(predicted.get(mode, 0), record.get("predicted_peak_bytes", 0))
     single = worst.get("single")
     print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, {FLAGS.workers} workers")
-    print("| mode | worst worker's peak above baseline (GiB) | x single process |")
-    print("|---|---|---|")
+    print("| mode | worst worker's peak above baseline (GiB) | x single process "
+          "| predicted (GiB) | measured / predicted |")
+    print("|---|---|---|---|---|")
     for mode, peak in worst.items():
         ratio = f"{peak / single:.2f}" if single else "-"
-        print(f"| {mode} | {peak / 2**30:.2f} | {ratio} |")
+        guess = predicted[mode]
+        versus = f"{guess / 2**30:.2f} | {peak / guess:.2f}" if guess else "- | -"
+        print(f"| {mode} | {peak / 2**30:.2f} | {ratio} | {versus} |")
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def plan_units(model, min_params: int = 0) -> list[Stage]:
             units[-1].nodes += nodes[a:b]
         else:
             units.append(Stage(len(units), nodes[a:b], [], [], 0, 0.0, graph))
-        units[-1].params = sum(v.shape.num_elements() for v in _weights(units[-1]))
+        units[-1].params = sum(v.shape.num_elements() for v in unit_weights(units[-1]))
     connect(graph, units)
     return units
 
@@ -163,7 +163,7 @@ def describe(model, data: int, min_params: int = 0, stages=None, split=None) -> 
     lines, every = [], {}
     kind = "stage" if stages else "unit"
     for unit in stages or plan_units(model, min_params):
-        weights = _weights(unit)
+        weights = unit_weights(unit)
         every.update((id(v), v) for v in weights)  # a tied weight counts once
         names = ", ".join(layer.name for layer in unit.layers)
         lines.append(f"{kind} {unit.index}  params {unit.params:,}  "
@@ -198,8 +198,15 @@ def read_dtypes(model) -> dict:
             for v in model.trainable_weights}
 
 
-def _weights(unit):
-    """The unit's trainable variables, each once."""
+def unit_weights(unit):
+    """The unit's trainable variables, each once.
+
+    Example:
+
+    ```python
+    unit_weights(plan_units(model)[0])   # [<token_embedding/embeddings>]
+    ```
+    """
     return list({id(v): v for layer in unit.layers
                  for v in getattr(layer, "trainable_weights", ())}.values())
 

@@ -1,0 +1,68 @@
+"""The predicted peak per device (`Strategy.describe(model, batch_size=...)`), no training."""
+
+import keras
+import pytest
+
+import tfdist
+from tfdist.sharding.peak import predict_peak
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+# Dense(64 -> 32) and Dense(32 -> 8): float32 kernels and biases.
+FIRST, SECOND = 4 * (64 * 32 + 32), 4 * (32 * 8 + 8)
+
+
+def _model(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, "relu"),
+                                  keras.layers.Dense(8)])
+        model.compile(optimizer="adam", loss="mse")
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _activations(rows):
+    return 4 * rows * (32 + 8)
+
+
+def test_data_parallel_holds_everything_whole():
+    strategy = tfdist.Strategy(devices=DEVICES)
+    estimate = predict_peak(strategy, _model(strategy), batch_size=16)
+    whole = FIRST + SECOND
+    assert (estimate.parameters, estimate.gradients, estimate.optimizer_state,
+            estimate.gathered) == (whole, 2 * whole, 2 * whole, 0)  # Adam: m and v
+    assert estimate.activations == _activations(4)  # 16 rows over 4 replicas
+    assert estimate.total == whole * 5 + _activations(4)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_and_2_shard_the_slots_and_add_shard_buffers(zero):
+    strategy = tfdist.Strategy(devices=DEVICES, zero=zero)
+    estimate = predict_peak(strategy, _model(strategy), batch_size=16)
+    whole = FIRST + SECOND
+    assert estimate.optimizer_state == 2 * whole // 4 + whole // 4
+    assert estimate.parameters == whole
+
+
+def test_zero3_keeps_shards_and_gathers_the_two_largest_units():
+    strategy = tfdist.Strategy(devices=DEVICES, zero=3)
+    estimate = predict_peak(strategy, _model(strategy), batch_size=16)
+    shard = (FIRST + SECOND) // 4
+    assert estimate.parameters == shard
+    assert estimate.optimizer_state == 2 * shard
+    assert estimate.gathered == FIRST + SECOND
+    assert estimate.gradients == shard + 2 * FIRST  # the largest unit's, and its packed copy
+
+
+def test_describe_ends_with_the_prediction_given_a_batch_size():
+    strategy = tfdist.Strategy(devices=DEVICES, tensor=2)
+    model = _model(strategy)
+    assert "predicted peak" not in strategy.describe(model)
+    line = strategy.describe(model, batch_size=16).splitlines()[-1]
+    assert line.startswith("predicted peak per device ")
+    # The first Dense is split by columns, the second by rows: halves of both
+    # kernels, the split first bias, the whole second bias.
+    assert line == str(strategy.predicted_peak(model, batch_size=16))
+    # The first Dense is split by columns, the second by rows: halves of both
+    # kernels and of the first bias, the whole second bias.
+    estimate = strategy.predicted_peak(model, batch_size=16)
+    assert estimate.parameters == 4 * (64 * 16 + 16 + 16 * 8) + 4 * 8

@@ -1,0 +1,164 @@
+"""The predicted peak memory of one device during a training step.
+
+`predict_peak` adds what a device holds at the busiest point of a step under
+a strategy's `ParallelConfig`, from the model's weights, its optimizer's
+slots and the first batch's size; `Strategy.describe(model, batch_size=...)`
+prints it. Per device, the worst one (the largest stage under `pipeline`):
+
+- parameters: its shard (`zero=3`), its tensor rank's slice of split weights,
+  its stage's weights; whole otherwise;
+- gradients: the local gradient of what it holds plus the packed buffer the
+  reduce sends (whole gradients, or one unit's under `zero=3`, whose reduced
+  shards it keeps);
+- optimizer state: every slot of its variable's shape, split as the weight
+  is and, with `zero` >= 1, sharded over the data replicas; plus zero 1/2's
+  parameter shard buffers;
+- gathered: under `zero=3`, the two largest units' parameters (the current
+  and the next one);
+- activations: every layer output of the device's rows of one microbatch
+  (times the microbatches a pipeline stage holds at once), in the compute
+  dtype, unknown lengths taken as `sequence_length`.
+
+TensorFlow's own memory (its runtime, the allocator's free lists, collective
+transport buffers) is outside the prediction: `tools/bench_memory.py` sets it
+against each worker's measured peak.
+"""
+
+import dataclasses
+import math
+
+import tensorflow as tf
+
+from tfdist._compat.keras_optimizer import trainable_variables_of
+from tfdist.optim import zero3
+from tfdist.pipeline.graph import graph_nodes, graph_of
+from tfdist.sharding.slots import optimizer_slots
+
+
+@dataclasses.dataclass
+class PeakEstimate:
+    """Predicted bytes per device of each part of a step's peak.
+
+    Example:
+
+    ```python
+    estimate = predict_peak(strategy, model, batch_size=64)
+    estimate.total   # bytes
+    print(estimate)  # predicted peak per device 1.21 GiB: parameters ...
+    ```
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    gathered: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+    def __str__(self):
+        parts = ", ".join(f"{field.name.replace('_', ' ')} {_gib(getattr(self, field.name))}"
+                          for field in dataclasses.fields(self))
+        return f"predicted peak per device {_gib(self.total)}: {parts}"
+
+
+def _gib(size):
+    return f"{size / 2**30:.2f} GiB"
+
+
+def predict_peak(strategy, model, batch_size: int, sequence_length=None,
+                 split=None, stages=None) -> PeakEstimate:
+    """The predicted peak of the busiest device when `model` trains under
+    `strategy` on global batches of `batch_size` rows.
+
+    `split` maps the id of each weight tensor groups split to its
+    `AxisLayout`, `stages` are the pipeline stages (`Strategy.describe`
+    passes both); the optimizer's slots are counted when it is built (by
+    `fit`, or `model.optimizer.build(model.trainable_variables)`).
+
+    Example:
+
+    ```python
+    predict_peak(strategy, model, batch_size=16).total / 2**30   # GiB
+    ```
+    """
+    config = strategy.config
+    split = split or {}
+    data = strategy.num_replicas_in_sync // config.tensor
+    slots = _slot_counts(model)
+    weights = model.trainable_weights
+    if stages:  # the stage holding the most bytes
+        held = {id(v) for v in max(stages, key=lambda s: _bytes(_trainable(s), split))
+                .variables}
+        weights = [v for v in weights if id(v) in held]
+    local = _bytes(weights, split)  # each weight's tensor slice (or all of it)
+    shard = local // data
+    state = sum(slots.get(id(v), 0) * _bytes([v], split) for v in weights)
+    if config.zero:
+        state = state // data + (shard if config.zero < 3 else 0)  # zero 1/2's buffers
+    gathered = 0
+    if config.zero == 3 and not stages:
+        units = sorted((_bytes(zero3.unit_weights(u), split)
+                        for u in zero3.plan_units(model, config.zero3_unit_params)),
+                       reverse=True)
+        gathered = sum(units[:2])
+        gradients = shard + 2 * units[0]
+    else:
+        gradients = 2 * local
+    parameters = shard if config.zero == 3 and not stages else local
+    if config.zero == 3 and stages:
+        gathered = local
+        parameters = shard
+    rows = math.ceil(batch_size / data / config.microbatches)
+    in_flight = min(config.microbatches, config.pipeline) if config.pipeline > 1 else 1
+    activations = _activation_bytes(model, rows, sequence_length) * in_flight
+    if stages:
+        activations //= len(stages)
+    return PeakEstimate(parameters, gradients, state, gathered, activations)
+
+
+def _trainable(stage):
+    return [v for v in stage.variables if v.trainable]
+
+
+def _bytes(variables, split):
+    """Bytes of `variables`, each its tensor rank's slice when split."""
+    total = 0
+    for v in {id(v): v for v in variables}.values():
+        parts = split[id(v)].parts if id(v) in split else 1
+        total += v.shape.num_elements() * tf.as_dtype(v.dtype).size // parts
+    return total
+
+
+def _slot_counts(model):
+    """How many slots of its shape the built optimizer keeps per weight, by id."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not optimizer.built:
+        return {}
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    variables = list(trainable_variables_of(inner))
+    counts = {}
+    for _, index in optimizer_slots(inner, variables, for_sharding=True):
+        counts[id(variables[index])] = counts.get(id(variables[index]), 0) + 1
+    return counts
+
+
+def _activation_bytes(model, rows, sequence_length):
+    """Bytes of every layer call's outputs for `rows` examples (0 when the
+    model has no functional graph)."""
+    try:
+        nodes = graph_nodes(graph_of(model))
+    except ValueError:
+        return 0
+    total = 0
+    for node in nodes:
+        for output in tf.nest.flatten(node.outputs):
+            shape = getattr(output, "shape", None)
+            if shape is None or len(shape) == 0:
+                continue
+            dims = [rows] + [d if d is not None else (sequence_length or 1)
+                             for d in shape[1:]]
+            total += math.prod(dims) * tf.as_dtype(output.dtype).size
+    return total
