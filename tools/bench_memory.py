@@ -19,6 +19,15 @@ exist), resets its high-water mark (`/proc/self/clear_refs`), builds,
 compiles and fits, then reads its peak (`VmHWM`) and the strategy's
 prediction of it (`Strategy.predicted_peak`). One JSON line per process,
 then a table of each mode's worst worker against `single` and the prediction.
+
+    python tools/bench_memory.py --cap_gib=2.4 --modes=zero3,tensor4
+
+The demonstration: each process capped at `--cap_gib` (the whole process, a
+memory cgroup the bench makes; needs root or a delegated cgroup subtree),
+below what one process needs to train the model whole. One uncapped process
+trains the reference; one capped process must be killed for memory; every
+mode of `--modes`, each of its workers capped, must train to the reference's
+losses and weights (rtol 1e-4).
 """
 
 import contextlib
@@ -30,6 +39,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 from absl import app, flags
 
 from results import emit
@@ -42,12 +52,18 @@ flags.DEFINE_integer("examples", 64, "Training examples (batch 16).")
 flags.DEFINE_list("modes", ["single", "zero0", "zero1", "zero2", "zero3", "tensor4",
                             "pipeline4", "data2_tensor2_zero3"],
                   "What to run (see the module docstring).")
+flags.DEFINE_float("cap_gib", None, "Instead of the table, the demonstration: each worker "
+                   "of every mode in --modes capped at this many GiB (a cgroup memory limit, "
+                   "the whole process), against one capped and one uncapped process.")
 flags.DEFINE_string("mode", None, "Internal: the mode this task runs.")
+flags.DEFINE_integer("cap_bytes", None, "Internal: this task's memory limit.")
+flags.DEFINE_string("weights", None, "Internal: where the first task saves the trained weights.")
 flags.DEFINE_string("report", None, "Internal: where this task writes its measures.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 FLAGS = flags.FLAGS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH = 16
+CGROUP_PREFIX = "tfdist-bench-memory-"
 # A mode's ParallelConfig fields, as `tfdist launch` flags.
 MODES = {"zero0": [], "zero1": ["--zero=1"], "zero2": ["--zero=2"], "zero3": ["--zero=3"],
          "tensor4": ["--tensor=4"], "pipeline4": ["--pipeline=4", "--microbatches=4"],
@@ -62,12 +78,26 @@ def status_bytes(field):
     raise KeyError(field)
 
 
+def cap_memory(limit):
+    """Puts this process in a new memory cgroup limited to `limit` bytes
+    (cgroup v1 or v2; needs the right to make one: root, or a delegated
+    subtree)."""
+    v1 = pathlib.Path("/sys/fs/cgroup/memory")
+    root, limit_file = (v1, "memory.limit_in_bytes") if v1.is_dir() else (
+        pathlib.Path("/sys/fs/cgroup"), "memory.max")
+    group = root / f"{CGROUP_PREFIX}{os.getpid()}"
+    group.mkdir()
+    (group / limit_file).write_text(str(limit))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
 def run_task():
     """Trains once in this process (under the launched job's strategy, or
     none) and writes baseline and peak to `--report`."""
+    if FLAGS.cap_bytes:
+        cap_memory(FLAGS.cap_bytes)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
-    import numpy as np
 
     import tfdist
 
@@ -90,12 +120,18 @@ def run_task():
               "peak_bytes": status_bytes("VmHWM"),
               "parameter_bytes": 4 * model.count_params(),
               "fit_seconds": round(time.monotonic() - started, 1),
-              "final_loss": history.history["loss"][-1]}
+              "final_loss": history.history["loss"][-1], "losses": history.history["loss"]}
     record["peak_above_baseline_bytes"] = record["peak_bytes"] - baseline
     if strategy is not None:
         estimate = strategy.predicted_peak(model, BATCH)
         record["predicted_peak_bytes"] = estimate.total
         record["predicted_parts"] = {k: v for k, v in vars(estimate).items()}
+    if FLAGS.weights:  # every task reads (gathers) each weight; the first saves it
+        first = record["task"] in ("single:0", "worker:0")
+        for i, variable in enumerate(model.weights):
+            value = variable.numpy()
+            if first:
+                np.save(pathlib.Path(FLAGS.weights, f"{i}.npy"), value)
     pathlib.Path(FLAGS.report, f"{record['task'].replace(':', '')}.json").write_text(
         json.dumps(record))
 
@@ -108,26 +144,91 @@ def _task_name():
     return f"{task['type']}:{task['index']}"
 
 
-def run_mode(mode):
-    """The records of every process of one mode."""
+def run_mode(mode, task_flags=(), must_succeed=True):
+    """The records of every process of one mode (none if it failed and need
+    not succeed)."""
     with tempfile.TemporaryDirectory() as report:
         script = [sys.executable, __file__, f"--mode={mode}", f"--report={report}",
                   f"--width={FLAGS.width}", f"--layers={FLAGS.layers}",
-                  f"--epochs={FLAGS.epochs}", f"--examples={FLAGS.examples}"]
+                  f"--epochs={FLAGS.epochs}", f"--examples={FLAGS.examples}", *task_flags]
         if mode != "single":
             script = [sys.executable, "-m", "tfdist.cli", "launch", f"--workers={FLAGS.workers}",
                       *MODES[mode], "--timeout=3600", "--", *script]
         done = subprocess.run(script, capture_output=True, text=True, cwd=ROOT)
-        if done.returncode:
+        if done.returncode and must_succeed:
             sys.exit(f"{mode} failed ({done.returncode}):\n{done.stdout[-3000:]}"
                      f"{done.stderr[-3000:]}")
+        if done.returncode:
+            return []
         return [json.loads(p.read_text()) for p in sorted(pathlib.Path(report).glob("*.json"))]
+
+
+def run_capped(mode, cap, weights):
+    """Runs `mode` with each process capped at `cap` bytes; returns its
+    records (none if a process died) and how many processes the kernel's
+    out-of-memory killer stopped."""
+    records = run_mode(mode, [f"--cap_bytes={cap}", f"--weights={weights}"],
+                       must_succeed=False)
+    killed = 0
+    for root in (pathlib.Path("/sys/fs/cgroup/memory"), pathlib.Path("/sys/fs/cgroup")):
+        for group in root.glob(f"{CGROUP_PREFIX}*"):
+            events = group / ("memory.oom_control" if root.name == "memory" else "memory.events")
+            for line in events.read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    killed += int(line.split()[1]) > 0
+            group.rmdir()
+    return records, killed
+
+
+def demonstrate_cap():
+    """Every mode of `--modes` with each worker capped at `--cap_gib`, against
+    one uncapped and one capped process: the capped process must die, each
+    mode must train to the uncapped run's losses and weights."""
+    cap = int(FLAGS.cap_gib * 2**30)
+    try:
+        test = pathlib.Path("/sys/fs/cgroup/memory", f"{CGROUP_PREFIX}probe")
+        if not test.parent.is_dir():
+            test = pathlib.Path("/sys/fs/cgroup", f"{CGROUP_PREFIX}probe")
+        test.mkdir()
+        test.rmdir()
+    except OSError as error:
+        sys.exit(f"--cap_gib needs the right to make a memory cgroup ({error}): run as root, "
+                 f"or in a cgroup subtree delegated to this user.")
+    with tempfile.TemporaryDirectory() as folder:
+        reference = pathlib.Path(folder, "reference")
+        reference.mkdir()
+        (expected,) = run_mode("single", [f"--weights={reference}"])
+        print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam; the uncapped process's peak: "
+              f"{expected['peak_bytes'] / 2**30:.2f} GiB (baseline included); each process "
+              f"capped at {FLAGS.cap_gib} GiB")
+        print("| mode | processes killed for memory | trained | losses match | "
+              "largest weight difference (relative) |")
+        print("|---|---|---|---|---|")
+        for mode in ["single"] + [m for m in FLAGS.modes if m != "single"]:
+            weights = pathlib.Path(folder, mode)
+            weights.mkdir()
+            records, killed = run_capped(mode, cap, weights)
+            row = {"bench": "memory_cap", "mode": mode, "cap_bytes": cap, "killed": killed,
+                   "trained": bool(records)}
+            if records:
+                row["losses_match"] = bool(np.allclose(records[0]["losses"], expected["losses"],
+                                                       rtol=1e-4))
+                row["weight_difference"] = max(
+                    float(np.max(np.abs(np.load(f) - np.load(reference / f.name)))
+                          / max(float(np.max(np.abs(np.load(reference / f.name)))), 1e-12))
+                    for f in weights.glob("*.npy"))
+                row["peaks_bytes"] = [r["peak_bytes"] for r in records]
+            emit(row, FLAGS.out)
+            print(f"| {mode} | {killed} | {row['trained']} | {row.get('losses_match', '-')} | "
+                  f"{row.get('weight_difference', '-')} |")
 
 
 def main(argv):
     del argv
     if FLAGS.mode:
         return run_task()
+    if FLAGS.cap_gib:
+        return demonstrate_cap()
     unknown = [m for m in FLAGS.modes if m != "single" and m not in MODES]
     if unknown:
         sys.exit(f"--modes: unknown {unknown}; choose from single, {', '.join(MODES)}")

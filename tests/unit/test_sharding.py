@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
+from tfdist.sharding.creation import whole_where_not_kept
 from tfdist.sharding.layout import AxisLayout, MeshShardLayout, ShardLayout
 from tfdist.sharding.storage import axis_layout
 from tfdist.tensor.layouts import Classifier, Column, Heads, Replicated, Row, Vocabulary
@@ -190,6 +191,12 @@ def _build(mesh, layer, input_shape, call_input):
     return _weights(layer), keras.ops.convert_to_numpy(layer(call_input))
 
 
+def _apply(layout, layer, mesh):
+    """What the first step does to a layer: its layout, then whole what it left."""
+    layout.apply(layer, mesh)
+    whole_where_not_kept(layer, mesh.strategy)
+
+
 @pytest.mark.parametrize("layout, axes", [
     (Column(), {"kernel": 1, "bias": 0}),
     (Classifier(), {"kernel": 1, "bias": 0}),
@@ -200,7 +207,7 @@ def test_dense_layouts_split_and_read_back_whole(mesh, layout, axes):
     layer = keras.layers.Dense(6, activation="tanh")
     x = np.linspace(-1, 1, 12, dtype="float32").reshape(3, 4)
     before, output = _build(mesh, layer, (None, 4), x)
-    layout.apply(layer, mesh)
+    _apply(layout, layer, mesh)
     _assert_split(layer, before, axes)
     # Outside the mesh's replicas the layer computes with its whole weights.
     np.testing.assert_allclose(layer(x), output, rtol=1e-6)
@@ -212,7 +219,7 @@ def test_vocabulary_splits_an_embedding_and_reads_back_whole(mesh):
     layer = keras.layers.Embedding(10, 3)
     ids = np.array([[0, 4, 9]])
     before, output = _build(mesh, layer, (None, 3), ids)
-    Vocabulary().apply(layer, mesh)
+    _apply(Vocabulary(), layer, mesh)
     _assert_split(layer, before, {"embeddings": 0})
     np.testing.assert_array_equal(layer(ids), output)
 
@@ -223,7 +230,7 @@ def test_heads_splits_attention_and_reads_back_whole(mesh):
     with mesh.strategy.scope():
         output = keras.ops.convert_to_numpy(layer(x, x))  # builds it
     before = _weights(layer)
-    Heads().apply(layer, mesh)
+    _apply(Heads(), layer, mesh)
     # query/key/value: kernel (d, heads, size), bias (heads, size); output: (heads, size, d).
     _assert_split(layer, before, {"query/kernel": 1, "query/bias": 0, "key/kernel": 1,
                                   "key/bias": 0, "value/kernel": 1, "value/bias": 0,

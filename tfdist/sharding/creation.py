@@ -77,26 +77,15 @@ def sharded_creation(strategy, config):
             if slot_of is not None and value.shape != _full_shape(slot_of):
                 return next_creator(**{**kwargs, "initial_value": value})
             layout = (slot_of.layout if isinstance(slot_of, ShardedStorage) else
-                      holding_layout(value.shape, strategy))
+                      MeshShardLayout(value.shape, 1, strategy.num_replicas_in_sync))
             devices = [v.device for v in slot_of.values] if slot_of is not None else None
             name = kwargs.get("name") or "Variable"
-            return ShardedStorage.create(strategy, layout, value, name, value.dtype,
-                                         trainable=weight, devices=devices)
+            storage = ShardedStorage.create(strategy, layout, value, name, value.dtype,
+                                            trainable=weight, devices=devices)
+            setattr(storage, _CREATED, True)
+            return storage
 
     return tf.variable_creator_scope(create)
-
-
-def holding_layout(shape, strategy):
-    """The layout `sharded_creation` gives a variable of `shape`: element
-    shards over every replica of `strategy`.
-
-    Example:
-
-    ```python
-    holding_layout((4096, 4096), strategy)   # MeshShardLayout: 4 x (4194304,)
-    ```
-    """
-    return MeshShardLayout(shape, 1, strategy.num_replicas_in_sync)
 
 
 def _full_shape(variable):
@@ -105,10 +94,15 @@ def _full_shape(variable):
     return layout.shape if layout is not None else variable.shape
 
 
-def whole_where_not_kept(model):
-    """Makes whole again (one copy per replica) each variable of `model` and
-    of its optimizer still in the layout `sharded_creation` gave it where the
-    step does not keep that layout: with `tensor` or `pipeline`, everything
+# Marks the storage `sharded_creation` made (a variable that keeps it is in
+# the layout it was created with).
+_CREATED = "_tfdist_created_as_shards"
+
+
+def whole_where_not_kept(model, strategy=None):
+    """Makes whole again (one copy per replica) each variable of `model` (a
+    model, or a layer with `strategy`) and of its optimizer still in the
+    layout `sharded_creation` gave it where the step does not keep that layout: with `tensor` or `pipeline`, everything
     their split and placement left (replicated weights and their slots);
     with `zero` alone, weights that are not trainable now (a layer frozen
     after it was built: only trainable weights are gathered unit by unit).
@@ -120,7 +114,7 @@ def whole_where_not_kept(model):
     whole_where_not_kept(model)   # under zero=3: the first layer's weights, mirrored
     ```
     """
-    strategy = model.distribute_strategy
+    strategy = strategy or model.distribute_strategy
     config = strategy.config
     data_only = config.tensor == 1 and config.pipeline == 1
     trainable = {id(v) for v in model.trainable_weights}
@@ -129,10 +123,8 @@ def whole_where_not_kept(model):
     state = list(optimizer.variables) if optimizer is not None and optimizer.built else []
     with optimizer_keys_follow(model):
         for variable in list(model.weights) + state:
-            storage = storage_of(variable)
-            if not isinstance(storage, ShardedStorage) or (
-                    storage.layout != holding_layout(storage.layout.shape, strategy)):
-                continue
+            if not getattr(storage_of(variable), _CREATED, False):
+                continue  # whole, or placed since
             if data_only and (id(variable) in trainable or id(variable) not in weights):
                 continue  # the step's own shards
             move_variable(variable, strategy.extended.worker_devices, strategy)
