@@ -102,8 +102,9 @@ _CREATED = "_tfdist_created_as_shards"
 def whole_where_not_kept(model, strategy=None):
     """Makes whole again (one copy per replica) each variable of `model` (a
     model, or a layer with `strategy`) and of its optimizer still in the
-    layout `sharded_creation` gave it where the step does not keep that layout: with `tensor` or `pipeline`, everything
-    their split and placement left (replicated weights and their slots);
+    layout `sharded_creation` gave it where the step does not keep that
+    layout: with `tensor` or `pipeline`, everything their split and placement
+    left (replicated weights and their slots);
     with `zero` alone, weights that are not trainable now (a layer frozen
     after it was built: only trainable weights are gathered unit by unit).
 
