@@ -31,6 +31,7 @@ losses and weights (rtol 1e-4).
 """
 
 import contextlib
+import errno
 import json
 import os
 import pathlib
@@ -180,8 +181,21 @@ def run_capped(mode, cap, weights):
                     killed += int(line.split()[1]) > 0
             peak = group / ("memory.max_usage_in_bytes" if v1 else "memory.peak")
             charged = max(charged, int(peak.read_text()))
-            group.rmdir()
+            _remove(group)
     return records, killed, charged
+
+
+def _remove(group):
+    """Removes an empty cgroup (a process that just exited may still be
+    leaving it: a few tries)."""
+    for _ in range(50):
+        try:
+            return group.rmdir()
+        except OSError as error:
+            if error.errno != errno.EBUSY:
+                raise
+            time.sleep(0.1)
+    group.rmdir()
 
 
 def demonstrate_cap():
