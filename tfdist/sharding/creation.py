@@ -82,7 +82,9 @@ def sharded_creation(strategy, config):
             name = kwargs.get("name") or "Variable"
             storage = ShardedStorage.create(strategy, layout, value, name, value.dtype,
                                             trainable=weight, devices=devices)
-            setattr(storage, _CREATED, True)
+            if slot_of is None or getattr(slot_of, _CREATED, False) or not isinstance(
+                    slot_of, ShardedStorage):  # (not a slot split as its weight already is)
+                setattr(storage, _CREATED, True)
             return storage
 
     return tf.variable_creator_scope(create)
