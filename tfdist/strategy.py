@@ -246,8 +246,9 @@ class _StepOwner:
                          f"{virtual}:")
             parts.append(pipeline_schedule.grid(pipeline_schedule.stage_orders(
                 config.schedule, config.pipeline, config.microbatches, config.virtual_stages)))
-        if batch_size is not None:
-            parts.append(str(self.predicted_peak(model, batch_size, sequence_length)))
+        if batch_size is not None:  # (what `predicted_peak` gives, from this plan)
+            parts.append(str(predict_peak(self, model, batch_size, sequence_length, split,
+                                          stages)))
         return "\n".join(parts)
 
     def predicted_peak(self, model: keras.Model, batch_size: int,
@@ -285,10 +286,9 @@ class _StepOwner:
 
         Build and compile the model inside it: its layers then compute in
         `precision`, and under "mixed_float16" `compile` wraps the optimizer
-        in a `LossScaleOptimizer`. With `zero` (without `tensor` and
-        `pipeline`), variables the ZeRO step shards are created as shards
-        (`tfdist.sharding.creation`): under `zero=3` no worker ever holds
-        the whole model.
+        in a `LossScaleOptimizer`. With `zero`, `tensor` or `pipeline`,
+        variables the step shards, splits or places are created as shards
+        (`tfdist.sharding.creation`): no worker builds the whole model.
         """
         return _precision_scope(super().scope(), self._config.precision,
                                 sharded_creation(self, self._config))

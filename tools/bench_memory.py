@@ -127,7 +127,7 @@ def run_task():
     if strategy is not None:
         estimate = strategy.predicted_peak(model, BATCH)
         record["predicted_peak_bytes"] = estimate.total
-        record["predicted_parts"] = {k: v for k, v in vars(estimate).items()}
+        record["predicted_parts"] = dict(vars(estimate))
     if FLAGS.weights:  # every task reads (gathers) each weight; the first saves it
         first = record["task"] in ("single:0", "worker:0")
         for i, variable in enumerate(model.weights):
@@ -185,17 +185,23 @@ def run_capped(mode, cap, weights):
     return records, killed, charged
 
 
-def _remove(group):
-    """Removes an empty cgroup (a process that just exited may still be
-    leaving it: a few tries)."""
-    for _ in range(50):
+def _remove(group, timeout_seconds=10):
+    """Removes an empty cgroup. A process that just exited may still be
+    leaving it: retried until `timeout_seconds`, then an error naming the
+    processes still in it."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
         try:
             return group.rmdir()
         except OSError as error:
             if error.errno != errno.EBUSY:
                 raise
+            if time.monotonic() > deadline:
+                left = (group / "cgroup.procs").read_text().split()
+                raise RuntimeError(
+                    f"waited {timeout_seconds} s for the processes of {group} to leave it "
+                    f"(still there: {left or 'none listed'}); remove it by hand") from error
             time.sleep(0.1)
-    group.rmdir()
 
 
 def demonstrate_cap():

@@ -76,14 +76,16 @@ def sharded_creation(strategy, config):
             value = agreed_initial_value(strategy.extended, **kwargs)
             if slot_of is not None and value.shape != _full_shape(slot_of):
                 return next_creator(**{**kwargs, "initial_value": value})
-            layout = (slot_of.layout if isinstance(slot_of, ShardedStorage) else
+            # A slot of a sharded weight takes its weight's layout (a holding
+            # one only if the weight's is); anything else gets a holding one.
+            inherited = isinstance(slot_of, ShardedStorage)
+            layout = (slot_of.layout if inherited else
                       MeshShardLayout(value.shape, 1, strategy.num_replicas_in_sync))
             devices = [v.device for v in slot_of.values] if slot_of is not None else None
             name = kwargs.get("name") or "Variable"
             storage = ShardedStorage.create(strategy, layout, value, name, value.dtype,
                                             trainable=weight, devices=devices)
-            if slot_of is None or getattr(slot_of, _CREATED, False) or not isinstance(
-                    slot_of, ShardedStorage):  # (not a slot split as its weight already is)
+            if not inherited or getattr(slot_of, _CREATED, False):
                 setattr(storage, _CREATED, True)
             return storage
 

@@ -98,19 +98,14 @@ def predict_peak(strategy, model, batch_size: int, sequence_length=None,
     state = sum(slots.get(id(v), 0) * _bytes([v], split) for v in weights)
     if config.zero:
         state = state // data + (shard if config.zero < 3 else 0)  # zero 1/2's buffers
-    gathered = 0
-    if config.zero == 3 and not stages:
+    parameters, gathered, gradients = local, 0, 2 * local
+    if config.zero == 3 and stages:  # a whole stage gathered at a time
+        parameters, gathered = shard, local
+    elif config.zero == 3:
         units = sorted((_bytes(zero3.unit_weights(u), split)
                         for u in zero3.plan_units(model, config.zero3_unit_params)),
                        reverse=True)
-        gathered = sum(units[:2])
-        gradients = shard + 2 * units[0]
-    else:
-        gradients = 2 * local
-    parameters = shard if config.zero == 3 and not stages else local
-    if config.zero == 3 and stages:
-        gathered = local
-        parameters = shard
+        parameters, gathered, gradients = shard, sum(units[:2]), shard + 2 * units[0]
     rows = math.ceil(batch_size / data / config.microbatches)
     in_flight = min(config.microbatches, config.pipeline) if config.pipeline > 1 else 1
     activations = _activation_bytes(model, rows, sequence_length) * in_flight
