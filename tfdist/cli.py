@@ -185,21 +185,19 @@ def _profile_command(args):
         raise app.UsageError(f"`tfdist profile` takes no arguments, got {args}.")
     if not FLAGS.tasks or not FLAGS.logdir:
         raise app.UsageError("`tfdist profile` needs --tasks=host:port,... and --logdir.")
+    from tfdist.profiling import capture
+
     # TensorFlow's import (cuInit on a host without a GPU driver) and its
     # profiler client (its attempts, and on failure a tip naming its own flag,
     # --num_tracing_attempts) write to the process's stdout and stderr: kept
-    # aside, and a failure told in tfdist's words.
-    with silenced_fds():
-        import tensorflow as tf
-
-        from tfdist.profiling import capture
+    # aside, and a failure told in tfdist's words. Bad arguments are refused
+    # before TensorFlow is imported.
     try:
         with silenced_fds():
             paths = capture(FLAGS.tasks, FLAGS.logdir, FLAGS.duration_ms)
-    except (RuntimeError, tf.errors.OpError) as error:
-        detail = getattr(error, "message", None) or str(error)
+    except RuntimeError as error:
         print(f"tfdist profile: no trace recorded from {', '.join(FLAGS.tasks)}: "
-              f"{detail.strip()}\nCheck that each task runs with its profiler server "
+              f"{str(error).strip()}\nCheck that each task runs with its profiler server "
               f"on that port (`tfdist launch --profiler-port=P`, or "
               f"$TFDIST_PROFILER_PORT) and is running TensorFlow work (training) "
               f"while it is captured; a longer --duration-ms helps with slow steps.",

@@ -11,8 +11,6 @@ import glob
 import os
 import re
 
-import tensorflow as tf
-
 from tfdist.config import PROFILER_PORT_ENV
 
 _started_port = None
@@ -41,6 +39,8 @@ def start_profiler_server(port=None):
                 f"${PROFILER_PORT_ENV} must be a port number in 1..65535, got {text!r}.")
         port = int(text)
     if _started_port is None:
+        import tensorflow as tf
+
         tf.profiler.experimental.server.start(port)
         _started_port = port
     elif _started_port != port:
@@ -65,7 +65,10 @@ def capture(tasks, logdir, duration_ms, attempts=3):
         The host files written, one per task, all in one run.
 
     Raises:
-        RuntimeError: a task gave no trace after `attempts` tries.
+        ValueError: `tasks` or `duration_ms` is not valid (checked before
+            TensorFlow is imported).
+        RuntimeError: a task gave no trace after `attempts` tries, or the
+            profiler client failed (its error's message).
 
     Example:
 
@@ -81,11 +84,16 @@ def capture(tasks, logdir, duration_ms, attempts=3):
             raise ValueError(f"`tasks` has {task!r}; each task is 'host:port'.")
     if isinstance(duration_ms, bool) or not isinstance(duration_ms, int) or duration_ms <= 0:
         raise ValueError(f"`duration_ms` must be an int > 0, got {duration_ms!r}.")
+    import tensorflow as tf
+
     addresses = ",".join(f"grpc://{task}" for task in tasks)
     for _ in range(attempts):
         before = set(_xplanes(logdir))
-        tf.profiler.experimental.client.trace(
-            addresses, os.fspath(logdir), duration_ms, num_tracing_attempts=attempts)
+        try:
+            tf.profiler.experimental.client.trace(
+                addresses, os.fspath(logdir), duration_ms, num_tracing_attempts=attempts)
+        except tf.errors.OpError as error:
+            raise RuntimeError(error.message.strip()) from error
         written = sorted(set(_xplanes(logdir)) - before)
         # A task that answers with no events gets no file, and the client
         # retries only when no task answered: check every task is there.
