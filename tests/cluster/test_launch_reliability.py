@@ -33,9 +33,9 @@ IGNORE_SIGTERM = (
     "time.sleep(120)\n")
 
 
-def start_launcher(*args):
+def start_launcher(*args, **popen_kwargs):
     return subprocess.Popen([*TFDIST, "launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, **popen_kwargs)
 
 
 def read_until(launcher, pattern, count):
@@ -109,6 +109,22 @@ def test_ctrl_c_twice_stops_cleanly_with_130(launchers):
     # pass first (measured 0.5-5.3 s to kill, the longest on a loaded machine).
     assert time.monotonic() - start < 8
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
+    assert wait_until_gone(pids, 5) == []
+
+
+def test_sigint_stops_a_launcher_started_with_sigint_ignored(launchers):
+    # As a script's `tfdist launch ... &` starts it: Python then installs no
+    # KeyboardInterrupt of its own.
+    launcher = start_launcher(
+        "--workers=1", "--", sys.executable, "-c",
+        "import os, time; print('pids', os.getpid(), flush=True); time.sleep(120)",
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    launchers.append(launcher)
+    pids = job_pids(read_until(launcher, r"^\[worker:0\] pids", 1))
+    launcher.send_signal(signal.SIGINT)
+    rest, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130
+    assert "[launch] interrupted: stopping every task" in rest
     assert wait_until_gone(pids, 5) == []
 
 

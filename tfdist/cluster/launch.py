@@ -272,6 +272,10 @@ def _run(cluster, restart_on_failure, timeout):
     if main_thread:
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         signal.signal(signal.SIGTERM, _raise_terminated)
+        # Also when started with SIGINT ignored (`tfdist launch ... &` from a
+        # script): Python then installs no KeyboardInterrupt, and a SIGINT
+        # sent to stop the job would be lost.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def kill_on_ctrl_c():
         if main_thread:  # while stopping, a second Ctrl-C kills instead of raising
