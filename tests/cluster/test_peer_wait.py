@@ -15,7 +15,7 @@ from tfdist.cluster.tf_config import free_ports
 pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 
 CREATE_STRATEGY = ("import tfdist\n"
-                   "tfdist.MultiWorkerStrategy(timeout_seconds=10)\n"
+                   "tfdist.MultiWorkerStrategy(timeout_seconds=4)\n"
                    "print('connected')\n")
 
 
@@ -31,7 +31,7 @@ def test_missing_peer_fails_the_constructor_within_its_timeout(index, missing):
     seconds = time.monotonic() - start
     assert done.returncode != 0 and "connected" not in done.stdout
     assert seconds < 30, seconds
-    assert (f"TimeoutError: worker:{index} waited 10 s for the other tasks of the job, "
+    assert (f"TimeoutError: worker:{index} waited 4 s for the other tasks of the job, "
             f"but worker:{missing} ({addresses[missing]}) did not start") in done.stderr
 
 
@@ -62,11 +62,11 @@ def test_a_parameter_server_chief_names_the_tasks_that_never_start():
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-c", "import tfdist\n"
-         "tfdist.ParameterServerStrategy(timeout_seconds=10)\nprint('connected')\n"],
+         "tfdist.ParameterServerStrategy(timeout_seconds=4)\nprint('connected')\n"],
         env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "connected" not in done.stdout
     assert time.monotonic() - start < 30
-    assert (f"TimeoutError: chief:0 waited 10 s for the other tasks of the job, but "
+    assert (f"TimeoutError: chief:0 waited 4 s for the other tasks of the job, but "
             f"worker:0 ({worker}), ps:0 ({ps}) did not start") in done.stderr, \
         done.stderr[-2000:]
 
@@ -93,5 +93,5 @@ def test_a_peer_dying_after_answering_fails_the_constructor_within_its_timeout()
         dying.kill()
     assert done.returncode != 0 and "connected" not in done.stdout
     assert seconds < 40, seconds
-    assert ("TimeoutError: worker:0 waited 10 s for every task to register with TensorFlow, "
+    assert ("TimeoutError: worker:0 waited 4 s for every task to register with TensorFlow, "
             "but worker:1 did not") in done.stderr, done.stderr[-2000:]
