@@ -23,7 +23,6 @@ import keras
 import tensorflow as tf
 
 from tfdist import usage_checks, weight_files
-from tfdist._compat import tf_input
 from tfdist._compat.keras_trainer import uses_keras_train_step
 from tfdist._compat.tf_distribute import bound_task_registration
 from tfdist.cluster.agreement import check_tasks_agree
@@ -362,24 +361,14 @@ class _StepOwner:
             warnings.warn(notice, stacklevel=3)
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        """The parent's, after checking a static batch size against the config;
-        its iterators are released on a thread of their own.
+        """The parent's, after checking a static batch size against the config.
 
         `model.fit` distributes its data through this, so a batch size that
         `microbatches` cannot divide is reported before the first step.
-        Dropping a multi-device iterator waits up to a minute in TensorFlow
-        (`_compat/tf_input.py`): Keras drops one at every epoch's start.
         """
         usage_checks.check_not_empty(dataset)
         self._check_static_batch(dataset)
-        return tf_input.release_in_background(
-            super().experimental_distribute_dataset(dataset, options=options))
-
-    def distribute_datasets_from_function(self, dataset_fn, options=None):
-        """The parent's, its iterators released on a thread of their own (as
-        `experimental_distribute_dataset`'s)."""
-        return tf_input.release_in_background(
-            super().distribute_datasets_from_function(dataset_fn, options=options))
+        return super().experimental_distribute_dataset(dataset, options=options)
 
     def _check_static_batch(self, dataset):
         leaves = [s for s in tf.nest.flatten(dataset.element_spec) if s.shape.rank]

@@ -26,7 +26,7 @@ import keras
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
-from tensorflow.python.distribute import input_lib, parameter_server_strategy_v2
+from tensorflow.python.distribute import parameter_server_strategy_v2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +122,6 @@ PROCESS_WIDE = (
 
 _PS_EXTENDED = ("tfdist/_compat/tf_parameter_server.py: serve_keras_variables swaps the "
                 "class of a ParameterServerStrategy's extended")
-_RELEASED = ("tfdist/_compat/tf_input.py: release_in_background swaps the class of a "
-             "tfdist strategy's distributed dataset")
 PER_OBJECT = (
     Patch(parameter_server_strategy_v2.ParameterServerStrategyV2Extended,
           "_create_variable", "(self, next_creator, **kwargs)", _PS_EXTENDED),
@@ -148,8 +146,6 @@ PER_OBJECT = (
     Patch(parameter_server_strategy_v2.ParameterServerStrategyV2Extended,
           "_allow_run_without_coordinator", None,
           "tfdist/_compat/tf_parameter_server.py: running_without_coordinator"),
-    Patch(input_lib.DistributedDataset, "__iter__", "(self)", _RELEASED),
-    Patch(input_lib.DistributedDatasetsFromFunction, "__iter__", "(self)", _RELEASED),
 )
 
 _lock = threading.Lock()
