@@ -37,6 +37,7 @@ from tfdist.devices import check_devices
 from tfdist.engine.build import check_own_train_step
 from tfdist.engine.microbatch import check_divides
 from tfdist.engine.step import TrainStep
+from tfdist.input_options import without_autotuning
 from tfdist.logs import discover_devices_quietly
 from tfdist.optim import zero3
 from tfdist.pipeline import schedule as pipeline_schedule
@@ -361,14 +362,31 @@ class _StepOwner:
             warnings.warn(notice, stacklevel=3)
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        """The parent's, after checking a static batch size against the config.
+        """The parent's, after checking a static batch size against the config,
+        with tf.data autotuning off unless the dataset's options set it
+        (`tfdist.input_options`: the autotuner can delay each epoch's start).
 
         `model.fit` distributes its data through this, so a batch size that
         `microbatches` cannot divide is reported before the first step.
         """
         usage_checks.check_not_empty(dataset)
         self._check_static_batch(dataset)
-        return super().experimental_distribute_dataset(dataset, options=options)
+        return super().experimental_distribute_dataset(
+            without_autotuning(dataset), options=options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """The parent's, with each dataset's tf.data autotuning off unless
+        its options set it (`tfdist.input_options`).
+
+        Example:
+
+        ```python
+        distributed = strategy.distribute_datasets_from_function(
+            lambda context: tf.data.Dataset.range(64).batch(8))
+        ```
+        """
+        return super().distribute_datasets_from_function(
+            lambda context: without_autotuning(dataset_fn(context)), options=options)
 
     def _check_static_batch(self, dataset):
         leaves = [s for s in tf.nest.flatten(dataset.element_spec) if s.shape.rank]

@@ -1,0 +1,56 @@
+"""Datasets distributed by tfdist's strategies run without tf.data's
+autotuning thread unless asked for (see `tfdist.input_options`)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from helpers import devices
+
+
+@pytest.fixture
+def handed_to_tensorflow(monkeypatch):
+    """The datasets tfdist's `Strategy` hands to `tf.distribute`."""
+    seen = []
+    parent = tf.distribute.MirroredStrategy
+    for name in ("experimental_distribute_dataset", "distribute_datasets_from_function"):
+        original = getattr(parent, name)
+
+        def spy(self, source, options=None, original=original, name=name):
+            if name == "experimental_distribute_dataset":
+                seen.append(source)
+                return original(self, source, options)
+            return original(self, lambda c: seen.append(source(c)) or seen[-1], options)
+        monkeypatch.setattr(parent, name, spy)
+    return seen
+
+
+def test_fit_distributes_its_data_without_autotuning(handed_to_tensorflow):
+    strategy = tfdist.Strategy(data=2, devices=devices(2))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, epochs=2, verbose=0)
+    assert handed_to_tensorflow
+    assert all(d.options().autotune.enabled is False for d in handed_to_tensorflow)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_dataset_that_sets_autotuning_keeps_its_choice(handed_to_tensorflow, enabled):
+    strategy = tfdist.Strategy(data=2, devices=devices(2))
+    options = tf.data.Options()
+    options.autotune.enabled = enabled
+    dataset = tf.data.Dataset.range(8).batch(4).with_options(options)
+    next(iter(strategy.experimental_distribute_dataset(dataset)))
+    next(iter(strategy.distribute_datasets_from_function(lambda context: dataset)))
+    assert [d.options().autotune.enabled for d in handed_to_tensorflow] == [enabled] * 2
+
+
+def test_datasets_from_a_function_run_without_autotuning(handed_to_tensorflow):
+    strategy = tfdist.Strategy(data=2, devices=devices(2))
+    distributed = strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.range(8).batch(2).prefetch(tf.data.AUTOTUNE))
+    assert next(iter(distributed)) is not None
+    assert [d.options().autotune.enabled for d in handed_to_tensorflow] == [False]
