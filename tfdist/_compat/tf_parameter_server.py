@@ -29,6 +29,20 @@ def serve_keras_variables(strategy):
     strategy.extended.__class__ = _KerasPartitionedVariables
 
 
+def is_worker_failure(error) -> bool:
+    """Whether `error`, raised to the chief during training, means a lost
+    worker by TensorFlow's coordinator's reckoning (an unreachable worker
+    task), and not a lost parameter server.
+
+    Example:
+
+    ```python
+    is_worker_failure(error)   # True: UNAVAILABLE from /job:worker/replica:0/task:1
+    ```
+    """
+    return cluster_coordinator._is_worker_failure(error) and not is_ps_failure(error)
+
+
 def is_ps_failure(error) -> bool:
     """Whether `error`, raised to the chief during training, means a lost
     parameter server: one TensorFlow's coordinator counts as a ps failure (an

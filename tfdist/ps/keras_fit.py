@@ -33,10 +33,12 @@ import types
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tfdist._compat import keras_trainer, patches
 from tfdist._compat.tf_parameter_server import (
     is_ps_failure,
+    is_worker_failure,
     running_without_coordinator,
     wait_for_result,
 )
@@ -103,10 +105,21 @@ def join(strategy):
 
 
 def _fetch(remote_value, strategy):
-    """`remote_value.fetch()`, raising `TaskUnresponsiveError` if a task freezes meanwhile."""
+    """`remote_value.fetch()`, raising `TaskUnresponsiveError` if a task
+    freezes meanwhile; None if the worker that computed it died before the
+    chief copied it (its steps were applied on the ps tasks: only their logs
+    are lost with the worker)."""
     while not wait_for_result(remote_value, _POLL_SECONDS):
         strategy.task_monitor.check()
-    return remote_value.fetch()
+    try:
+        return remote_value.fetch()
+    except tf.errors.OpError as error:
+        if is_worker_failure(error):
+            logging.warning("A worker died holding the logs of steps it had applied; "
+                            "fit goes on with the previous logs (%s).",
+                            str(error).strip().splitlines()[0])
+            return None
+        raise
 
 
 def check_fit_input(x, steps_per_epoch, steps_per_execution=1):
@@ -208,8 +221,7 @@ class ScheduledTrainFunction:
         )
         with _ps_failure_explained():
             while len(self._pending) > self._depth:
-                self._latest = keras_trainer.python_logs(
-                    _fetch(self._pending.popleft(), self._strategy))
+                self._take_oldest()
         return self._latest
 
     def flush(self):
@@ -217,9 +229,15 @@ class ScheduledTrainFunction:
         with _ps_failure_explained():
             join(self._strategy)
             while self._pending:
-                self._latest = keras_trainer.python_logs(
-                    _fetch(self._pending.popleft(), self._strategy))
+                self._take_oldest()
         return self._latest
+
+    def _take_oldest(self):
+        """The oldest scheduled call's logs become the latest (kept as they
+        were if they died with their worker)."""
+        logs = _fetch(self._pending.popleft(), self._strategy)
+        if logs is not None:
+            self._latest = keras_trainer.python_logs(logs)
 
 
 @contextlib.contextmanager
