@@ -116,10 +116,14 @@ def _fetch(remote_value, strategy):
     except tf.errors.OpError as error:
         if is_worker_failure(error):
             logging.warning("A worker died holding the logs of steps it had applied; "
-                            "fit goes on with the previous logs (%s).",
-                            str(error).strip().splitlines()[0])
+                            "fit goes on with the previous logs (%s).", _first_line(error))
             return None
         raise
+
+
+def _first_line(error):
+    """The first line of `error`'s message, or its type's name if it has none."""
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
 
 
 def check_fit_input(x, steps_per_epoch, steps_per_execution=1):
@@ -251,7 +255,7 @@ def _ps_failure_explained():
     except Exception as e:  # the coordinator also wraps errors (ClosureInputError)
         if not (isinstance(e, tf.errors.UnavailableError) or is_ps_failure(e)):
             raise
-        detail = (str(e).strip() or type(e).__name__).splitlines()[0]
+        detail = _first_line(e)
         raise RuntimeError(
             f"A parameter server task became unreachable during fit ({detail}). "
             f"The variables it held are lost: restart the job; with "
