@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed
 
-.PHONY: install demo lint test test-fast bench clean
+.PHONY: install browser demo lint test test-fast bench clean
 
 LINT_PATHS = tfdist conftest.py tests tools keras_examples
 
@@ -16,6 +16,16 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Debian's Chromium, for the test that searches a trace in TensorBoard's
+# trace viewer (Playwright drives it). Where it cannot be installed (no
+# apt-get, not root), that test is skipped and says why.
+browser:
+	@test -x /usr/bin/chromium || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		{ apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && \
+		    apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
+		echo "Chromium not installed: the trace viewer's browser test will be skipped."
 
 demo: $(STAMP)
 	@echo "tfdist demo: data-parallel training of a digits classifier on 4 virtual CPU devices"
@@ -39,7 +49,7 @@ lint: $(STAMP)
 # and its single-device references; the rounds share the references kept on
 # disk (tests/helpers.py), emptied once here. Every command runs; the target
 # fails if any did.
-test: $(STAMP)
+test: $(STAMP) browser
 	rm -rf .pytest_cache/tfdist-references; \
 	export TFDIST_TEST_KEEP_REFERENCES=1; \
 	status=0; \

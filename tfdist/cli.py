@@ -200,7 +200,11 @@ def _profile_command(args):
               f"{str(error).strip()}\nCheck that each task runs with its profiler server "
               f"on that port (`tfdist launch --profiler-port=P`, or "
               f"$TFDIST_PROFILER_PORT) and is running TensorFlow work (training) "
-              f"while it is captured; a longer --duration-ms helps with slow steps.",
+              f"while it is captured; a longer --duration-ms helps with slow steps. "
+              f"A task that was answering and stopped may have been aborted by "
+              f"TensorFlow 2.20's profiler (a MultiWorkerStrategy task other than "
+              f"the chief, see the README's limits): a job launched with "
+              f"--restart-on-failure resumes it from its last backup.",
               file=sys.stderr)
         return 1
     for path in paths:

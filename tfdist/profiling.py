@@ -56,7 +56,8 @@ def capture(tasks, logdir, duration_ms, attempts=3):
     Args:
         tasks: "host:port" addresses of running profiler servers.
         logdir: the TensorBoard log directory; the traces land in one run,
-            `logdir/plugins/profile/<run>/`, one `.xplane.pb` per task.
+            `logdir/plugins/profile/<run>/`, one `.xplane.pb` per task, each
+            with tfdist's phase rows (`tfdist.trace_phases`).
         duration_ms: how long to record, in milliseconds (> 0).
         attempts: how many times to try when a task does not answer, or
             answers with no events (then the partial run is discarded).
@@ -86,6 +87,8 @@ def capture(tasks, logdir, duration_ms, attempts=3):
         raise ValueError(f"`duration_ms` must be an int > 0, got {duration_ms!r}.")
     import tensorflow as tf
 
+    from tfdist.trace_phases import add_phases
+
     addresses = ",".join(f"grpc://{task}" for task in tasks)
     for _ in range(attempts):
         before = set(_xplanes(logdir))
@@ -100,6 +103,8 @@ def capture(tasks, logdir, duration_ms, attempts=3):
         hosts = {os.path.basename(path).split(".xplane.pb")[0] for path in written}
         silent = [task for task in tasks if task.replace(":", "_") not in hosts]
         if not silent:
+            for path in written:
+                add_phases(path)
             return written
         for path in written:  # keep runs whole: drop the partial one
             os.remove(path)

@@ -56,8 +56,13 @@ def test_capture_from_two_running_workers_gives_two_host_traces(tmp_path):
     assert sorted(done.stdout.split()[-2:]) == sorted(str(p) for p in run.iterdir())
     for host in run.iterdir():
         text, _ = raw_to_tool_data.xspace_to_tool_data([str(host)], "trace_viewer", {})
-        names = json.dumps(json.loads(text)["traceEvents"])
+        events = json.loads(text)["traceEvents"]
+        names = json.dumps(events)
         assert "tfdist/microbatch0/" in names and "tfdist/reduce/" in names, host.name
+        # A capture without the Profiler's step ranges: one range per phase.
+        phases = [e["name"] for e in events if e.get("ph") == "X"
+                  and e["name"] in ("tfdist/microbatch0", "tfdist/reduce")]
+        assert sorted(phases) == ["tfdist/microbatch0", "tfdist/reduce"], host.name
     assert launcher.returncode == 130
 
 

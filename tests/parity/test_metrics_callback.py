@@ -33,9 +33,11 @@ def fit(precision, logdir, epochs=2, steps=20):
 def test_scalars_are_written_and_read_back(tmp_path):
     model = fit("float32", tmp_path)
     scalars = read_scalars(tmp_path / "tfdist")
-    assert scalars["tfdist/microbatches"] == [(1, 2.0)]
-    # 2 epochs x 20 steps: writes at steps 5, 10, ..., 40 (step 1 traces).
-    assert [s for s, _ in scalars["tfdist/examples_per_second"]] == list(range(5, 41, 5))
+    # 2 epochs x 20 steps: writes at steps 5, 10, ..., 40 (step 1 traces);
+    # the constants also at step 1, and at every write (a line, not a point).
+    writes = list(range(5, 41, 5))
+    assert [s for s, _ in scalars["tfdist/examples_per_second"]] == writes
+    assert scalars["tfdist/microbatches"] == [(s, 2.0) for s in [1, *writes]]
     rates = [v for _, v in scalars["tfdist/examples_per_second"]]
     per_replica = [v for _, v in scalars["tfdist/examples_per_second_per_replica"]]
     np.testing.assert_allclose(per_replica, np.array(rates) / 2)
@@ -44,8 +46,9 @@ def test_scalars_are_written_and_read_back(tmp_path):
     np.testing.assert_allclose(rates, 32 / np.array(step_times), rtol=1e-6)
     # SGD with momentum: one slot per weight, plus iteration (int64) and lr.
     expected = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights) + 8 + 4
-    assert scalars["tfdist/optimizer_state_bytes/CPU:0"] == [(1, float(expected))]
-    assert scalars["tfdist/optimizer_state_bytes/CPU:1"] == [(1, float(expected))]
+    for device in ("CPU:0", "CPU:1"):
+        assert scalars[f"tfdist/optimizer_state_bytes/{device}"] == [
+            (s, float(expected)) for s in [1, *writes]]
     assert "tfdist/loss_scale" not in scalars
 
 

@@ -2,7 +2,9 @@
 
 import gzip
 import json
+import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -13,6 +15,12 @@ import pytest
 import tfdist
 from helpers import data, devices, make_model, trace_events
 from tfdist.cluster.tf_config import free_ports
+
+CHROMIUM = "/usr/bin/chromium"
+# Headless, and nothing that reaches beyond localhost.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
 
 
 def fit_with(profiler, steps=20, microbatches=2):
@@ -51,23 +59,29 @@ def test_trace_holds_the_step_range_and_tfdist_phases(profiled):
     phases = {e["args"]["long_name"].split("tfdist/")[1].split("/")[0]
               for e in events if "tfdist/" in e.get("args", {}).get("long_name", "")}
     assert phases == {"split", "microbatch0", "microbatch1", "metrics", "reduce", "apply"}
+    # Each phase's row: one range per step, titled for the trace viewer's search.
+    for phase in phases:
+        ranges = [e for e in events if e.get("name") == f"tfdist/{phase}"]
+        assert sorted(int(e["args"]["tfdist_step"]) for e in ranges) == [0, 1, 2], phase
     assert not list(logdir.glob(".tfdist-profile-*"))  # session dir cleaned up
 
 
-def test_tensorboard_lists_the_run(profiled):
-    logdir, profiler = profiled
-    run = pathlib.Path(profiler.trace_path).parent.name
+@pytest.fixture(scope="module")
+def tensorboard(profiled):
+    """The port of a TensorBoard server reading the profiled run."""
+    logdir, _ = profiled
     (port,) = free_ports(1)
     server = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", f"--logdir={logdir}",
          "--host=127.0.0.1", f"--port={port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline, runs, error = time.monotonic() + 90, None, None
-        while runs is None:
+        deadline, error = time.monotonic() + 90, None
+        while True:
             assert time.monotonic() < deadline, f"TensorBoard on port {port}: {error}"
             try:
-                runs = get_json(f"http://127.0.0.1:{port}/data/plugin/profile/runs")
+                get_json(f"http://127.0.0.1:{port}/data/plugin/profile/runs")
+                break
             except OSError as e:  # not listening yet: wait on the server, then retry
                 error = e
                 try:
@@ -75,10 +89,52 @@ def test_tensorboard_lists_the_run(profiled):
                 except subprocess.TimeoutExpired:
                     continue
                 raise AssertionError(f"TensorBoard exited with {code}") from e
-        assert run in json.dumps(runs)
+        yield port
     finally:
         server.kill()
         server.wait()
+
+
+def test_tensorboard_lists_the_run(profiled, tensorboard):
+    _, profiler = profiled
+    run = pathlib.Path(profiler.trace_path).parent.name
+    runs = get_json(f"http://127.0.0.1:{tensorboard}/data/plugin/profile/runs")
+    assert run in json.dumps(runs)
+
+
+def test_trace_viewer_finds_each_phase_by_search(profiled, tensorboard, tmp_path):
+    """As a user does: TensorBoard's Profile tab in a browser, the Trace Viewer
+    tool, a search for a phase; every profiled step's range is found."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="needs Playwright")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"needs Chromium at {CHROMIUM} (`make browser` installs Debian's)")
+    with playwright.sync_playwright() as driver:
+        browser = driver.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(60_000)
+            page.goto(f"http://127.0.0.1:{tensorboard}/#profile")
+            profile = page.frame_locator("iframe").first
+            profile.get_by_text("Overview Page").click()  # the tool menu
+            profile.get_by_role("option", name="Trace Viewer").first.click()
+            viewer = profile.frame_locator("iframe").first
+            viewer.get_by_text("Expand All").click()
+            rows = viewer.locator("body").inner_text().split("\n")
+            for phase in ("reduce", "apply"):
+                search = viewer.get_by_placeholder("Find Events...")
+                search.fill(f"tfdist/{phase}")
+                search.press("Enter")
+                found = viewer.get_by_text(re.compile(r"^\d+ of 3$"))
+                found.wait_for(timeout=20_000)
+                page.screenshot(path=tmp_path / f"{phase}.png")  # kept for a look
+                assert found.inner_text().endswith("of 3"), tmp_path
+        finally:
+            browser.close()
+    # The steps' row, then the phases' rows, above the host's threads.
+    python = next(i for i, row in enumerate(rows) if row.split()[-1:] == ["python"])
+    first = rows[python + 1:][:6]
+    assert first == ["tfdist/split", "tfdist/microbatch0", "tfdist/microbatch1",
+                     "tfdist/metrics", "tfdist/reduce", "tfdist/apply"], rows
 
 
 def test_range_beyond_the_run_warns_at_the_end(tmp_path):

@@ -5,7 +5,7 @@ does (turning off an optimizer's own gradient all-reduce, pointing its slot
 lookup at shard buffers, ...). Each such use is a named function here, one
 module per foreign area (`keras_optimizer`, `keras_trainer`, `keras_losses`,
 `keras_functional`, `keras_layers`, `tf_variables`, `tf_graph`, `tf_distribute`,
-`tf_collectives`, `tf_parameter_server`, `tf_logging`), and every change to
+`tf_collectives`, `tf_parameter_server`, `tf_logging`, `tf_profiler`), and every change to
 Keras or TensorFlow code is listed in `patches`, so a Keras or TensorFlow
 upgrade means auditing this package and nothing else.
 `tools/check_internals.py` (in `make lint`) keeps it that way.

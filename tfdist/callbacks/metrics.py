@@ -27,7 +27,10 @@ class Metrics(keras.callbacks.Callback):
     - `microbatches`: the strategy's microbatches per step;
     - `optimizer_state_bytes/<device>`: the bytes of optimizer state (slots,
       iteration counter, ...) each device holds, summed over every physical
-      component of every optimizer variable (written at the first write).
+      component of every optimizer variable (measured after the first step).
+
+    The last two are constants, written at every write (a line in TensorBoard,
+    not a lone point).
 
     Each task of a multi-worker job writes its own run, `tfdist-<task>`
     (`tfdist` for a single process), under `logdir`.
@@ -97,12 +100,16 @@ class Metrics(keras.callbacks.Callback):
         return self._earlier_epochs + float(loss_tracker(self.model).count.numpy())
 
     def _write_static(self):
+        """The strategy's constants, read once; written at every write so
+        that TensorBoard draws them as lines."""
         strategy = self.model.distribute_strategy
         microbatches = getattr(getattr(strategy, "config", None), "microbatches", 1)
+        self._static = {"tfdist/microbatches": microbatches}
+        for device, size in optimizer_state_bytes(self.model.optimizer).items():
+            self._static[f"tfdist/optimizer_state_bytes/{device}"] = size
         with self._writer.as_default(step=self._done):
-            tf.summary.scalar("tfdist/microbatches", microbatches)
-            for device, size in optimizer_state_bytes(self.model.optimizer).items():
-                tf.summary.scalar(f"tfdist/optimizer_state_bytes/{device}", size)
+            for tag, value in self._static.items():
+                tf.summary.scalar(tag, value)
 
     def _write_rates(self):
         now, examples = time.perf_counter(), self._examples()
@@ -117,6 +124,8 @@ class Metrics(keras.callbacks.Callback):
             scale = getattr(self.model.optimizer, "dynamic_scale", None)
             if scale is not None:
                 tf.summary.scalar("tfdist/loss_scale", float(scale.numpy()))
+            for tag, value in self._static.items():
+                tf.summary.scalar(tag, value)
         self._writer.flush()
         self._last = (now, examples, self._done)
 

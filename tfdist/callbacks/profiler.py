@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.cluster.tf_config import read_tf_config
+from tfdist.trace_phases import add_phases
 
 TASKS = ("chief", "all")
 
@@ -28,7 +29,10 @@ class Profiler(keras.callbacks.Callback):
     run is named after the step range and the job's cluster, which every task
     of one job shares. Each profiled step is a `tfdist/step` range (with its
     step number) in the trace, and the ops of tfdist's step are named after its
-    phases (`tfdist/microbatch{i}/...`, `tfdist/reduce/...`, `tfdist/apply/...`).
+    phases (`tfdist/microbatch{i}/...`, `tfdist/reduce/...`, `tfdist/apply/...`),
+    each of which gets a row of its own at the top of the host's timeline,
+    `tfdist/<phase>` (see `tfdist.trace_phases`): search `tfdist/reduce` in
+    TensorBoard's trace viewer to find every step's reduce.
 
     Steps are counted from the start of `fit`, across epochs. A range that the
     run does not reach is reported with a warning when training ends.
@@ -122,6 +126,7 @@ class Profiler(keras.callbacks.Callback):
         host = self.task.task.replace(":", "-") if self.task else socket.gethostname()
         self.trace_path = os.path.join(run_dir, f"{host}.xplane.pb")
         shutil.move(written, self.trace_path)
+        add_phases(self.trace_path)
         shutil.rmtree(self._session_dir)
         self._session_dir = None
 
