@@ -13,6 +13,7 @@ arguments and behave as their parents everywhere except two places:
 """
 
 import contextlib
+import functools
 import inspect
 import itertools
 import re
@@ -173,8 +174,13 @@ class _StepOwner:
         cut = [i for i, first in enumerate(firsts) if first is not None and first.shape.rank]
         if cut:
             if self._cut_function is None:  # traced once: no autograph, no retracing per call
+                # A partial, not the bound method: TensorFlow counts traces per
+                # function code, and every strategy's first trace would read
+                # as a retrace of the one before ("triggered tf.function
+                # retracing" from the fourth strategy in a process).
                 self._cut_function = tf.function(
-                    self._cut_to_common_rows, autograph=False, reduce_retracing=True)
+                    functools.partial(type(self)._cut_to_common_rows, self),
+                    autograph=False, reduce_retracing=True)
             for i, v in zip(cut, self._cut_function(*[flat[i] for i in cut])):
                 flat[i] = v
         for i, first in enumerate(firsts):
