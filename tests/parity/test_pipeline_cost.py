@@ -76,3 +76,19 @@ def test_a_tied_output_embedding_is_held_by_stage_0_and_copied_to_the_last(gpt2)
     params = [int(re.search(r"params ([\d,]+)", line).group(1).replace(",", ""))
               for line in lines]
     assert sum(params) == lm.count_params()  # the table counted once, on stage 0
+
+
+def test_blocks_called_by_keyword_are_costed_by_their_sequence():
+    """keras-hub's BART calls its decoder blocks by keyword only
+    (`block(decoder_sequence=x, encoder_sequence=e, decoder_padding_mask=m, ...)`),
+    which Keras lists by name: the mask came first and was taken for the
+    sequence, costing each decoder block ~1/100 of its work and putting all
+    six on the last stage."""
+    bart = keras_hub.models.BartBackbone(
+        vocabulary_size=1000, num_layers=6, num_heads=4, hidden_dim=256,
+        intermediate_dim=1024, max_sequence_length=512)
+    lines = stage_lines(bart, 512)
+    assert max(ratios(lines)) <= 1.3, "\n".join(lines)
+    decoder_blocks = [sum(n.startswith("transformer_decoder_layer") for n in layers(line))
+                      for line in lines]
+    assert max(decoder_blocks) <= 3, "\n".join(lines)

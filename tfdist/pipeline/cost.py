@@ -24,8 +24,10 @@ set to `sequence_length` (1 when it is not known). A multiply-add is 2 FLOPs.
 - Anything else: 2 · weights · positions, plus one per output element (a
   convolution's kernel is used once per output position).
 
-Positions are the elements of an input divided by its last (feature)
-dimension: the tokens of a sequence, the pixels of an image.
+Positions are the elements of the call's main input divided by its last
+(feature) dimension: the tokens of a sequence, the pixels of an image. The
+main input is the first positional tensor, or for a call by keywords only
+(keras-hub's BART decoder blocks) the tensor of highest rank, not a mask.
 """
 
 import dataclasses
@@ -59,7 +61,7 @@ class CallShapes:
 
     @property
     def positions(self) -> int:
-        """The first input's elements over its last dimension (tokens, pixels)."""
+        """The main (first) input's elements over its last dimension (tokens, pixels)."""
         shape = self.inputs[0] if self.inputs else self.outputs[0]
         return math.prod(shape[:-1]) if shape else 1
 
@@ -78,8 +80,26 @@ def shapes_of(node, sequence_length=None) -> CallShapes:
         return tuple(d if d is not None else (sequence_length or 1) for d in tensor.shape[1:])
 
     reverse = bool(node.arguments.kwargs.get("reverse", False))
-    return CallShapes(tuple(known(x) for x in node.input_tensors),
+    return CallShapes(tuple(known(x) for x in _main_input_first(node)),
                       tuple(known(x) for x in node.outputs), reverse)
+
+
+def _main_input_first(node):
+    """The call's input tensors, the one that carries the sequence first: the
+    first positional one, or for a call by keywords only (`block(inputs=x,
+    decoder_padding_mask=m)`, whose tensors Keras lists by keyword name) the
+    one of highest rank, then most known elements, not the mask."""
+    tensors = list(node.input_tensors)
+    positional = [x for x in tree.flatten(node.arguments.args)
+                  if any(x is tensor for tensor in tensors)]
+    if positional:
+        main = positional[0]
+    elif tensors:
+        main = max(tensors, key=lambda x: (len(x.shape), math.prod(
+            d for d in x.shape[1:] if d is not None)))
+    else:
+        return tensors
+    return [main, *(x for x in tensors if x is not main)]
 
 
 def sequence_length_of(inputs, x):
