@@ -173,6 +173,41 @@ def test_unchanged_model_with_indivisible_units_stays_replicated_and_says_why():
     assert "no Dense consumes its output alone" in lines[2]
 
 
+def make_dropout_mlp(optimizer=None, seed=0, rate=0.0):
+    """The most common MLP: Dense -> Dropout -> Dense, twice, with an
+    Activation layer in the second pair."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(32, activation="relu", name="up"), keras.layers.Dropout(rate, name="drop"),
+        keras.layers.Dense(16, name="down"),
+        keras.layers.Dense(16, name="up2"), keras.layers.Activation("gelu"),
+        keras.layers.Dropout(rate), keras.layers.Dense(CLASSES, name="down2")])
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_elementwise_layers_between_a_pair_act_on_each_devices_slice():
+    strategy = tfdist.Strategy(data=2, tensor=2, devices=devices(4))
+    result = train(strategy, make=make_dropout_mlp)
+    assert_parity(result, train(make=make_dropout_mlp))
+    lines = strategy.describe(result[2]).splitlines()
+    assert [line.split()[:3] for line in lines] == [
+        ["up", "Dense", "column"], ["down", "Dense", "row"],
+        ["up2", "Dense", "column"], ["down2", "Dense", "row"]]
+    assert "paired with down through drop (32 -> 16 units per device)" in lines[0]
+    # Half of each pair's kernel per device (the biases of the row halves whole).
+    model = result[2]
+    sizes = tfdist.callbacks.metrics.variable_bytes(model.trainable_weights)
+    whole = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
+    assert max(sizes.values()) <= 0.55 * whole, sizes
+    with strategy.scope():  # with dropout on, it trains (masks differ from one device's)
+        model = make_dropout_mlp(rate=0.3)
+    history = model.fit(*data(256), batch_size=32, epochs=2, verbose=0)
+    assert history.history["loss"][1] < history.history["loss"][0]
+
+
 def test_xla_with_tensor_parallelism_says_why_it_is_not_available():
     with pytest.raises(NotImplementedError, match=r"`tensor=2` with `xla=True` is not "
                        r"available.*cannot compile collectives with XLA on CPU"):

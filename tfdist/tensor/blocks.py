@@ -67,6 +67,7 @@ _ELEMENTWISE_OPERATIONS = frozenset((
     "leakyrelu", "elu", "selu", "gelu", "silu", "mish", "tanh", "sigmoid",
     "hardsigmoid", "hardsilu", "softplus", "softsign", "exp", "power", "sqrt",
     "negative", "absolute", "square", "maximum", "minimum", "erf",
+    "gaussiannoise", "gaussiandropout", "alphadropout",
 ))
 
 
@@ -142,6 +143,24 @@ def output_units(layer) -> int:
 
 def _is_elementwise(operation):
     return type(operation).__name__.lower() in _ELEMENTWISE_OPERATIONS
+
+
+def is_elementwise_layer(layer) -> bool:
+    """Whether a weightless layer acts element by element on its one input
+    (Dropout and its kin, ReLU, an elementwise `Activation`), so it may sit
+    between a column-split Dense and its row-split consumer.
+
+    Example:
+
+    >>> is_elementwise_layer(keras.layers.Dropout(0.1)), is_elementwise_layer(
+    ...     keras.layers.Activation("softmax"))
+    (True, False)
+    """
+    if layer.weights:
+        return False
+    if isinstance(layer, keras.layers.Activation):
+        return activation_name(layer) in _ELEMENTWISE_ACTIVATIONS
+    return _is_elementwise(layer)
 
 
 def is_custom_layer(layer) -> bool:

@@ -5,8 +5,9 @@
 
 - **Dense pairs**: a Dense whose output feeds exactly one layer, a Dense that
   is its only input, becomes column-parallel and that consumer row-parallel
-  (an MLP: one all-reduce forward, one backward). The first Dense's units must
-  be divisible by `tensor` and its activation elementwise.
+  (an MLP: one all-reduce forward, one backward); weightless elementwise
+  layers may sit between them (`Dense -> Dropout -> Dense`). The first Dense's
+  units must be divisible by `tensor` and its activation elementwise.
 - **MultiHeadAttention**: split by heads when `num_heads` is divisible by
   `tensor` (query/key/value column-parallel, output row-parallel).
 - **Embedding**: split by vocabulary when `input_dim` is divisible by `tensor`.
@@ -34,6 +35,7 @@ from tfdist.tensor.blocks import (
     activation_name,
     block_decisions,
     is_custom_layer,
+    is_elementwise_layer,
 )
 from tfdist.tensor.decision import Decision
 from tfdist.tensor.layout_map import follow_layout_map
@@ -224,13 +226,15 @@ def _classifier(model, layer, tensor):
 
 
 def _dense_pair(layer, tensor, taken):
-    """[column, row] decisions for `layer` and its consumer, or [replicated]."""
-    consumer = _only_consumer(layer)
+    """[column, row] decisions for `layer` and its consumer, or [replicated].
+    Weightless elementwise layers between the two (Dropout, an activation)
+    act on each device's slice of the features."""
+    consumer, between = _consumer_past_elementwise(layer)
     if consumer is None or type(consumer) is not keras.layers.Dense or id(consumer) in taken:
         why = "no Dense consumes its output alone" if consumer is None or type(
             consumer) is not keras.layers.Dense else f"{consumer.name} is already paired"
         return [Decision(layer, Replicated(), why)]
-    if _only_consumer_input(consumer) is not layer:
+    if _only_consumer_input(consumer) is not (between[-1] if between else layer):
         return [Decision(layer, Replicated(), f"{consumer.name} has other inputs")]
     if constrained_weight(consumer) is not None:
         return [Decision(layer, Replicated(), f"its pair {consumer.name}: "
@@ -244,9 +248,21 @@ def _dense_pair(layer, tensor, taken):
                          f"activation {name!r} is not elementwise (it would act on a "
                          f"slice of the features)")]
     pair = object()
-    return [Decision(layer, Column(), f"paired with {consumer.name} "
+    through = f" through {', '.join(b.name for b in between)}" if between else ""
+    return [Decision(layer, Column(), f"paired with {consumer.name}{through} "
                      f"({layer.units} -> {layer.units // tensor} units per device)", group=pair),
-            Decision(consumer, Row(), f"paired with {layer.name}", group=pair)]
+            Decision(consumer, Row(), f"paired with {layer.name}{through}", group=pair)]
+
+
+def _consumer_past_elementwise(layer):
+    """`layer`'s only consumer, past a chain of weightless elementwise layers
+    each of which has it (or the one before) as its only input; and that chain."""
+    between, consumer = [], _only_consumer(layer)
+    while (consumer is not None and is_elementwise_layer(consumer)
+           and _only_consumer_input(consumer) is (between[-1] if between else layer)):
+        between.append(consumer)
+        consumer = _only_consumer(consumer)
+    return consumer, between
 
 
 def constrained_weight(layer):
