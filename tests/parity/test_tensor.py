@@ -179,7 +179,8 @@ def make_dropout_mlp(optimizer=None, seed=0, rate=0.0):
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([
         keras.Input((FEATURES,)),
-        keras.layers.Dense(32, activation="relu", name="up"), keras.layers.Dropout(rate, name="drop"),
+        keras.layers.Dense(32, activation="relu", name="up"),
+        keras.layers.Dropout(rate, name="drop"),
         keras.layers.Dense(16, name="down"),
         keras.layers.Dense(16, name="up2"), keras.layers.Activation("gelu"),
         keras.layers.Dropout(rate), keras.layers.Dense(CLASSES, name="down2")])
