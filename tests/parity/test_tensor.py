@@ -1,6 +1,7 @@
 """Tensor parallelism on MLPs: parity, placement, memory, refusals."""
 
 import collections
+import warnings
 
 import keras
 import numpy as np
@@ -191,7 +192,10 @@ def make_dropout_mlp(optimizer=None, seed=0, rate=0.0):
 
 def test_elementwise_layers_between_a_pair_act_on_each_devices_slice():
     strategy = tfdist.Strategy(data=2, tensor=2, devices=devices(4))
-    result = train(strategy, make=make_dropout_mlp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(strategy, make=make_dropout_mlp)
+    assert not [w for w in caught if "whole on every device" in str(w.message)]
     assert_parity(result, train(make=make_dropout_mlp))
     lines = strategy.describe(result[2]).splitlines()
     assert [line.split()[:3] for line in lines] == [
@@ -207,6 +211,30 @@ def test_elementwise_layers_between_a_pair_act_on_each_devices_slice():
         model = make_dropout_mlp(rate=0.3)
     history = model.fit(*data(256), batch_size=32, epochs=2, verbose=0)
     assert history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_layers_left_whole_are_named_once_before_training():
+    strategy = tfdist.Strategy(tensor=2, devices=devices(2))
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, name="conv"),
+            keras.layers.Flatten(), keras.layers.Dense(16, "relu", name="up"),
+            keras.layers.Dense(CLASSES, name="down"), keras.layers.Dense(CLASSES, name="out")])
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).normal(size=(64, 8, 8, 1)).astype("float32")
+    y = np.random.default_rng(1).integers(0, CLASSES, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    told = [str(w.message) for w in caught if "whole on every device" in str(w.message)]
+    assert len(told) == 1, told
+    whole = sum(int(np.prod(w.shape)) for w in model.get_layer("conv").weights + model.get_layer(
+        "out").weights) / sum(int(np.prod(w.shape)) for w in model.weights)
+    assert told[0].startswith(f"tensor=2 leaves 2 layers with matrices whole on every device "
+                              f"({whole:.0%} of the parameters stay whole): "
+                              f"conv (Conv2D): Conv2D has no tensor-parallel layout; "
+                              f"out (Dense): no Dense consumes its output alone."), told
 
 
 def test_xla_with_tensor_parallelism_says_why_it_is_not_available():

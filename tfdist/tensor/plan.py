@@ -21,6 +21,8 @@
 """
 
 import dataclasses
+import math
+import warnings
 
 import keras
 
@@ -303,6 +305,9 @@ def partition_model(model, mesh):
     """
     decisions = plan(model, mesh.tensor, mesh.strategy.config.vocab_parallel_classifier,
                      mesh.strategy.layout_map)
+    if not getattr(model, "_tfdist_whole_layers_told", False):
+        model._tfdist_whole_layers_told = True
+        warn_of_whole_layers(model, decisions, mesh.tensor)
     with optimizer_keys_follow(model):
         apply(decisions, mesh)
     if any(d.layout.sharded_loss for d in decisions):
@@ -320,6 +325,37 @@ def partition_model(model, mesh):
             layout = axis_layout(variables[index])
             if layout is not None and axis_layout(slot) is None:
                 shard_keras_variable(slot, layout, mesh.strategy)
+
+
+def warn_of_whole_layers(model, decisions, tensor):
+    """Warns, once before training, of every layer with a matrix or table
+    (a weight of rank >= 2) that `tensor` leaves whole on every device,
+    with the reason and the share of the model's parameters that stays whole
+    (layer norms and biases, replicated by design, are counted but not named).
+
+    Example:
+
+    ```python
+    model.fit(...)   # UserWarning: tensor=2 leaves 1 layer whole ... out (Dense): ...
+    ```
+    """
+    total = sum(_size(w) for w in model.trainable_weights)
+    replicated = [d for d in decisions if isinstance(d.layout, Replicated)]
+    matrices = [d for d in replicated if any(len(w.shape) >= 2 for w in d.layer.trainable_weights)]
+    if not matrices or not total:
+        return
+    whole = sum(_size(w) for d in replicated for w in d.layer.trainable_weights)
+    named = "; ".join(f"{d.name} ({type(d.layer).__name__}): {d.reason}" for d in matrices[:8])
+    more = f"; and {len(matrices) - 8} more" if len(matrices) > 8 else ""
+    warnings.warn(
+        f"tensor={tensor} leaves {len(matrices)} layer{'s' * (len(matrices) > 1)} with "
+        f"matrices whole on every device ({whole / total:.0%} of the parameters stay "
+        f"whole): {named}{more}. `strategy.describe(model)` lists every layer.",
+        stacklevel=2)
+
+
+def _size(variable):
+    return math.prod(variable.shape)
 
 
 def sharded_classifier(model):
