@@ -59,8 +59,9 @@ def capture(tasks, logdir, duration_ms, attempts=3):
             `logdir/plugins/profile/<run>/`, one `.xplane.pb` per task, each
             with tfdist's phase rows (`tfdist.trace_phases`).
         duration_ms: how long to record, in milliseconds (> 0).
-        attempts: how many times to try when a task does not answer, or
-            answers with no events (then the partial run is discarded).
+        attempts: how many times to try when a task does not answer, fails
+            the capture, or answers with no events (then the partial run is
+            discarded).
 
     Returns:
         The host files written, one per task, all in one run.
@@ -90,13 +91,17 @@ def capture(tasks, logdir, duration_ms, attempts=3):
     from tfdist.trace_phases import add_phases
 
     addresses = ",".join(f"grpc://{task}" for task in tasks)
-    for _ in range(attempts):
+    for attempt in range(attempts):
         before = set(_xplanes(logdir))
         try:
             tf.profiler.experimental.client.trace(
                 addresses, os.fspath(logdir), duration_ms, num_tracing_attempts=attempts)
         except tf.errors.OpError as error:
-            raise RuntimeError(error.message.strip()) from error
+            # A task that stopped answering (one that TensorFlow's profiler
+            # aborted may be restarted by its job): try again, then say so.
+            if attempt + 1 == attempts:
+                raise RuntimeError(error.message.strip()) from error
+            continue
         written = sorted(set(_xplanes(logdir)) - before)
         # A task that answers with no events gets no file, and the client
         # retries only when no task answered: check every task is there.
