@@ -213,6 +213,35 @@ def test_elementwise_layers_between_a_pair_act_on_each_devices_slice():
     assert history.history["loss"][1] < history.history["loss"][0]
 
 
+def make_time_distributed(optimizer=None, seed=0):
+    """A per-timestep MLP: TimeDistributed(Dense) -> Dropout -> TimeDistributed(Dense)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5, FEATURES))
+    x = keras.layers.TimeDistributed(keras.layers.Dense(16, activation="relu"),
+                                     name="step_up")(inputs)
+    x = keras.layers.Dropout(0.0, name="drop")(x)
+    x = keras.layers.TimeDistributed(keras.layers.Dense(8), name="step_down")(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="out")(x))
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_time_distributed_dense_pairs_split_like_dense_pairs():
+    x = np.random.default_rng(0).normal(size=(640, 5, FEATURES)).astype("float32")
+    y = np.random.default_rng(1).integers(0, CLASSES, 640)
+    strategy = tfdist.Strategy(data=2, tensor=2, devices=devices(4))
+    result = train(strategy, make=make_time_distributed, x=x, y=y)
+    assert_parity(result, train(make=make_time_distributed, x=x, y=y))
+    lines = strategy.describe(result[2]).splitlines()
+    assert [line.split()[:3] for line in lines] == [
+        ["step_up", "Dense", "column"], ["step_down", "Dense", "row"],
+        ["out", "Dense", "replicated"]]
+    kernel = result[2].get_layer("step_up").layer.kernel
+    assert [tuple(v.shape) for v in kernel.value.values] == [(FEATURES, 8)] * 4
+
+
 def test_layers_left_whole_are_named_once_before_training():
     strategy = tfdist.Strategy(tensor=2, devices=devices(2))
     with strategy.scope():

@@ -6,7 +6,8 @@
 - **Dense pairs**: a Dense whose output feeds exactly one layer, a Dense that
   is its only input, becomes column-parallel and that consumer row-parallel
   (an MLP: one all-reduce forward, one backward); weightless elementwise
-  layers may sit between them (`Dense -> Dropout -> Dense`). The first Dense's
+  layers may sit between them (`Dense -> Dropout -> Dense`); two
+  `TimeDistributed(Dense)` pair alike. The first Dense's
   units must be divisible by `tensor` and its activation elementwise.
 - **MultiHeadAttention**: split by heads when `num_heads` is divisible by
   `tensor` (query/key/value column-parallel, output row-parallel).
@@ -68,15 +69,18 @@ def plan(model, tensor: int, classifier: bool = False, layout_map=None) -> list:
     """
     decisions, taken = [], set()
     for layer in _layers(model):
-        if id(layer) in taken:
+        if id(layer) in taken or id(_dense_of(layer) or layer) in taken:
             continue
+        if isinstance(layer, keras.layers.TimeDistributed) and axis_layout(
+                keras_layers.main_variable(layer.layer)) is not None:
+            layer = layer.layer  # split already (describe after training)
         if axis_layout(keras_layers.main_variable(layer)) is not None:
             decisions.append(getattr(layer, "_tfdist_decision", None) or Decision(
                 layer, layer._tfdist_layout, f"tfdist.layers.{type(layer).__name__}"))
-        elif type(layer) is keras.layers.Dense and constrained_weight(layer) is None:
+        elif _dense_of(layer) is not None and constrained_weight(layer) is None:
             pair = _dense_pair(layer, tensor, taken)
             if (classifier and isinstance(pair[0].layout, Replicated)
-                    and _is_final(model, layer)):
+                    and type(layer) is keras.layers.Dense and _is_final(model, layer)):
                 pair = [_classifier(model, layer, tensor)]
             decisions.extend(pair)
             taken.update(id(d.layer) for d in pair)
@@ -227,17 +231,30 @@ def _classifier(model, layer, tensor):
                     f"per device, sharded softmax loss")
 
 
+def _dense_of(layer):
+    """The Dense of a Dense or of a `TimeDistributed(Dense)`, else None."""
+    if isinstance(layer, keras.layers.TimeDistributed):
+        layer = layer.layer
+    return layer if type(layer) is keras.layers.Dense else None
+
+
 def _dense_pair(layer, tensor, taken):
-    """[column, row] decisions for `layer` and its consumer, or [replicated].
-    Weightless elementwise layers between the two (Dropout, an activation)
-    act on each device's slice of the features."""
-    consumer, between = _consumer_past_elementwise(layer)
-    if consumer is None or type(consumer) is not keras.layers.Dense or id(consumer) in taken:
-        why = "no Dense consumes its output alone" if consumer is None or type(
-            consumer) is not keras.layers.Dense else f"{consumer.name} is already paired"
+    """[column, row] decisions for `layer` and its consumer, or [replicated]:
+    two Dense layers, or two `TimeDistributed(Dense)` (the decisions are the
+    wrapped Dense layers'). Weightless elementwise layers between the two
+    (Dropout, an activation) act on each device's slice of the features."""
+    outer = layer
+    layer = _dense_of(outer)
+    consumer, between = _consumer_past_elementwise(outer)
+    wrapped = _dense_of(consumer) if consumer is not None and (
+        isinstance(consumer, keras.layers.TimeDistributed) == (outer is not layer)) else None
+    if wrapped is None or id(consumer) in taken or id(wrapped) in taken:
+        why = ("no Dense consumes its output alone" if wrapped is None
+               else f"{consumer.name} is already paired")
         return [Decision(layer, Replicated(), why)]
-    if _only_consumer_input(consumer) is not (between[-1] if between else layer):
+    if _only_consumer_input(consumer) is not (between[-1] if between else outer):
         return [Decision(layer, Replicated(), f"{consumer.name} has other inputs")]
+    consumer_outer, consumer = consumer, wrapped
     if constrained_weight(consumer) is not None:
         return [Decision(layer, Replicated(), f"its pair {consumer.name}: "
                          f"{_constrained_reason(consumer)}")]
@@ -251,9 +268,11 @@ def _dense_pair(layer, tensor, taken):
                          f"slice of the features)")]
     pair = object()
     through = f" through {', '.join(b.name for b in between)}" if between else ""
-    return [Decision(layer, Column(), f"paired with {consumer.name}{through} "
-                     f"({layer.units} -> {layer.units // tensor} units per device)", group=pair),
-            Decision(consumer, Row(), f"paired with {layer.name}{through}", group=pair)]
+    return [Decision(layer, Column(), f"paired with {consumer_outer.name}{through} "
+                     f"({layer.units} -> {layer.units // tensor} units per device)",
+                     name=outer.name, group=pair),
+            Decision(consumer, Row(), f"paired with {outer.name}{through}",
+                     name=consumer_outer.name, group=pair)]
 
 
 def _consumer_past_elementwise(layer):
