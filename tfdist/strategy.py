@@ -190,6 +190,16 @@ class _StepOwner:
         return tf.nest.pack_sequence_as(value, flat)
 
     _cut_function = None
+    _replica_count_reads = 0
+
+    @property
+    def num_replicas_in_sync(self):
+        """The replicas every step synchronises (`tf.distribute.Strategy`'s).
+        Reads are counted: an own `train_step` that never reads it while it
+        is traced did not scale its loss for distribution
+        (`usage_checks.warn_of_unscaled_loss`)."""
+        self._replica_count_reads += 1
+        return super().num_replicas_in_sync
 
     def _cut_to_common_rows(self, *values):
         # Every replica's row count of each value (across processes too), then
@@ -342,17 +352,23 @@ class _StepOwner:
             elif predicted is not None:
                 fn = mesh.on_group_batch(fn, own_rows=True)
         model = _keras_step_owner(fn, ("train_step",))
+        own_step = None
         if model is not None:
             usage_checks.check_built_in_scope(model, self)
             if uses_keras_train_step(model):
                 fn = self.train_step(model)
             else:
                 check_own_train_step(model, self._config)
+                own_step = model
         elif not isinstance(fn, TrainStep):
             self._notice_own_function(fn)
         if isinstance(fn, TrainStep):
             fn.prepare(args[0] if args else None)  # before the replicas trace it
+        reads = self._replica_count_reads
         results = super().run(fn, args=args, kwargs=kwargs, options=options)
+        unread = self._replica_count_reads == reads  # (before this method reads it)
+        if own_step is not None and unread and self.num_replicas_in_sync > 1:
+            usage_checks.warn_of_unscaled_loss(own_step, self.num_replicas_in_sync)
         if isinstance(fn, TrainStep) and isinstance(results, dict):
             for name in fn.synced:  # equal on every replica: reduced without a collective
                 if hasattr(results[name], "__dict__"):  # a graph tensor or `PerReplica`

@@ -55,6 +55,7 @@ def check_built_in_scope(model, strategy):
 
 _live_strategies = weakref.WeakSet()  # the tfdist strategies of this process
 _warned_models = weakref.WeakSet()
+_warned_unscaled = weakref.WeakSet()  # models told their loss is not scaled
 
 
 def warn_of_unscoped_fit(strategy):
@@ -94,6 +95,41 @@ def _fit_of_other_model(original, model, strategy, *args, **kwargs):
             f"build_model()\n        model.compile(...)\n    model.fit(...)",
             UserWarning, stacklevel=3)
     return original(model, *args, **kwargs)
+
+
+def warn_of_unscaled_loss(model, replicas: int):
+    """Warns (once per model) that `model`'s own `train_step`, traced under
+    `replicas` > 1 replicas, never read the replica count: its loss was not
+    scaled for distribution, so for a loss that is a mean over the batch the
+    optimizer's sum of the replicas' gradients is `replicas` times one
+    device's (a loss summed over the batch needs no scaling: the warning
+    says which is which).
+
+    Every way to scale a loss for distribution reads the strategy's
+    `num_replicas_in_sync` (Keras's `Loss` objects and `compute_loss`,
+    `tf.nn.compute_average_loss`, `tf.nn.scale_regularization_loss`, a
+    division written by hand); tfdist's strategies count those reads while
+    the step is traced.
+
+    Example:
+
+    ```python
+    model.fit(...)   # UserWarning: VAE.train_step ... 2x one device's gradient ...
+    ```
+    """
+    if model in _warned_unscaled:
+        return
+    _warned_unscaled.add(model)
+    warnings.warn(
+        f"{type(model).__name__} overrides `train_step`, and its step never read "
+        f"the number of replicas ({replicas}) while it was traced: its loss was not "
+        f"scaled for distribution. The optimizer sums the {replicas} replicas' "
+        f"gradients, so a loss that is a mean over the batch (not a sum) trains with "
+        f"{replicas}x one device's gradient (a learning rate {replicas}x as large). "
+        f"Compute it with `self.compute_loss(...)` or a `keras.losses.Loss` object "
+        f"(both divide by the replicas), or divide it by "
+        f"`self.distribute_strategy.num_replicas_in_sync` (or use "
+        f"`tf.nn.compute_average_loss`).", UserWarning, stacklevel=3)
 
 
 def check_not_empty(dataset: tf.data.Dataset):

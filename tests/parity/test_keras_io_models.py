@@ -13,6 +13,8 @@ normalisation groups (`microbatches`), or plain one device where tfdist
 keeps them (a tensor group computes on its whole batch).
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -246,6 +248,79 @@ def test_own_train_step_trains_like_one_device(optimizer, size):
     x, y = model_data("subclassed")
     make = maker("subclassed", optimizer)
     reference = trained_reference(make=make, x=x, y=y, batch_size=BATCH)
-    losses, weights, _ = train(tfdist.Strategy(data=size, devices=devices(size)), make=make,
-                               x=x, y=y, batch_size=BATCH)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, weights, _ = train(tfdist.Strategy(data=size, devices=devices(size)),
+                                   make=make, x=x, y=y, batch_size=BATCH)
     assert_parity(([loss * size for loss in losses], weights, None), reference, steps=STEPS)
+    assert not [w for w in caught if "not scaled for distribution" in str(w.message)]
+
+
+class VAE(keras.Model):
+    """keras-io "Variational AutoEncoder"'s own `train_step`: reconstruction
+    and KL losses from `keras.ops` (no `Loss` object), on 16 features, the
+    sampling's noise at scale 0 (each replica would draw its own). With
+    `scaled`, the loss is divided by the replicas, as a distributed step must."""
+
+    def __init__(self, scaled, **kwargs):
+        super().__init__(**kwargs)
+        self.scaled = scaled
+        self.encoder = keras.Sequential([keras.layers.Dense(8, activation="relu"),
+                                         keras.layers.Dense(4)])
+        self.decoder = keras.Sequential([keras.layers.Dense(8, activation="relu"),
+                                         keras.layers.Dense(16, activation="sigmoid")])
+
+    def call(self, x):
+        z_mean, _ = keras.ops.split(self.encoder(x), 2, axis=-1)
+        return self.decoder(z_mean)
+
+    def train_step(self, data):
+        x, _ = data
+        with tf.GradientTape() as tape:
+            z_mean, z_log_var = keras.ops.split(self.encoder(x), 2, axis=-1)
+            reconstruction = self.decoder(z_mean + 0.0 * keras.ops.exp(0.5 * z_log_var))
+            reconstruction_loss = keras.ops.mean(keras.ops.sum(
+                keras.losses.binary_crossentropy(x[..., None], reconstruction[..., None]),
+                axis=1))
+            kl = -0.5 * (1 + z_log_var - keras.ops.square(z_mean) - keras.ops.exp(z_log_var))
+            loss = reconstruction_loss + keras.ops.mean(keras.ops.sum(kl, axis=1))
+            if self.scaled:
+                loss = loss / self.distribute_strategy.num_replicas_in_sync
+        gradients = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+        return {"loss": loss}
+
+
+def vae(scaled):
+    def make():
+        keras.utils.set_random_seed(0)
+        model = VAE(scaled)
+        model.build((None, 16))
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        return model
+    return make
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+def test_own_train_step_with_an_unscaled_loss_is_told(scaled):
+    """A loss that never reads the replica count is summed over replicas: N x
+    one device's gradient, which tfdist says before training; the same step
+    dividing by the replicas matches one device and is not told."""
+    x = np.random.default_rng(0).uniform(size=(STEPS * BATCH, 16)).astype("float32")
+    y = np.zeros(len(x), "float32")
+    make = vae(scaled)
+    reference = train(make=make, x=x, y=y, batch_size=BATCH)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, weights, _ = train(tfdist.Strategy(data=2, devices=devices(2)), make=make,
+                                   x=x, y=y, batch_size=BATCH)
+    told = [str(w.message) for w in caught if "not scaled for distribution" in str(w.message)]
+    if scaled:
+        assert not told
+        assert_parity(([loss * 2 for loss in losses], weights, None), reference, steps=STEPS)
+    else:
+        assert len(told) == 1 and told[0].startswith(
+            "VAE overrides `train_step`, and its step never read the number of replicas (2)")
+        assert "2x one device's gradient" in told[0]
+        with pytest.raises(AssertionError):  # what it warns of
+            assert_parity((losses, weights, None), reference, steps=STEPS)
