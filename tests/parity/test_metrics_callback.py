@@ -1,5 +1,7 @@
 """tfdist.callbacks.Metrics: scalars read back with TensorBoard's event reader."""
 
+import resource
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -50,6 +52,12 @@ def test_scalars_are_written_and_read_back(tmp_path):
         assert scalars[f"tfdist/optimizer_state_bytes/{device}"] == [
             (s, float(expected)) for s in [1, *writes]]
     assert "tfdist/loss_scale" not in scalars
+    # This process's peak resident memory, at every rate write: it only grows.
+    peaks = scalars["tfdist/peak_memory_bytes"]
+    assert [s for s, _ in peaks] == writes
+    values = [v for _, v in peaks]
+    assert values == sorted(values) and values[0] > 100 * 2**20  # TensorFlow alone is more
+    assert values[-1] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * 1.0001
 
 
 def test_loss_scale_under_mixed_float16(tmp_path):

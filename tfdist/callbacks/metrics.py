@@ -2,6 +2,7 @@
 
 import collections
 import os
+import sys
 import time
 
 import keras
@@ -23,6 +24,8 @@ class Metrics(keras.callbacks.Callback):
       trained since the last write (counted exactly, partial batches included:
       the loss tracker's example count) over wall time;
     - `step_time_seconds`: the mean step time since the last write;
+    - `peak_memory_bytes`: this task's peak resident memory so far (the
+      process's VmHWM: what a memory limit is checked against);
     - `loss_scale`: the dynamic loss scale, under `mixed_float16`;
     - `microbatches`: the strategy's microbatches per step;
     - `optimizer_state_bytes/<device>`: the bytes of optimizer state (slots,
@@ -126,8 +129,28 @@ class Metrics(keras.callbacks.Callback):
                 tf.summary.scalar("tfdist/loss_scale", float(scale.numpy()))
             for tag, value in self._static.items():
                 tf.summary.scalar(tag, value)
+            peak = peak_memory_bytes()
+            if peak is not None:
+                tf.summary.scalar("tfdist/peak_memory_bytes", peak)
         self._writer.flush()
         self._last = (now, examples, self._done)
+
+
+def peak_memory_bytes() -> int | None:
+    """This process's peak resident memory so far (Linux's VmHWM), in bytes;
+    None where the platform does not report it.
+
+    Example:
+
+    >>> peak_memory_bytes() > 0
+    True
+    """
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # (kilobytes on Linux)
 
 
 def optimizer_state_bytes(optimizer) -> dict:
