@@ -118,16 +118,26 @@ def test_trace_viewer_finds_each_phase_by_search(profiled, tensorboard, tmp_path
             profile.get_by_text("Overview Page").click()  # the tool menu
             profile.get_by_role("option", name="Trace Viewer").first.click()
             viewer = profile.frame_locator("iframe").first
-            viewer.get_by_text("Expand All").click()
+            # The trace streams in after the page: expand the host's rows
+            # once they are there (a click before expands an empty model).
+            phase_row = viewer.get_by_text("tfdist/reduce", exact=True)
+            for _ in range(12):
+                viewer.get_by_text("Expand All").click()
+                try:
+                    phase_row.wait_for(timeout=5_000)
+                    break
+                except playwright.TimeoutError:
+                    continue
+            page.screenshot(path=tmp_path / "loaded.png")  # kept for a look
             rows = viewer.locator("body").inner_text().split("\n")
             for phase in ("reduce", "apply"):
                 search = viewer.get_by_placeholder("Find Events...")
                 search.fill(f"tfdist/{phase}")
                 search.press("Enter")
-                found = viewer.get_by_text(re.compile(r"^\d+ of 3$"))
+                found = viewer.get_by_text(re.compile(r"^\d+ of [1-9]\d*$"))
                 found.wait_for(timeout=20_000)
-                page.screenshot(path=tmp_path / f"{phase}.png")  # kept for a look
-                assert found.inner_text().endswith("of 3"), tmp_path
+                page.screenshot(path=tmp_path / f"{phase}.png")
+                assert found.inner_text().endswith(" of 3"), (found.inner_text(), tmp_path)
         finally:
             browser.close()
     # The steps' row, then the phases' rows, above the host's threads.
