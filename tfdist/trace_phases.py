@@ -29,7 +29,7 @@ HOST_PLANE = "/host:CPU"
 STEP_EVENT = "tfdist/step"  # the Profiler callback's range around each step
 # `<scopes>/tfdist/<phase>/<op>:<type>`: the phase, from a TensorFlow op event's name.
 _PHASE = re.compile(r"(?:^|/)tfdist/([^/:]+)/[^:]*:")
-_STEP_STAT = "tfdist_step"
+_STEP_STAT = "tfdist_step"  # each range's step number, as its `tfdist/step N`
 
 
 def add_phases(path) -> dict:
@@ -53,9 +53,14 @@ def add_phases(path) -> dict:
     if plane is None or any(line.name.startswith("tfdist/") for line in plane.lines):
         return {}
     names = {key: metadata.name for key, metadata in plane.event_metadata.items()}
-    starts = sorted(
-        line.timestamp_ns * 1000 + event.offset_ps for line in plane.lines
-        for event in line.events if names[event.metadata_id] == STEP_EVENT)
+    step_num = next((key for key, stat in plane.stat_metadata.items()
+                     if stat.name == "step_num"), None)
+    steps = sorted(  # (start, step number) of each profiled step
+        (line.timestamp_ns * 1000 + event.offset_ps,
+         next((s.int64_value for s in event.stats if s.metadata_id == step_num), None))
+        for line in plane.lines for event in line.events
+        if names[event.metadata_id] == STEP_EVENT)
+    starts = [start for start, _ in steps]
     spans = collections.defaultdict(dict)  # phase -> {step index: [start, end]}
     for line in plane.lines:
         base = line.timestamp_ns * 1000
@@ -72,7 +77,7 @@ def add_phases(path) -> dict:
             span[1] = max(span[1], start + event.duration_ps)
     if not spans:
         return {}
-    _add_rows(plane, spans)
+    _add_rows(plane, spans, [number for _, number in steps])
     write_xspace(space, path)
     return {phase: len(steps) for phase, steps in spans.items()}
 
@@ -82,7 +87,9 @@ def _step_of(starts, time_ps):
     return bisect.bisect_right(starts, time_ps) - 1 if starts else 0
 
 
-def _add_rows(plane, spans):
+def _add_rows(plane, spans, step_numbers):
+    """One row per phase of `spans` ({phase: {step index: [start, end]}}),
+    each range with its step's number (`step_numbers[index]`) when known."""
     next_event_id = max(plane.event_metadata, default=0) + 1
     stat_id = max(plane.stat_metadata, default=0) + 1
     plane.stat_metadata[stat_id].id = stat_id
@@ -111,7 +118,8 @@ def _add_rows(plane, spans):
                 end = min(end, ordered[index + 1][1][0])
             event = line.events.add(metadata_id=metadata.id, offset_ps=start - base,
                                     duration_ps=max(end - start, 1))
-            event.stats.add(metadata_id=stat_id, int64_value=step)
+            if step < len(step_numbers) and step_numbers[step] is not None:
+                event.stats.add(metadata_id=stat_id, int64_value=step_numbers[step])
         line.duration_ps = max(ordered[-1][1][1] - base, 1)
 
 

@@ -62,7 +62,7 @@ def test_trace_holds_the_step_range_and_tfdist_phases(profiled):
     # Each phase's row: one range per step, titled for the trace viewer's search.
     for phase in phases:
         ranges = [e for e in events if e.get("name") == f"tfdist/{phase}"]
-        assert sorted(int(e["args"]["tfdist_step"]) for e in ranges) == [0, 1, 2], phase
+        assert sorted(int(e["args"]["tfdist_step"]) for e in ranges) == [2, 3, 4], phase
     assert not list(logdir.glob(".tfdist-profile-*"))  # session dir cleaned up
 
 
