@@ -366,9 +366,10 @@ class _StepOwner:
             fn.prepare(args[0] if args else None)  # before the replicas trace it
         reads = self._replica_count_reads
         results = super().run(fn, args=args, kwargs=kwargs, options=options)
-        unread = self._replica_count_reads == reads  # (before this method reads it)
-        if own_step is not None and unread and self.num_replicas_in_sync > 1:
-            usage_checks.warn_of_unscaled_loss(own_step, self.num_replicas_in_sync)
+        if own_step is not None and self._replica_count_reads == reads:
+            replicas = super().num_replicas_in_sync  # (not counted)
+            if replicas > 1:
+                usage_checks.warn_of_unscaled_loss(own_step, replicas)
         if isinstance(fn, TrainStep) and isinstance(results, dict):
             for name in fn.synced:  # equal on every replica: reduced without a collective
                 if hasattr(results[name], "__dict__"):  # a graph tensor or `PerReplica`

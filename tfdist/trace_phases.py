@@ -55,11 +55,12 @@ def add_phases(path) -> dict:
     names = {key: metadata.name for key, metadata in plane.event_metadata.items()}
     step_num = next((key for key, stat in plane.stat_metadata.items()
                      if stat.name == "step_num"), None)
+    step_events = [(line, event) for line in plane.lines for event in line.events
+                   if names[event.metadata_id] == STEP_EVENT]
     steps = sorted(  # (start, step number) of each profiled step
         (line.timestamp_ns * 1000 + event.offset_ps,
          next((s.int64_value for s in event.stats if s.metadata_id == step_num), None))
-        for line in plane.lines for event in line.events
-        if names[event.metadata_id] == STEP_EVENT)
+        for line, event in step_events)
     starts = [start for start, _ in steps]
     spans = collections.defaultdict(dict)  # phase -> {step index: [start, end]}
     for line in plane.lines:
@@ -77,9 +78,10 @@ def add_phases(path) -> dict:
             span[1] = max(span[1], start + event.duration_ps)
     if not spans:
         return {}
-    _add_rows(plane, spans, [number for _, number in steps])
+    step_line = step_events[0][0] if step_events else None
+    _add_rows(plane, spans, [number for _, number in steps], step_line)
     write_xspace(space, path)
-    return {phase: len(steps) for phase, steps in spans.items()}
+    return {phase: len(ranges) for phase, ranges in spans.items()}
 
 
 def _step_of(starts, time_ps):
@@ -87,17 +89,16 @@ def _step_of(starts, time_ps):
     return bisect.bisect_right(starts, time_ps) - 1 if starts else 0
 
 
-def _add_rows(plane, spans, step_numbers):
+def _add_rows(plane, spans, step_numbers, step_line):
     """One row per phase of `spans` ({phase: {step index: [start, end]}}),
-    each range with its step's number (`step_numbers[index]`) when known."""
+    each range with its step's number (`step_numbers[index]`) when known;
+    the row of the steps (`step_line`, if any) moved first."""
     next_event_id = max(plane.event_metadata, default=0) + 1
     stat_id = max(plane.stat_metadata, default=0) + 1
     plane.stat_metadata[stat_id].id = stat_id
     plane.stat_metadata[stat_id].name = _STEP_STAT
     # The trace viewer sorts a host's rows by their id's low 32 bits (random
     # for threads): the steps' row first, then the phases'.
-    step_line = next((line for line in plane.lines if any(
-        plane.event_metadata[e.metadata_id].name == STEP_EVENT for e in line.events)), None)
     taken = {line.id % 2**32 for line in plane.lines if line is not step_line}
     free_ids = (i for i in range(1, 2**32) if i not in taken)
     if step_line is not None:

@@ -11,6 +11,7 @@ import time
 import urllib.request
 
 import pytest
+from playwright import sync_api as playwright
 
 import tfdist
 from helpers import data, devices, make_model, trace_events
@@ -105,7 +106,8 @@ def test_tensorboard_lists_the_run(profiled, tensorboard):
 def test_trace_viewer_finds_each_phase_by_search(profiled, tensorboard, tmp_path):
     """As a user does: TensorBoard's Profile tab in a browser, the Trace Viewer
     tool, a search for a phase; every profiled step's range is found."""
-    playwright = pytest.importorskip("playwright.sync_api", reason="needs Playwright")
+    # Chromium is a system package: `make test` installs Debian's (`make
+    # browser`) where it can (root, apt-get); elsewhere this test cannot run.
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"needs Chromium at {CHROMIUM} (`make browser` installs Debian's)")
     with playwright.sync_playwright() as driver:

@@ -358,12 +358,12 @@ def warn_of_whole_layers(model, decisions, tensor):
     model.fit(...)   # UserWarning: tensor=2 leaves 1 layer whole ... out (Dense): ...
     ```
     """
-    total = sum(_size(w) for w in model.trainable_weights)
+    total = sum(math.prod(w.shape) for w in model.trainable_weights)
     replicated = [d for d in decisions if isinstance(d.layout, Replicated)]
     matrices = [d for d in replicated if any(len(w.shape) >= 2 for w in d.layer.trainable_weights)]
     if not matrices or not total:
         return
-    whole = sum(_size(w) for d in replicated for w in d.layer.trainable_weights)
+    whole = sum(math.prod(w.shape) for d in replicated for w in d.layer.trainable_weights)
     named = "; ".join(f"{d.name} ({type(d.layer).__name__}): {d.reason}" for d in matrices[:8])
     more = f"; and {len(matrices) - 8} more" if len(matrices) > 8 else ""
     warnings.warn(
@@ -371,10 +371,6 @@ def warn_of_whole_layers(model, decisions, tensor):
         f"matrices whole on every device ({whole / total:.0%} of the parameters stay "
         f"whole): {named}{more}. `strategy.describe(model)` lists every layer.",
         stacklevel=2)
-
-
-def _size(variable):
-    return math.prod(variable.shape)
 
 
 def sharded_classifier(model):
