@@ -51,7 +51,36 @@ def gemma():
         head_dim=WIDTH // HEADS, dropout=0.0)
 
 
-BACKBONES = {"gpt2": gpt2, "bert": bert, "llama": llama, "gemma": gemma}
+def qwen3():
+    return keras_hub.models.Qwen3Backbone(
+        vocabulary_size=VOCAB, num_layers=BLOCKS, num_query_heads=HEADS,
+        num_key_value_heads=HEADS // 2, hidden_dim=WIDTH, intermediate_dim=FF,
+        head_dim=WIDTH // HEADS, layer_norm_epsilon=1e-6, dropout=0.0)
+
+
+def bloom():
+    return keras_hub.models.BloomBackbone(
+        vocabulary_size=VOCAB, num_layers=BLOCKS, num_heads=HEADS, hidden_dim=WIDTH,
+        intermediate_dim=FF, dropout=0.0)
+
+
+def gpt_neox():
+    return keras_hub.models.GPTNeoXBackbone(
+        vocabulary_size=VOCAB, num_layers=BLOCKS, num_heads=HEADS, hidden_dim=WIDTH,
+        intermediate_dim=FF, rotary_percentage=0.5, max_sequence_length=SEQ, dropout=0.0)
+
+
+def mixtral():
+    """Four experts, two per token; the router's load-balancing loss at 0.1
+    of the model's loss (keras-hub's default: 0.02)."""
+    return keras_hub.models.MixtralBackbone(
+        vocabulary_size=VOCAB, num_layers=BLOCKS, num_query_heads=HEADS,
+        num_key_value_heads=HEADS // 2, hidden_dim=WIDTH, intermediate_dim=FF, num_experts=4,
+        top_k=2, router_aux_loss_coef=0.1, dropout=0.0)
+
+
+BACKBONES = {"gpt2": gpt2, "bert": bert, "llama": llama, "gemma": gemma, "qwen3": qwen3,
+             "bloom": bloom, "gpt_neox": gpt_neox, "mixtral": mixtral}
 
 
 def make_lm(backbone, seed=0):
@@ -83,6 +112,19 @@ def make_gemma(seed=0):
     return make_lm("gemma", seed)
 
 
+def make_qwen3(seed=0):
+    return make_lm("qwen3", seed)
+
+
+def make_bloom(seed=0):
+    return make_lm("bloom", seed)
+
+
+def make_gpt_neox(seed=0):
+    return make_lm("gpt_neox", seed)
+
+
+# The models of every mode's matrix (test_keras_hub_modes.py).
 MAKERS = {"gpt2": make_gpt2, "bert": make_bert, "llama": make_llama, "gemma": make_gemma}
 
 # What describe says of one block's sublayers: (name, layout), in order.
@@ -207,6 +249,59 @@ def test_gemma_splits_its_attention_by_hidden_features_and_its_gated_mlp():
     # count's (one data group: the metric states need no sum).
     counts = executed_op_counts(model)
     assert counts["CollectiveReduceV2"] == 2 * (BLOCKS * (5 + 1) + 1 + 1)
+
+
+def test_qwen3_normalises_each_devices_query_and_key_heads():
+    """Qwen3's attention normalises each query and key head (an RMS norm
+    over the head's features, a weight of head size): split by heads, each
+    device normalises its own heads, and each norm's weight, whole on every
+    device, gets its gradient summed over the tensor group."""
+    x, y = lm_data("qwen3")
+    reference = trained_reference(make=make_qwen3, x=x, y=y, batch_size=16)
+    strategy = tfdist.Strategy(data=2, tensor=2, devices=devices(4))
+    result = train(strategy, make=make_qwen3, x=x, y=y, batch_size=16)
+    assert_parity(result, reference, steps=12)
+    model = result[2]
+    rows = {line.split()[0]: line.split()[2] for line in strategy.describe(model).splitlines()}
+    for block in blocks(model):
+        layouts = {name.split("/")[-1]: layout for name, layout in rows.items()
+                   if name.startswith(block.name + "/self_attention/")}
+        assert layouts == {"query": "column", "key": "column", "value": "column",
+                           "attention_output": "row", "query_dense_layernorm": "per-slice",
+                           "key_dense_layernorm": "per-slice"}
+    # The blocks' parameters per device: a half, but for their norms.
+    weights = [w for block in blocks(model) for w in block.trainable_weights]
+    total = sum(np.prod(w.shape) for w in weights)
+    for device in range(4):
+        held = sum(w.value.values[device].shape.num_elements() for w in weights)
+        assert held / total <= 0.55
+
+
+@pytest.mark.parametrize("backbone", ["bloom", "gpt_neox"])
+def test_attention_reshaping_by_its_own_head_count_splits_by_hidden_features(backbone):
+    """Bloom's attention reshapes its heads to the hidden size by its own head
+    count before a Dense output projection (and adds ALiBi biases by head);
+    GPT-NeoX's projects query, key and value in one layer and its call
+    returns an absent cache (None) the planner's trace must get through.
+    Neither can run on a device's heads: both are split by hidden features
+    (each projection over its input's features, the attention whole, the
+    output over its input's features), every attention weight 1/2 per device."""
+    x, y = lm_data(backbone)
+    make = {"bloom": make_bloom, "gpt_neox": make_gpt_neox}[backbone]
+    reference = trained_reference(make=make, x=x, y=y, batch_size=16)
+    strategy = tfdist.Strategy(tensor=2, devices=devices(2))
+    result = train(strategy, make=make, x=x, y=y, batch_size=16)
+    assert_parity(result, reference, steps=12)
+    model = result[2]
+    rows = {line.split()[0]: line.split()[2] for line in strategy.describe(model).splitlines()}
+    for block in blocks(model):
+        attention = [name for name in rows if name.startswith(block.name + "/self_attention/")]
+        assert len(attention) == (4 if backbone == "bloom" else 2)
+        assert {rows[name] for name in attention} == {"row"}
+        kernels = projection_kernels(block)
+        for device in range(2):
+            assert sum(k.value.values[device].shape.num_elements() for k in kernels) * 2 == sum(
+                np.prod(k.shape) for k in kernels)
 
 
 @pytest.mark.parametrize("tensor", [1, 2])

@@ -184,21 +184,29 @@ def traced_call(layer, arguments=None, placeholder_size=2):
     args, kwargs = tree.map_structure(lambda v: _placeholder(v, placeholder_size), arguments)
     sublayers = layer._flatten_layers(include_self=False)
     saved = [(sub, list(sub._inbound_nodes), list(sub._outbound_nodes)) for sub in sublayers]
-    # Keras's generic symbolic call (the sublayer's call on placeholders) for
-    # layers with their own `compute_output_spec`: some take fewer arguments
-    # than their `call` (keras-hub's cached attention).
-    own_specs = [sub for sub in sublayers
-                 if type(sub).compute_output_spec is not Layer.compute_output_spec]
+    # Keras's generic symbolic call (the sublayer's call on placeholders), for
+    # layers with their own `compute_output_spec` too (some take fewer
+    # arguments than their `call`: keras-hub's cached attention), each None it
+    # returns (an attention's absent cache) made a placeholder: a Keras node
+    # holds tensors only.
     try:
-        for sub in own_specs:
-            sub.compute_output_spec = functools.partial(backend.compute_output_spec, sub.call)
+        for sub in sublayers:
+            own = type(sub).compute_output_spec is not Layer.compute_output_spec
+            spec = (functools.partial(backend.compute_output_spec, sub.call) if own
+                    else sub.compute_output_spec)
+            sub.compute_output_spec = functools.partial(_without_none, spec)
         return _steps_to(type(layer).call(layer, *args, **kwargs))
     finally:
-        for sub in own_specs:
+        for sub in sublayers:
             del sub.compute_output_spec
         for sub, inbound, outbound in saved:
             sub._inbound_nodes[:] = inbound
             sub._outbound_nodes[:] = outbound
+
+
+def _without_none(spec, *args, **kwargs):
+    outputs = spec(*args, **kwargs)
+    return tree.map_structure(lambda v: KerasTensor(()) if v is None else v, outputs)
 
 
 def traced_function(function, shape, dtype="float32"):

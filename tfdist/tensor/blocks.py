@@ -51,7 +51,7 @@ from tfdist.tensor.column_group import (
     kernel_axis,
 )
 from tfdist.tensor.decision import Decision
-from tfdist.tensor.layouts import Replicated, Row
+from tfdist.tensor.layouts import PerSlice, Replicated, Row
 
 # Keras activations that act element by element (safe on a slice of features).
 _ELEMENTWISE_ACTIVATIONS = (
@@ -66,7 +66,7 @@ _ELEMENTWISE_OPERATIONS = frozenset((
     "add", "subtract", "multiply", "divide", "cast", "dropout", "relu", "relu6",
     "leakyrelu", "elu", "selu", "gelu", "silu", "mish", "tanh", "sigmoid",
     "hardsigmoid", "hardsilu", "softplus", "softsign", "exp", "power", "sqrt",
-    "negative", "absolute", "square", "maximum", "minimum", "erf",
+    "negative", "absolute", "square", "maximum", "minimum", "erf", "rsqrt", "reciprocal",
     "gaussiannoise", "gaussiandropout", "alphadropout",
 ))
 
@@ -310,36 +310,42 @@ def _column_refusal(column, columns, calls, tensor, taken):
 def _attention(layer, steps, tensor):
     """Decisions splitting an attention-shaped custom layer by heads (else
     by its hidden features, else whole, saying why), or None if `layer` is
-    not attention-shaped."""
+    not attention-shaped: projections (Dense / EinsumDense) reading only its
+    inputs, whose outputs are mixed by a product (queries with keys) and all
+    reach one output projection; weighted layers between them (a norm of
+    each head) are neither."""
+    by_layer = {id(step.operation): step for step in steps}
     weighted = [sub for sub in keras_functional.nested_sublayers(layer) if sub.weights]
-    if not weighted or any(type(sub) is not keras.layers.EinsumDense for sub in weighted):
-        return None
-    if any(sum(step.operation is sub for step in steps) != 1 for sub in weighted):
+    if not weighted or any(sum(step.operation is sub for step in steps) != 1 for sub in weighted):
         return None
     producers = _producers(steps)
-    by_layer = {id(step.operation): step for step in steps}
-    kernels = {id(sub): keras_layers.kernel_variable(sub).shape for sub in weighted}
-    projections = [sub for sub in weighted if id(sub) in by_layer and all(
+    matmuls = [sub for sub in weighted
+               if type(sub) in (keras.layers.Dense, keras.layers.EinsumDense)]
+    projections = [sub for sub in matmuls if all(
         id(t) not in producers for t in by_layer[id(sub)].inputs)]
-    outputs = [sub for sub in weighted if sub not in projections]
-    if (len(outputs) != 1 or not projections or id(outputs[0]) not in by_layer
-            or any(len(kernels[id(p)]) != 3 for p in projections)
-            or len(kernels[id(outputs[0])]) != 3
-            or not _reaches(projections, by_layer[id(outputs[0])], producers)):
+    outputs = [sub for sub in matmuls if all(sub is not p for p in projections)]
+    between = [sub for sub in weighted if all(sub is not m for m in matmuls)]
+    if (len(outputs) != 1 or not projections
+            or not _reaches(projections, by_layer[id(outputs[0])], producers)
+            or not _mixes(projections, steps)):
         return None
     output = outputs[0]
-    if kernels[id(output)][0] not in {kernels[id(p)][_heads_axis(p)] for p in projections}:
-        return None
     by_hidden = _attention_by_hidden(projections, output, tensor)
-    why_not = _heads_refusal(projections, kernels, tensor)
+    if not isinstance(by_hidden, str):
+        by_hidden += [Decision(sub, Replicated(), "runs whole on every device (the attention "
+                               "computed whole)", group=by_hidden[0].group) for sub in between]
+    why_not = _heads_refusal(projections, output, between, by_layer, tensor)
     if why_not is None:
         shared = SharedInput()
+        heads = [keras_layers.kernel_variable(p).shape[-2] for p in projections]
         by_heads = [Decision(p, ColumnOfGroup(shared, axis=-2),
-                             f"{kernels[id(p)][-2]} heads -> {kernels[id(p)][-2] // tensor} "
-                             f"per device", group=shared)
-                    for p in projections] + [
+                             f"{n} heads -> {n // tensor} per device", group=shared)
+                    for p, n in zip(projections, heads)] + [
             Decision(output, Row(), f"sums the heads of {', '.join(p.name for p in projections)}",
-                     group=shared)]
+                     group=shared)] + [
+            Decision(sub, PerSlice(), "acts on each head: on each device's heads, the "
+                     "gradients of its weights summed over the group", group=shared)
+            for sub in between]
         if isinstance(by_hidden, str):
             return by_heads
         return [dataclasses.replace(d, alternatives=((h.layout, h.reason),))
@@ -350,17 +356,77 @@ def _attention(layer, steps, tensor):
             for d in by_hidden]
 
 
-def _heads_refusal(projections, kernels, tensor):
-    """Why the projections cannot be split by heads, else None."""
+def _mixes(projections, steps):
+    """Whether an operation that is not elementwise combines two tensors
+    computed from the projections' outputs (queries times keys)."""
+    derived = set()
+    for step in steps:
+        if any(step.operation is p for p in projections):
+            derived.update(id(t) for t in step.outputs)
+            continue
+        reading = sum(id(t) in derived for t in step.inputs)
+        if reading >= 2 and not _is_elementwise(step.operation) and not getattr(
+                step.operation, "weights", None):
+            return True
+        if reading:
+            derived.update(id(t) for t in step.outputs)
+    return False
+
+
+def _acts_per_head(layer, step):
+    """Whether `layer` (called in `step`) acts on each head of its input
+    alone, so that it may run on a device's heads (a query/key norm, as
+    Qwen3's): one input of rank >= 4 (..., heads, size), only trainable
+    weights, each a vector of `size`, and operations that are elementwise or
+    act along the last axis only."""
+    if len(step.inputs) != 1 or layer.non_trainable_weights:
+        return False
+    shape = step.inputs[0].shape
+    if len(shape) < 4 or any(tuple(w.shape) != (shape[-1],) for w in layer.weights):
+        return False
+    try:
+        inner = keras_functional.traced_call(layer, step.arguments)
+    except Exception:  # noqa: BLE001 - not traceable: not known to act per head
+        return False
+    return all(_is_elementwise(s.operation) or _along_last_axis(s) for s in inner)
+
+
+def _along_last_axis(step):
+    """Whether the operation of `step` reduces (or acts) along its input's last axis only."""
+    axis = getattr(step.operation, "axis", None)
+    if axis is None or len(step.inputs) != 1:
+        return False
+    rank = len(step.inputs[0].shape)
+    axes = axis if isinstance(axis, (list, tuple)) else (axis,)
+    return all(isinstance(a, int) and a % rank == rank - 1 for a in axes)
+
+
+def _heads_refusal(projections, output, between, by_layer, tensor):
+    """Why the attention cannot be split by heads, else None: every
+    projection an EinsumDense holding its heads on kernel axis 1, (d, heads,
+    size), the output one whose kernel starts with them, (heads, size, d),
+    `tensor` dividing every head count, and each weighted layer between
+    acting on each head alone."""
+    for layer in [*projections, output]:
+        shape = tuple(keras_layers.kernel_variable(layer).shape)
+        if type(layer) is not keras.layers.EinsumDense or len(shape) != 3:
+            return (f"{layer.name}'s kernel {shape} has no axis of heads (its heads are "
+                    f"reshaped by the layer's own head count)")
     for projection in projections:
         axis = _heads_axis(projection)
         if axis != 1:
-            return (f"{projection.name}'s kernel {tuple(kernels[id(projection)])} holds its "
+            return (f"{projection.name}'s kernel {tuple(projection.kernel.shape)} holds its "
                     f"heads on axis {axis}, not 1")
-    for projection in projections:
-        heads = kernels[id(projection)][-2]
-        if heads % tensor:
-            return f"{projection.name}'s {heads} heads are not divisible by tensor={tensor}"
+    heads = {p.kernel.shape[1] for p in projections}
+    if output.kernel.shape[0] not in heads:
+        return f"{output.name}'s kernel {tuple(output.kernel.shape)} does not start with heads"
+    for layer, count in [(p, p.kernel.shape[1]) for p in projections] + [
+            (output, output.kernel.shape[0])]:
+        if count % tensor:
+            return f"{layer.name}'s {count} heads are not divisible by tensor={tensor}"
+    for sub in between:
+        if not _acts_per_head(sub, by_layer[id(sub)]):
+            return f"{sub.name} ({type(sub).__name__}) does not act on each head alone"
     return None
 
 
@@ -379,7 +445,9 @@ def _attention_by_hidden(projections, output, tensor):
             projection, RowOfSlicedInput(group, -1),
             f"input features {hidden} -> {hidden // tensor} per device, partial products "
             f"summed", group=group))
-    for axis, what in ((-2, "heads"), (-1, "head size")):
+    sizes = ((-1, "features"),) if len(output.kernel.shape) == 2 else (
+        (-2, "heads"), (-1, "head size"))
+    for axis, what in sizes:
         contracted = kernel_axis(output, axis)
         size = None if contracted is None else output.kernel.shape[contracted]
         if size is not None and not size % tensor:

@@ -127,7 +127,7 @@ def kernel_axis(layer, input_axis):
     """
     equation = getattr(layer, "equation", None)
     if equation is None:  # Dense: (..., d) x (d, units)
-        return 0
+        return 0 if input_axis == -1 else None
     data, kernel = equation.replace(" ", "").split("->")[0].split(",")
     letter = data[input_axis]
     return kernel.index(letter) if letter.isalpha() and letter in kernel else None

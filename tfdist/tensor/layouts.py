@@ -24,6 +24,9 @@ computes exactly as before. `name` is what `describe` prints.
   rank's slice of the logits, which `ShardedSoftmaxCrossEntropy` turns into
   the loss without ever assembling them; elsewhere it all-gathers them.
 - `Replicated`: the layer is left whole on every device.
+- `PerSlice`: a layer left whole on every device that acts on each rank's
+  slice of its input (a norm of each attention head, on the rank's heads):
+  its weights' gradients, each rank's share, are summed over the group.
 
 Example:
 
@@ -107,6 +110,33 @@ class Replicated(TensorLayout):
 
     def apply(self, layer, mesh):
         """Leaves `layer` as it is."""
+
+
+class PerSlice(TensorLayout):
+    """A layer whose weights stay whole on every device of the tensor group
+    while it acts on each rank's slice of the features (a norm of each
+    attention head, run on the rank's heads): each rank's gradient of its
+    weights is its heads' share, so every weight it reads passes Megatron's
+    "f" (identity forward, gradient summed over the group backward).
+
+    Example:
+
+    ```python
+    PerSlice().apply(query_norm, strategy.tensor_mesh)   # weights whole, gradients summed
+    ```
+    """
+
+    name = "per-slice"
+
+    def weight_axes(self, layer):
+        """None: every weight stays whole."""
+        return []
+
+    def sharded_call(self, layer, mesh, *args, **kwargs):
+        """The layer's own call on this rank's slice, its weights read through "f"."""
+        reads = [(w, mesh.copy(w.value)) for w in layer.trainable_weights]
+        with keras.StatelessScope(reads):
+            return type(layer).call(layer, *args, **kwargs)
 
 
 class Column(TensorLayout):
