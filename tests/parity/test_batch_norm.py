@@ -24,6 +24,7 @@ def make_bn_model(optimizer=None, synchronized=False):
         keras.layers.Dense(16),
         keras.layers.BatchNormalization(momentum=0.5, synchronized=synchronized),
         keras.layers.Activation("relu"),
+        keras.layers.Dense(8, activation="relu"),  # a pair `tensor` splits
         keras.layers.Dense(4),
     ])
     model.compile(optimizer=optimizer or keras.optimizers.SGD(0.0),

@@ -133,11 +133,14 @@ def test_explicit_layer_with_indivisible_units_names_layer_and_dimension():
 
 def test_constrained_weights_stay_whole():
     # A constraint (MaxNorm over each column's inputs, here) acts on the whole
-    # weight: such layers stay replicated, and explicit layers refuse one.
+    # weight: such layers stay replicated (the pair before them splits), and
+    # explicit layers refuse one.
     def make(optimizer=None):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([
             keras.Input((FEATURES,)),
+            keras.layers.Dense(32, activation="relu", name="first"),
+            keras.layers.Dense(32, name="second"),
             keras.layers.Dense(32, activation="relu", name="up"),
             keras.layers.Dense(32, kernel_constraint=keras.constraints.MaxNorm(0.5),
                                name="down"),
@@ -149,9 +152,9 @@ def test_constrained_weights_stay_whole():
     strategy = tfdist.Strategy(tensor=2, devices=devices(2))
     result = train(strategy, make=make)
     lines = strategy.describe(result[2]).splitlines()
-    assert [line.split()[2] for line in lines] == ["replicated"] * 3
-    assert "its pair down: weight 'sequential" in lines[0]
-    assert "has a constraint, which acts on the whole weight" in lines[1]
+    assert [line.split()[2] for line in lines] == ["column", "row"] + ["replicated"] * 3
+    assert "its pair down: weight 'sequential" in lines[2]
+    assert "has a constraint, which acts on the whole weight" in lines[3]
     assert_parity(result, train(make=make))
     with strategy.scope():
         layer = tfdist.layers.RowParallelDense(8, kernel_constraint="non_neg", name="row")

@@ -109,7 +109,17 @@ def _sublayer_decisions(layer, tensor, arguments=None):
             layer, tensor, lambda sub, args: _sublayer_decisions(sub, tensor, args), arguments)
         # Block sublayers share names ("query" in every block): their paths.
         return [dataclasses.replace(d, name=d.layer.path) for d in decisions]
-    return [Decision(layer, Replicated(), f"{type(layer).__name__} has no tensor-parallel layout")]
+    return [Decision(layer, Replicated(), _no_layout(layer))]
+
+
+def _no_layout(layer):
+    """Why `layer` stays whole: a layer of experts (weights of rank 3 with
+    one leading axis) is said to be one."""
+    leading = {w.shape[0] for w in layer.trainable_weights if len(w.shape) == 3}
+    if "expert" in type(layer).__name__.lower() and len(leading) == 1:
+        return (f"{leading.pop()} experts of a mixture of experts: each device holds every "
+                f"expert (expert parallelism is not implemented)")
+    return f"{type(layer).__name__} has no tensor-parallel layout"
 
 
 def apply(decisions, mesh):
@@ -324,6 +334,8 @@ def partition_model(model, mesh):
     """
     decisions = plan(model, mesh.tensor, mesh.strategy.config.vocab_parallel_classifier,
                      mesh.strategy.layout_map)
+    if not any(d.layout.weight_axes(d.layer) for d in decisions):
+        raise ValueError(_nothing_split(model, decisions, mesh.tensor))
     if not getattr(model, "_tfdist_whole_layers_told", False):
         model._tfdist_whole_layers_told = True
         warn_of_whole_layers(model, decisions, mesh.tensor)
@@ -346,6 +358,16 @@ def partition_model(model, mesh):
                 shard_keras_variable(slot, layout, mesh.strategy)
 
 
+def _nothing_split(model, decisions, tensor):
+    """Why `tensor` is refused for `model`: no layer of it splits."""
+    named = "; ".join(f"{d.name} ({type(d.layer).__name__}): {d.reason}" for d in decisions[:8])
+    more = f"; and {len(decisions) - 8} more" if len(decisions) > 8 else ""
+    return (f"tensor={tensor} splits no layer of model {model.name!r} ({named or 'no weights'}"
+            f"{more}): every device of a tensor group would hold and compute the same. "
+            f"Use data parallelism (`data`) for this model; docs/modes/tensor.md says what "
+            f"splits.")
+
+
 def warn_of_whole_layers(model, decisions, tensor):
     """Warns, once before training, of every layer with a matrix or table
     (a weight of rank >= 2) that `tensor` leaves whole on every device,
@@ -359,11 +381,12 @@ def warn_of_whole_layers(model, decisions, tensor):
     ```
     """
     total = sum(math.prod(w.shape) for w in model.trainable_weights)
-    replicated = [d for d in decisions if isinstance(d.layout, Replicated)]
-    matrices = [d for d in replicated if any(len(w.shape) >= 2 for w in d.layer.trainable_weights)]
+    unsplit = [d for d in decisions if not d.layout.weight_axes(d.layer)]  # per-slice too
+    matrices = [d for d in unsplit if isinstance(d.layout, Replicated)
+                and any(len(w.shape) >= 2 for w in d.layer.trainable_weights)]
     if not matrices or not total:
         return
-    whole = sum(math.prod(w.shape) for d in replicated for w in d.layer.trainable_weights)
+    whole = sum(math.prod(w.shape) for d in unsplit for w in d.layer.trainable_weights)
     named = "; ".join(f"{d.name} ({type(d.layer).__name__}): {d.reason}" for d in matrices[:8])
     more = f"; and {len(matrices) - 8} more" if len(matrices) > 8 else ""
     warnings.warn(
