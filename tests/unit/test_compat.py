@@ -9,8 +9,10 @@ import pytest
 
 from tfdist._compat import patches
 
+ALL_PROCESS_WIDE = patches.PROCESS_WIDE + patches.OPTIONAL
 
-@pytest.mark.parametrize("patch", patches.PROCESS_WIDE + patches.PER_OBJECT,
+
+@pytest.mark.parametrize("patch", patches.PROCESS_WIDE + patches.OPTIONAL + patches.PER_OBJECT,
                          ids=lambda patch: patch.target)
 def test_target_has_the_expected_signature(patch):
     assert patch.current_signature() == patch.signature
@@ -18,18 +20,18 @@ def test_target_has_the_expected_signature(patch):
 
 def test_install_then_uninstall_restores_the_originals():
     already = {p: getattr(p.owner, p.attribute)
-               for p in patches.PROCESS_WIDE if patches.installed(p)}
+               for p in ALL_PROCESS_WIDE if patches.installed(p)}
     for patch in already:  # installed by an earlier test of this process
         patches.uninstall(patch)
-    originals = {p: getattr(p.owner, p.attribute) for p in patches.PROCESS_WIDE}
-    owned = {p: vars(p.owner).get(p.attribute) for p in patches.PROCESS_WIDE}
+    originals = {p: getattr(p.owner, p.attribute) for p in ALL_PROCESS_WIDE}
+    owned = {p: vars(p.owner).get(p.attribute) for p in ALL_PROCESS_WIDE}
     try:
-        for patch in patches.PROCESS_WIDE:
+        for patch in ALL_PROCESS_WIDE:
             patches.install(patch, lambda original: functools.wraps(original)(
                 lambda *args, **kwargs: original(*args, **kwargs)))
             assert getattr(patch.owner, patch.attribute) is not originals[patch]
             assert patches.installed(patch)
-        for patch in patches.PROCESS_WIDE:
+        for patch in ALL_PROCESS_WIDE:
             patches.uninstall(patch)
             assert not patches.installed(patch)
             assert vars(patch.owner).get(patch.attribute) is owned[patch]

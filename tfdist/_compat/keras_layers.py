@@ -147,3 +147,16 @@ def read_dtype(layer, variable):
             and backend.is_float_dtype(variable.dtype)):
         return layer.compute_dtype
     return variable.dtype
+
+
+def call_losses(model):
+    """The losses `model`'s layers added in their last call (`add_loss`,
+    activity regularizers), not the weights' regularization losses.
+
+    Example:
+
+    ```python
+    call_losses(model)   # [<tf.Tensor ...>] after a forward of a Mixtral backbone
+    ```
+    """
+    return [loss for layer in model._flatten_layers() for loss in layer._losses]

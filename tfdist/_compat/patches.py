@@ -2,7 +2,9 @@
 
 `PROCESS_WIDE` lists the class attributes tfdist replaces for the whole
 process; each is installed (once) with `install` and restored with
-`uninstall`, and nowhere else. `PER_OBJECT` lists the attributes tfdist
+`uninstall`, and nowhere else. `OPTIONAL` lists the functions of
+libraries tfdist does not require (keras-hub) that it replaces, installed
+alike once a model uses them. `PER_OBJECT` lists the attributes tfdist
 changes on single objects (one layer's `call`, one optimizer's gradient
 all-reduce, one variable's storage, ...), with the function that changes them.
 Each entry names the signature its target has in the pinned Keras 3.15 /
@@ -19,6 +21,7 @@ uninstall(MODEL_SUMMARY)                            # Keras's own again
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import threading
 
@@ -68,6 +71,45 @@ class Patch:
             if assignment in inspect.getsource(cls):
                 return None
         raise AttributeError(f"{self.target} is no longer assigned by {self.owner.__name__}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePatch:
+    """One function of a module of a library tfdist does not require, which
+    it replaces process-wide when a model uses it (imported then).
+
+    Args:
+        module: the module's name.
+        attribute: the function's name.
+        signature: its `str(inspect.signature(...))` for the pinned version.
+        changed_by: where tfdist makes the change, and why.
+
+    Example:
+
+    ```python
+    ModulePatch("keras_hub.src.models.mixtral.mixtral_decoder",
+                "compute_load_balancing_loss", "(router_logits, ...)", "...")
+    ```
+    """
+
+    module: str
+    attribute: str
+    signature: str
+    changed_by: str
+
+    @property
+    def owner(self):
+        """The module (imported)."""
+        return importlib.import_module(self.module)
+
+    @property
+    def target(self) -> str:
+        """`module.attribute` of the patched function."""
+        return f"{self.module}.{self.attribute}"
+
+    def current_signature(self) -> str:
+        """The signature the function has now."""
+        return str(inspect.signature(getattr(self.owner, self.attribute)))
 
 
 _TRAINER = ("tfdist/ps/keras_fit.py: fit under ParameterServerStrategy; "
@@ -120,6 +162,14 @@ PROCESS_WIDE = (
     MODEL_LOAD_WEIGHTS,
 )
 
+# keras-hub's mixture-of-experts router loss, computed from the global batch's
+# statistics (keras-hub 0.32).
+OPTIONAL = tuple(
+    ModulePatch(f"keras_hub.src.models.{name}.{name}_decoder", "compute_load_balancing_loss",
+                "(router_logits, num_experts, top_k, attention_mask=None)",
+                "tfdist/batch_statistics.py: use_global_router_losses, the load-balancing "
+                "loss of the global batch under data parallelism")
+    for name in ("mixtral", "qwen_moe", "qwen3_moe"))
 _PS_EXTENDED = ("tfdist/_compat/tf_parameter_server.py: serve_keras_variables swaps the "
                 "class of a ParameterServerStrategy's extended")
 PER_OBJECT = (
@@ -165,9 +215,9 @@ def install(patch: Patch, wrap):
         lambda model, *args, **kwargs: summary(model, *args, **kwargs)))
     ```
     """
-    if patch not in PROCESS_WIDE:
+    if patch not in PROCESS_WIDE + OPTIONAL:
         raise ValueError(
-            f"`patch` must be one of patches.PROCESS_WIDE, got {patch.target}.")
+            f"`patch` must be one of patches.PROCESS_WIDE or OPTIONAL, got {patch.target}.")
     with _lock:
         if patch in _originals:
             return

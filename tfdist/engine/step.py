@@ -30,6 +30,7 @@ part each op belongs to.
 import keras
 import tensorflow as tf
 
+from tfdist import batch_statistics
 from tfdist._compat.keras_trainer import symbolic_build
 from tfdist.config import ParallelConfig
 from tfdist.engine import build, tf_keras
@@ -117,6 +118,7 @@ class TrainStep:
         ```
         """
         if self.compute is None:
+            batch_statistics.use_global_router_losses(self.model)
             length = None
             if data is not None and self.config.pipeline > 1:
                 x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
@@ -159,6 +161,9 @@ class TrainStep:
                 "`TrainStep.prepare()` first): its parts are chosen, and their "
                 "state readied, before the first step.")
         grads, results = self.compute(data)
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        batch_statistics.warn_of_per_replica_losses(
+            self.model, replicas // self.config.tensor, self.config.microbatches)
         with tf.name_scope("metrics") as metrics_scope:
             metrics, states = local_states(self.model)
         with tf.name_scope("reduce"):  # the metric states in the gradients' collective
