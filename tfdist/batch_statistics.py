@@ -40,7 +40,9 @@ _used = threading.local()  # whether a step's trace called batch_sum
 def batch_sum(x):
     """`x`, a sum over this replica's examples, summed over every replica
     that holds other examples of the global batch (a tensor group's ranks
-    hold the same ones), differentiably; `x` itself outside a distributed
+    hold the same ones); backward, the gradients of the replicas' losses
+    summed likewise (each replica's loss its share of the global loss, as
+    Keras scales a loss for distribution). `x` itself outside a distributed
     step and under `pipeline` (each microbatch's own).
 
     Example:
@@ -106,12 +108,14 @@ def load_balancing_loss(router_logits, num_experts, top_k, attention_mask=None):
     if attention_mask is None:
         tokens_per_expert = batch_mean(chosen)
         probability_per_expert = batch_mean(probabilities)
-    else:  # keras-hub's flattening of the padding mask to the tokens
-        length = keras.ops.shape(attention_mask)[1]
-        rows = keras.ops.shape(router_logits)[0] // length
-        mask = keras.ops.reshape(
-            keras.ops.slice(attention_mask, [0, 0], [rows, length]), (-1,))
-        mask = keras.ops.cast(mask, "float32")
+    else:  # keras-hub's mask of the tokens that count
+        if len(attention_mask.shape) == 3:  # Qwen-MoE's attention mask: any key
+            mask = keras.ops.any(attention_mask, axis=-1)
+        else:  # Mixtral's padding mask, cut to the router's rows
+            length = keras.ops.shape(attention_mask)[1]
+            rows = keras.ops.shape(router_logits)[0] // length
+            mask = keras.ops.slice(attention_mask, [0, 0], [rows, length])
+        mask = keras.ops.cast(keras.ops.reshape(mask, (-1,)), "float32")
         kept = batch_sum(keras.ops.sum(mask))
         tokens_per_expert = batch_sum(keras.ops.sum(chosen * mask[:, None, None], axis=0)) / (
             keras.ops.maximum(kept, 1e-9))

@@ -161,7 +161,8 @@ class TrainStep:
                 "`TrainStep.prepare()` first): its parts are chosen, and their "
                 "state readied, before the first step.")
         grads, results = self.compute(data)
-        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync if context is not None else 1
         batch_statistics.warn_of_per_replica_losses(
             self.model, replicas // self.config.tensor, self.config.microbatches)
         with tf.name_scope("metrics") as metrics_scope:
