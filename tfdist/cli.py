@@ -30,9 +30,11 @@ Example:
 """
 
 import collections
+import dataclasses
 import json
 import re
 import sys
+import typing
 
 from tfdist.logs import quiet_tensorflow, silenced_fds
 
@@ -42,31 +44,37 @@ quiet_tensorflow()
 
 from absl import app, flags  # noqa: E402
 
-from tfdist.config import PRECISIONS, SCHEDULES, ParallelConfig  # noqa: E402
+from tfdist.config import CHOICES, ParallelConfig  # noqa: E402
 
 FLAGS = flags.FLAGS
 
-# ParallelConfig fields (config, launch, tfjob).
+# ParallelConfig fields (config, launch, tfjob): one flag per field, its
+# help the field's description (`ParallelConfig.field_docs`), its type and
+# choices the field's.
 flags.DEFINE_string("config", None, "Path of a ParallelConfig JSON file; the "
                     "flags below override its fields.")
-flags.DEFINE_integer("data", None, "Data-parallel replicas.")
-flags.DEFINE_integer("pipeline", None, "Pipeline stages.")
-flags.DEFINE_integer("tensor", None, "Tensor-parallel shards.")
-flags.DEFINE_integer("microbatches", None, "Microbatches per per-replica batch.")
-flags.DEFINE_integer("zero", None, "ZeRO stage: 0, 1, 2 or 3 (parameters sharded too).")
-flags.DEFINE_enum("precision", None, list(PRECISIONS), "Compute precision.")
-flags.DEFINE_boolean("xla", None, "jit-compile the per-replica compute.")
-flags.DEFINE_enum("schedule", None, list(SCHEDULES), "Pipeline schedule.")
-flags.DEFINE_integer("virtual_stages", None, "Pipeline, schedule 'interleaved' or 'zbv' "
-                     "(2): stages per device.")
-flags.DEFINE_list("stage_boundaries", None, "Pipeline: first layer of each stage "
-                  "after the first, comma-separated.")
-flags.DEFINE_boolean("remat", None, "Pipeline: recompute each stage's forward in "
-                     "its backward.")
-flags.DEFINE_boolean("vocab_parallel_classifier", None, "Tensor: split the final "
-                     "classifier by classes, with a sharded softmax loss.")
-flags.DEFINE_integer("zero3_unit_params", None, "zero=3: the fewest parameters of a "
-                     "gathered unit (0: one unit per layer with weights).")
+
+
+def _define_config_flags():
+    docs = ParallelConfig.field_docs()
+    for field in dataclasses.fields(ParallelConfig):
+        name, help_text = field.name, docs.get(field.name, field.name.replace("_", " "))
+        kind = next(t for t in typing.get_args(field.type) or (field.type,)
+                    if t is not type(None))
+        if name in CHOICES:
+            flags.DEFINE_enum(name, None, [str(c) for c in CHOICES[name]], help_text)
+        elif kind is bool:
+            flags.DEFINE_boolean(name, None, help_text)
+        elif kind is int:
+            flags.DEFINE_integer(name, None, help_text)
+        elif typing.get_origin(kind) is tuple:
+            flags.DEFINE_list(name, None, help_text)
+        else:
+            raise TypeError(f"ParallelConfig.{name}: no flag for a field of type {kind}.")
+    return tuple(field.name for field in dataclasses.fields(ParallelConfig))
+
+
+_CONFIG_FIELDS = _define_config_flags()
 # The tasks of a job (launch, tfjob).
 flags.DEFINE_boolean("chief", False, "Add a chief task.")
 flags.DEFINE_integer("workers", 1, "Worker tasks (>= 1).")
@@ -95,9 +103,6 @@ flags.DEFINE_boolean("submit", False, "Create the TFJob in the current kubeconfi
 flags.DEFINE_list("tasks", None, "host:port of each task's profiler server.")
 flags.DEFINE_integer("duration_ms", 2000, "How long to record, in milliseconds.")
 
-_CONFIG_FIELDS = ("data", "pipeline", "tensor", "microbatches", "zero",
-                  "precision", "xla", "schedule", "virtual_stages", "stage_boundaries", "remat",
-                  "vocab_parallel_classifier", "zero3_unit_params")
 _CONFIG_FLAGS = ("config",) + _CONFIG_FIELDS
 _TASK_FLAGS = ("chief", "workers", "ps", "evaluator")
 

@@ -6,8 +6,10 @@ before any device is touched or any step runs.
 """
 
 import dataclasses
+import inspect
 import json
 import os
+import re
 from typing import Any
 
 from tfdist.pipeline import schedule as pipeline_schedule
@@ -15,6 +17,8 @@ from tfdist.pipeline import schedule as pipeline_schedule
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = tuple(pipeline_schedule.SCHEDULES)  # names `stage_orders` knows
 ZERO_STAGES = (0, 1, 2, 3)
+# The values a field takes from a fixed list (the command line's choices).
+CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES}
 # The strategies a config can be validated for (`validate(strategy=...)`).
 STRATEGIES = ("Strategy", "MultiWorkerStrategy", "ParameterServerStrategy")
 # Fields that must keep their default under the asynchronous parameter-server
@@ -136,6 +140,28 @@ class ParallelConfig:
         if strategy is not None:
             self._check_strategy(strategy)
         return self
+
+    @classmethod
+    def field_docs(cls) -> dict:
+        """{field name: its description in the class docstring's Args, on one
+        line}: the command line's help for each field's flag.
+
+        Example:
+
+        >>> ParallelConfig.field_docs()["pipeline"]
+        "pipeline stages (size of the mesh's pipeline axis)."
+        """
+        args = (inspect.getdoc(cls) or "").partition("Args:\n")[2]  # none under -OO
+        docs, name = {}, None
+        for line in args.splitlines():
+            entry = re.fullmatch(r"    (\w+): (.*)", line)
+            if entry:
+                name, docs[entry[1]] = entry[1], entry[2]
+            elif line.startswith("        ") and name:
+                docs[name] += " " + line.strip()
+            else:
+                break
+        return docs
 
     def _check_types(self):
         for name in ("data", "pipeline", "tensor", "microbatches", "zero", "virtual_stages",

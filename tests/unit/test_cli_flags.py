@@ -69,6 +69,26 @@ print("ok")
     assert done.stdout.strip() == "ok", done.stderr
 
 
+def test_every_config_field_is_a_flag_with_its_description():
+    # The flags are made from ParallelConfig's fields: a new field needs no
+    # edit here. In a process of its own, as above.
+    code = """
+import dataclasses
+from tfdist import cli
+from tfdist.config import ParallelConfig
+docs = ParallelConfig.field_docs()
+for field in dataclasses.fields(ParallelConfig):
+    for command in ("config", "launch", "tfjob"):
+        assert field.name in cli.COMMANDS[command].flags, (command, field.name)
+    assert cli.FLAGS[field.name].help.endswith(docs[field.name]), field.name
+print(len(docs), len(dataclasses.fields(ParallelConfig)))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    counts = done.stdout.split()
+    assert len(counts) == 2 and counts[0] == counts[1], done.stderr
+
+
 @pytest.mark.parametrize("spelling", ["kebab", "snake"])
 def test_both_spellings_are_accepted_by_the_commands(spelling, tmp_path):
     def flag(name, value=None):
