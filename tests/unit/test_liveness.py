@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tfdist.cluster.liveness import TaskMonitor, TaskUnresponsiveError, probe
@@ -41,6 +42,15 @@ def server():  # one server: the frozen test thaws it, the dead test kills it
         process.wait()
 
 
+def wait_until_stopped(pid, timeout=10.0):
+    """Waits until every thread of process `pid` is stopped (state T)."""
+    deadline = time.monotonic() + timeout
+    threads = psutil.Process(pid).threads()
+    while any(psutil.Process(t.id).status() != psutil.STATUS_STOPPED for t in threads):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.05)
+
+
 def test_a_frozen_server_is_named_and_a_live_one_is_not(server):
     process, address = server
     monitor = TaskMonitor({"ps:0": address}, interval=0.2, timeout=1.0, misses=2)
@@ -48,6 +58,9 @@ def test_a_frozen_server_is_named_and_a_live_one_is_not(server):
         time.sleep(3)  # several rounds: a live task is never frozen
         monitor.check()
         process.send_signal(signal.SIGSTOP)
+        # The signal is asynchronous: on a busy host the server answered one
+        # more probe before it stopped (1 CI run in many).
+        wait_until_stopped(process.pid)
         assert probe(address, timeout=1.0) == "frozen"
         deadline = time.monotonic() + 10
         while not monitor.frozen:
