@@ -61,10 +61,16 @@ def batch_sum(x):
     mesh = getattr(context.strategy, "tensor_mesh", None)
     if mesh is not None and mesh.data == 1:
         return x
-    # The replicas' collective launchers directly: `ReplicaContext.all_reduce`
-    # would stop each replica's thread mid-forward (a merge call), and the
-    # losses Keras layers add in their calls, kept on the layer objects the
-    # replicas share, would mix the replicas' terms.
+    if tf.executing_eagerly():
+        # Eager replicas run one after another: a collective op would wait
+        # for a replica not started yet. A merge call lets them meet (over
+        # every replica: a tensor group's ranks hold the same examples).
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, x)
+        return summed if mesh is None else summed / mesh.tensor
+    # In a traced step, the replicas' collective launchers directly:
+    # `ReplicaContext.all_reduce` would stop each replica's thread mid-forward
+    # (a merge call), and the losses Keras layers add in their calls, kept on
+    # the layer objects the replicas share, would mix the replicas' terms.
     launcher = mesh.data_launcher() if mesh is not None else tf_collectives.strategy_launcher(
         context.strategy.extended, current_local_replica_id())
 

@@ -12,13 +12,13 @@ from helpers import devices
 from tfdist.batch_statistics import batch_mean, load_balancing_loss
 
 
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 @pytest.mark.parametrize("config", [dict(data=2), dict(data=2, tensor=2)], ids=str)
-def test_batch_mean_is_the_global_batchs_forward_and_backward(config):
+def test_batch_mean_is_the_global_batchs_forward_and_backward(config, traced):
     strategy = tfdist.Strategy(devices=devices(config["data"] * config.get("tensor", 1)),
                                **config)
     rows = tf.constant(np.arange(12, dtype="float32").reshape(4, 3))
 
-    @tf.function
     def step():
         def replica():
             context = tf.distribute.get_replica_context()
@@ -31,7 +31,9 @@ def test_batch_mean_is_the_global_batchs_forward_and_backward(config):
             return batch_mean(x), tape.gradient(loss, x)
         return strategy.run(replica)
 
-    means, grads = step()
+    # Traced, as in a training step; eager, one replica after another (a
+    # collective op there would wait for a replica not started yet).
+    means, grads = (tf.function(step) if traced else step)()
     whole = rows.numpy().mean(axis=0)
     for mean in strategy.experimental_local_results(means):
         np.testing.assert_allclose(mean, whole)

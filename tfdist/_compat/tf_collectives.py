@@ -44,8 +44,9 @@ def strategy_launcher(extended, local: int):
     collectives = extended._cross_device_ops
     if not isinstance(collectives, cross_device_ops.CollectiveAllReduce):
         raise NotImplementedError(
-            f"tfdist's reduce-scatter needs a strategy that communicates with "
-            f"collective ops, not {type(collectives).__name__}.")
+            f"tfdist's collectives (ZeRO's reduce-scatter, tfdist.batch_statistics) need a "
+            f"strategy that communicates with collective ops (tfdist's strategies, "
+            f"MultiWorkerMirroredStrategy), not {type(collectives).__name__}.")
     return collectives._launchers[local]
 
 
