@@ -135,19 +135,18 @@ def use_global_router_losses(model):
     """Makes keras-hub's mixture-of-experts blocks in `model` (Mixtral,
     Qwen-MoE, Qwen3-MoE) compute their load-balancing loss with
     `load_balancing_loss`, process-wide (the same values outside a
-    distributed step). Returns whether `model` has such a block.
+    distributed step).
 
     Example:
 
     ```python
-    use_global_router_losses(mixtral_backbone)   # True
+    use_global_router_losses(mixtral_backbone)   # keras-hub's Mixtral now uses it
     ```
     """
     modules = {type(layer).__module__ for layer in keras_functional.nested_sublayers(model)}
-    found = [p for p in patches.OPTIONAL if p.module in modules]
-    for patch in found:
-        patches.install(patch, lambda original: load_balancing_loss)
-    return bool(found)
+    for patch in patches.OPTIONAL:
+        if patch.module in modules:
+            patches.install(patch, lambda original: load_balancing_loss)
 
 
 def warn_of_per_replica_losses(model, splits, microbatches):

@@ -360,12 +360,17 @@ def partition_model(model, mesh):
 
 def _nothing_split(model, decisions, tensor):
     """Why `tensor` is refused for `model`: no layer of it splits."""
-    named = "; ".join(f"{d.name} ({type(d.layer).__name__}): {d.reason}" for d in decisions[:8])
-    more = f"; and {len(decisions) - 8} more" if len(decisions) > 8 else ""
-    return (f"tensor={tensor} splits no layer of model {model.name!r} ({named or 'no weights'}"
-            f"{more}): every device of a tensor group would hold and compute the same. "
-            f"Use data parallelism (`data`) for this model; docs/modes/tensor.md says what "
-            f"splits.")
+    return (f"tensor={tensor} splits no layer of model {model.name!r} "
+            f"({_listed(decisions) or 'no weights'}): every device of a tensor group would "
+            f"hold and compute the same. Use data parallelism (`data`) for this model; "
+            f"docs/modes/tensor.md says what splits.")
+
+
+def _listed(decisions, shown=8):
+    """The first `shown` decisions as "name (Class): reason; ...", and how many more."""
+    named = "; ".join(f"{d.name} ({type(d.layer).__name__}): {d.reason}"
+                      for d in decisions[:shown])
+    return named + (f"; and {len(decisions) - shown} more" if len(decisions) > shown else "")
 
 
 def warn_of_whole_layers(model, decisions, tensor):
@@ -387,12 +392,10 @@ def warn_of_whole_layers(model, decisions, tensor):
     if not matrices or not total:
         return
     whole = sum(math.prod(w.shape) for d in unsplit for w in d.layer.trainable_weights)
-    named = "; ".join(f"{d.name} ({type(d.layer).__name__}): {d.reason}" for d in matrices[:8])
-    more = f"; and {len(matrices) - 8} more" if len(matrices) > 8 else ""
     warnings.warn(
         f"tensor={tensor} leaves {len(matrices)} layer{'s' * (len(matrices) > 1)} with "
         f"matrices whole on every device ({whole / total:.0%} of the parameters stay "
-        f"whole): {named}{more}. `strategy.describe(model)` lists every layer.",
+        f"whole): {_listed(matrices)}. `strategy.describe(model)` lists every layer.",
         stacklevel=2)
 
 
