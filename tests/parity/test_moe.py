@@ -11,14 +11,10 @@ import pytest
 
 import tfdist
 from helpers import assert_parity, devices, train, trained_reference
-from test_tensor_blocks import lm_data, make_lm
+from test_tensor_blocks import lm_data, make_mixtral
 from tfdist.tensor.plan import plan, warn_of_whole_layers
 
 pytest.importorskip("keras_hub")
-
-
-def make_mixtral(seed=0):
-    return make_lm("mixtral", seed)
 
 
 def test_router_loss_of_the_global_batch_under_data_parallelism():

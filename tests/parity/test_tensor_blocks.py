@@ -3,6 +3,7 @@ call their sublayers in `call`): attention split by heads and the MLP (gated
 or not) column -> row in every block, Megatron's 2 + 2 all-reduces per block,
 1/t of the blocks' weights per device, and parity with one device."""
 
+import functools
 import re
 
 import keras
@@ -96,33 +97,11 @@ def make_lm(backbone, seed=0):
     return model
 
 
-def make_gpt2(seed=0):
-    return make_lm("gpt2", seed)
-
-
-def make_bert(seed=0):
-    return make_lm("bert", seed)
-
-
-def make_llama(seed=0):
-    return make_lm("llama", seed)
-
-
-def make_gemma(seed=0):
-    return make_lm("gemma", seed)
-
-
-def make_qwen3(seed=0):
-    return make_lm("qwen3", seed)
-
-
-def make_bloom(seed=0):
-    return make_lm("bloom", seed)
-
-
-def make_gpt_neox(seed=0):
-    return make_lm("gpt_neox", seed)
-
+# Each backbone's recipe, `make(seed=0)`: a partial of `make_lm`, whose text
+# names the backbone (`helpers.recipe_text`), so its reference is cached too.
+(make_gpt2, make_bert, make_llama, make_gemma, make_qwen3, make_bloom, make_gpt_neox,
+ make_mixtral) = (functools.partial(make_lm, name) for name in (
+    "gpt2", "bert", "llama", "gemma", "qwen3", "bloom", "gpt_neox", "mixtral"))
 
 # The models of every mode's matrix (test_keras_hub_modes.py).
 MAKERS = {"gpt2": make_gpt2, "bert": make_bert, "llama": make_llama, "gemma": make_gemma}
