@@ -19,6 +19,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.input_options import without_autotuning
+
 FEATURES, CLASSES = 16, 4
 TFDIST = [sys.executable, "-m", "tfdist.cli"]  # the `tfdist` command of this checkout
 # A task that prints the TF_CONFIG `tfdist launch` gave it.
@@ -101,9 +103,31 @@ def train(strategy=None, *, epochs=1, batch_size=32, make=make_model, fit_kwargs
     with scope:
         model = make(**make_kwargs)
     recorder = StepLosses()
+    fit_kwargs = dict(fit_kwargs or {})
+    if strategy is None:  # the same batches, without tf.data autotuning
+        x, y = _batches(x, y, batch_size, fit_kwargs.pop("sample_weight", None)), None
+        batch_size = None
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
-              callbacks=[recorder], **(fit_kwargs or {}))
+              callbacks=[recorder], **fit_kwargs)
     return recorder.losses, [w.numpy() for w in model.weights], model
+
+
+def _batches(x, y, batch_size, sample_weight=None):
+    """The batches Keras's `fit(x, y, batch_size=..., shuffle=False)` reads, as a
+    dataset without tf.data autotuning. Destroying an iterator with autotuning
+    on can wait up to a minute for its autotuning thread (TensorFlow 2.20's
+    missed wake-up: tfdist/input_options.py), and Python drops a finished
+    `fit`'s iterator at a later garbage collection, in whatever test runs then:
+    the single-device references were the suite's last such iterators.
+    """
+    def as_keras_reads(a):  # floats as floatx, as Keras's array adapter casts them
+        floating = isinstance(a, np.ndarray) and np.issubdtype(a.dtype, np.floating)
+        return a.astype(keras.config.floatx()) if floating else a
+
+    arrays = tuple(tuple(a) if isinstance(a, list) else a  # a list of inputs: not stacked
+                   for a in (x, y, sample_weight) if a is not None)
+    arrays = tf.nest.map_structure(as_keras_reads, arrays)
+    return without_autotuning(tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size))
 
 
 def executed_op_counts(model):
