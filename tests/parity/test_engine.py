@@ -168,3 +168,40 @@ def test_microbatches_refuse_losses_that_do_not_average(fields):
     with pytest.raises(ValueError, match=r"`microbatches=2` needs losses that average over "
                                          r"the batch .* has reduction='sum'"):
         train(tfdist.Strategy(devices=devices(2), **fields), make=make)
+
+
+class _CountsTraces(keras.layers.Layer):
+    """Passes its input through; counts the Python calls of its `call` (one
+    per trace of a step that calls the model, on each replica)."""
+
+    calls = 0
+
+    def call(self, x):
+        _CountsTraces.calls += 1
+        return x
+
+
+def _traced_model_calls(config):
+    """How often the first `fit` under `config` called the model's layers'
+    Python code (its step's traces, on every replica)."""
+    strategy = tfdist.Strategy(devices=devices(2), **config)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(32), _CountsTraces(), keras.layers.Dense(4)])
+        model.compile(optimizer="adam", loss="mse")
+    before = _CountsTraces.calls
+    model.fit(np.ones((8, 16), "float32"), np.ones((8, 4), "float32"), batch_size=4,
+              epochs=1, verbose=0)
+    return _CountsTraces.calls - before
+
+
+@pytest.mark.parametrize("config", [dict(tensor=2), dict(data=2, zero=1), dict(data=2, zero=2),
+                                    dict(pipeline=2, microbatches=2)], ids=str)
+def test_the_step_is_traced_once(config):
+    # Preparing the step (splitting layers over the tensor group, the
+    # optimizer's state into shards, the stages onto their devices) creates
+    # variables when the first trace reaches it: TensorFlow then traced the
+    # whole step a second time (tensor=2 called the model 2x as often as
+    # data=2, its first step cost 1.8x data=4's: docs/benchmarks.md).
+    assert _traced_model_calls(config) == _traced_model_calls(dict(data=2))

@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from tfdist import batch_statistics
 from tfdist._compat.keras_trainer import symbolic_build
+from tfdist._compat.tf_function import eagerly_outside_the_trace
 from tfdist.config import ParallelConfig
 from tfdist.engine import build, tf_keras
 from tfdist.engine.metrics import local_states, synced_results
@@ -123,8 +124,9 @@ class TrainStep:
             if data is not None and self.config.pipeline > 1:
                 x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
                 length = sequence_length_of(graph_of(self.model).inputs, x)
-            self.compute, self.reduce, self.update = build.assemble(
-                self.model, self.config, length)
+            with eagerly_outside_the_trace():  # when the first trace calls it: one trace
+                self.compute, self.reduce, self.update = build.assemble(
+                    self.model, self.config, length)
 
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""
