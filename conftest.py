@@ -5,11 +5,13 @@ and every `>>>` example sees the same devices: `tfdist.Strategy(data=8)` works
 anywhere in the suite.
 """
 
+import gc
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -23,6 +25,12 @@ from helpers import REFERENCES_DIR  # noqa: E402  (tests/, on pytest's pythonpat
 
 NUM_DEVICES = 8
 tfdist.use_virtual_devices(NUM_DEVICES)
+
+# The half million objects of TensorFlow's, Keras's and tfdist's imports live
+# as long as the process: set aside from every later garbage collection
+# (a full collection then takes about 0.1 s instead of 0.3-0.6 s).
+gc.collect()
+gc.freeze()
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +57,25 @@ def _native_stacks_of_a_slow_test(request):
     timer.start()
     yield
     timer.cancel()
+
+
+# A test that took this long may have made tf.data iterators.
+TRAINED_SECONDS = 1.0
+
+
+@pytest.fixture(autouse=True)
+def _iterators_freed_by_their_test():
+    """A test that took a second or more ends with a garbage collection, so
+    the tf.data iterators its `fit`s made are destroyed then, young, not by
+    whichever later test's allocation starts a collection. Destroying an
+    iterator with tf.data autotuning on can wait for its autotuning thread's
+    sleep (TensorFlow 2.20's missed wake-up, tfdist/input_options.py), a
+    sleep that doubles with the iterator's age up to 60 s: plain Keras
+    `fit`s' iterators, left to a later test, stalled it by a minute and more."""
+    started = time.monotonic()
+    yield
+    if time.monotonic() - started >= TRAINED_SECONDS:
+        gc.collect()
 
 
 def _record_native_stacks(test):
