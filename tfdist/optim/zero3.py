@@ -408,6 +408,7 @@ def _recording(done, device):
     done.append([op for op in ops if op not in read])
 
 
+@functools.cache  # a step's ops name a few devices, thousands of times
 def _local_device(name):
     spec = tf.DeviceSpec.from_string(name)
     return spec.device_type, spec.device_index
