@@ -26,6 +26,7 @@ import tensorflow as tf
 from tfdist import usage_checks, weight_files
 from tfdist._compat.keras_trainer import uses_keras_train_step
 from tfdist._compat.tf_distribute import bound_task_registration
+from tfdist._compat.tf_function import eagerly_outside_the_trace
 from tfdist.cluster.agreement import check_tasks_agree
 from tfdist.cluster.rendezvous import (
     SYNCHRONOUS_TASK_TYPES,
@@ -341,7 +342,9 @@ class _StepOwner:
         evaluated = _keras_step_owner(fn, ("test_step",))
         predicted = None if evaluated is not None else _keras_predict_model(fn)
         if (evaluated or predicted) is not None:
-            with tf.init_scope():  # (before a first training step has placed them)
+            # (before a first training step has placed them; outside the
+            # trace's variable capture, so that it is traced once)
+            with eagerly_outside_the_trace():
                 whole_where_not_kept(evaluated or predicted)
         if self._config.zero == 3 and (evaluated or predicted) is not None:
             # evaluate and predict with the parameters gathered

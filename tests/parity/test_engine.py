@@ -181,9 +181,10 @@ class _CountsTraces(keras.layers.Layer):
         return x
 
 
-def _traced_model_calls(config):
-    """How often the first `fit` under `config` called the model's layers'
-    Python code (its step's traces, on every replica)."""
+def _traced_model_calls(config, run="fit"):
+    """How often the first `run` ("fit", "evaluate" or "predict") under
+    `config` called the model's layers' Python code (its step's traces, on
+    every replica)."""
     strategy = tfdist.Strategy(devices=devices(2), **config)
     with strategy.scope():
         keras.utils.set_random_seed(0)
@@ -191,8 +192,8 @@ def _traced_model_calls(config):
                                   keras.layers.Dense(32), _CountsTraces(), keras.layers.Dense(4)])
         model.compile(optimizer="adam", loss="mse")
     before = _CountsTraces.calls
-    model.fit(np.ones((8, 16), "float32"), np.ones((8, 4), "float32"), batch_size=4,
-              epochs=1, verbose=0)
+    x, y = np.ones((8, 16), "float32"), np.ones((8, 4), "float32")
+    getattr(model, run)(*((x,) if run == "predict" else (x, y)), batch_size=4, verbose=0)
     return _CountsTraces.calls - before
 
 
@@ -205,3 +206,10 @@ def test_the_step_is_traced_once(config):
     # whole step a second time (tensor=2 called the model 2x as often as
     # data=2, its first step cost 1.8x data=4's: docs/benchmarks.md).
     assert _traced_model_calls(config) == _traced_model_calls(dict(data=2))
+
+
+@pytest.mark.parametrize("run", ["evaluate", "predict"])
+def test_evaluate_and_predict_before_fit_are_traced_once(run):
+    # Before a first fit, `tensor` makes whole again the layers it keeps whole,
+    # when the first trace of the evaluation or prediction reaches it.
+    assert _traced_model_calls(dict(tensor=2), run) == _traced_model_calls(dict(data=2), run)
