@@ -2,7 +2,7 @@
 
     python tools/bench_memory.py [--width=4096] [--layers=8] [--workers=4]
         [--modes=single,zero0,zero1,zero2,zero3,tensor4,pipeline4,data2_tensor2_zero3]
-        [--out=results.jsonl]
+        [--task_env=TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2] [--out=results.jsonl]
 
 A model-parallel mode exists so that a model one worker cannot train alone
 trains on several: each worker's *peak* (not only its steady state) must be a
@@ -61,6 +61,8 @@ flags.DEFINE_string("mode", None, "Internal: the mode this task runs.")
 flags.DEFINE_integer("cap_bytes", None, "Internal: this task's memory limit.")
 flags.DEFINE_string("weights", None, "Internal: where the first task saves the trained weights.")
 flags.DEFINE_string("report", None, "Internal: where this task writes its measures.")
+flags.DEFINE_list("task_env", [], "KEY=VALUE environment variables of every process of "
+                  "every mode, e.g. the allocator's: TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 FLAGS = flags.FLAGS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -156,13 +158,23 @@ def run_mode(mode, task_flags=(), must_succeed=True):
         if mode != "single":
             script = [sys.executable, "-m", "tfdist.cli", "launch", f"--workers={FLAGS.workers}",
                       *MODES[mode], "--timeout=3600", "--", *script]
-        done = subprocess.run(script, capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run(script, capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, **task_env()})
         if done.returncode and must_succeed:
             sys.exit(f"{mode} failed ({done.returncode}):\n{done.stdout[-3000:]}"
                      f"{done.stderr[-3000:]}")
         if done.returncode:
             return []
         return [json.loads(p.read_text()) for p in sorted(pathlib.Path(report).glob("*.json"))]
+
+
+def task_env():
+    """`--task_env` as a dict."""
+    pairs = [item.split("=", 1) for item in FLAGS.task_env]
+    bad = [item for item, pair in zip(FLAGS.task_env, pairs) if len(pair) != 2 or not pair[0]]
+    if bad:
+        sys.exit(f"--task_env: {bad} are not KEY=VALUE")
+    return dict(pairs)
 
 
 def run_capped(mode, cap, weights):
@@ -260,15 +272,18 @@ def main(argv):
     unknown = [m for m in FLAGS.modes if m != "single" and m not in MODES]
     if unknown:
         sys.exit(f"--modes: unknown {unknown}; choose from single, {', '.join(MODES)}")
+    task_env()  # checked before anything runs
     worst, predicted = {}, {}
     for mode in FLAGS.modes:
         for record in run_mode(mode):
             emit({"bench": "memory", "width": FLAGS.width, "layers": FLAGS.layers,
-                  "workers": 1 if mode == "single" else FLAGS.workers, **record}, FLAGS.out)
+                  "workers": 1 if mode == "single" else FLAGS.workers,
+                  "task_env": task_env(), **record}, FLAGS.out)
             worst[mode] = max(worst.get(mode, 0), record["peak_above_baseline_bytes"])
             predicted[mode] = max(predicted.get(mode, 0), record.get("predicted_peak_bytes", 0))
     single = worst.get("single")
-    print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, {FLAGS.workers} workers")
+    print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, {FLAGS.workers} workers, "
+          f"environment {task_env() or 'unchanged'}")
     print("| mode | worst worker's peak above baseline (GiB) | x single process "
           "| predicted (GiB) | measured / predicted |")
     print("|---|---|---|---|---|")
