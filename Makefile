@@ -41,8 +41,9 @@ lint: $(STAMP)
 # first, one at a time, with the machine to themselves; then every other test
 # in two processes (tracing a step is mostly one core's work, and the other
 # cluster tests mostly wait on their subprocesses), in two rounds of fresh
-# processes: the parity files a-s with the cluster tier, then the parity
-# files t-z with the unit tier (single tests have taken 10-30x their
+# processes: the cluster tier with the parity files a-s (the cluster tests
+# first: their waits then overlap the other process's training, not end the
+# round with an idle machine), then the parity files t-z with the unit tier (single tests have taken 10-30x their
 # fresh-process time late in a worker that ran the whole suite). Each process
 # takes half of its round's tests in file order and then takes over the
 # other's last ones (`worksteal`), so a file's tests mostly share one process
@@ -55,7 +56,7 @@ test: $(STAMP) browser
 	status=0; \
 	$(BIN)/python -m pytest -m alone tests/cluster || status=1; \
 	$(BIN)/python -m pytest -n 2 --dist worksteal -m "not alone" \
-		tests/parity/test_[a-s]*.py tests/cluster || status=1; \
+		tests/cluster tests/parity/test_[a-s]*.py || status=1; \
 	$(BIN)/python -m pytest -n 2 --dist worksteal \
 		tests/parity/test_[t-z]*.py tests/unit || status=1; \
 	$(BIN)/python -m pytest tfdist || status=1; \
