@@ -106,13 +106,20 @@ def join(strategy):
 
 def _fetch(remote_value, strategy):
     """`remote_value.fetch()`, raising `TaskUnresponsiveError` if a task
-    freezes meanwhile; None if the worker that computed it died before the
+    freezes meanwhile, and the error that made the coordinator cancel it if
+    it was cancelled; None if the worker that computed it died before the
     chief copied it (its steps were applied on the ps tasks: only their logs
     are lost with the worker)."""
     while not wait_for_result(remote_value, _POLL_SECONDS):
         strategy.task_monitor.check()
     try:
         return remote_value.fetch()
+    except tf.errors.CancelledError:
+        # The coordinator cancels the pending steps when one fails for a
+        # reason it does not retry (a lost ps): that failure, the cause, is
+        # what `done` raises.
+        strategy.coordinator.done()
+        raise
     except tf.errors.OpError as error:
         if is_worker_failure(error):
             logging.warning("A worker died holding the logs of steps it had applied; "
