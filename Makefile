@@ -43,8 +43,9 @@ lint: $(STAMP)
 # cluster tests mostly wait on their subprocesses), in two rounds of fresh
 # processes: the cluster tier with the parity files a-s (the cluster tests
 # first: their waits then overlap the other process's training, not end the
-# round with an idle machine), then the parity files t-z with the unit tier (single tests have taken 10-30x their
-# fresh-process time late in a worker that ran the whole suite). Each process
+# round with an idle machine), then the parity files t-z with the unit tier
+# (single tests have taken 10-30x their fresh-process time late in a worker
+# that ran the whole suite). Each process
 # takes half of its round's tests in file order and then takes over the
 # other's last ones (`worksteal`), so a file's tests mostly share one process
 # and its single-device references; the rounds share the references kept on

@@ -64,6 +64,9 @@ flags.DEFINE_string("report", None, "Internal: where this task writes its measur
 flags.DEFINE_list("task_env", [], "KEY=VALUE environment variables of every process of "
                   "every mode, e.g. the allocator's: TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
+flags.register_validator("task_env", lambda items: all(item.split("=")[0] and "=" in item
+                                                        for item in items),
+                         "--task_env takes KEY=VALUE items")
 FLAGS = flags.FLAGS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH = 16
@@ -170,11 +173,7 @@ def run_mode(mode, task_flags=(), must_succeed=True):
 
 def task_env():
     """`--task_env` as a dict."""
-    pairs = [item.split("=", 1) for item in FLAGS.task_env]
-    bad = [item for item, pair in zip(FLAGS.task_env, pairs) if len(pair) != 2 or not pair[0]]
-    if bad:
-        sys.exit(f"--task_env: {bad} are not KEY=VALUE")
-    return dict(pairs)
+    return dict(item.split("=", 1) for item in FLAGS.task_env)
 
 
 def run_capped(mode, cap, weights):
@@ -272,7 +271,6 @@ def main(argv):
     unknown = [m for m in FLAGS.modes if m != "single" and m not in MODES]
     if unknown:
         sys.exit(f"--modes: unknown {unknown}; choose from single, {', '.join(MODES)}")
-    task_env()  # checked before anything runs
     worst, predicted = {}, {}
     for mode in FLAGS.modes:
         for record in run_mode(mode):
