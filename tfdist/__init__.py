@@ -34,12 +34,12 @@ _LAZY = {
     "Strategy": "tfdist.strategy",
     "use_virtual_devices": "tfdist.devices",
 }
-_LAZY_MODULES = ("batch_statistics", "callbacks", "cluster", "engine", "layers", "optim", "ps",
-                 "tensor")
+_LAZY_MODULES = ("batch_statistics", "callbacks", "checkpoint", "cluster", "engine", "layers",
+                 "optim", "ps", "tensor")
 
 __all__ = ["MultiWorkerStrategy", "ParallelConfig", "ParameterServerStrategy", "Strategy",
            "batch_statistics",
-           "callbacks", "cluster", "engine", "layers", "optim", "ps", "tensor",
+           "callbacks", "checkpoint", "cluster", "engine", "layers", "optim", "ps", "tensor",
            "use_virtual_devices"]
 
 

@@ -1,0 +1,124 @@
+"""`tfdist.checkpoint.ShardedCheckpoint`: a run moved through five layouts by
+sharded checkpoints continues exactly as one uninterrupted device; what is
+saved is a checkpoint of full-shape tensors; a save that never commits
+leaves the previous checkpoint in use; refusals."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from helpers import StepLosses, assert_parity, data, devices, make_model
+from tfdist.checkpoint import ShardedCheckpoint
+
+BATCH, CHUNK = 24, 120  # 5 steps per segment; 24 divides over 2, 3 and 4 replicas
+LAYOUTS = [dict(data=4, zero=3), dict(data=2, tensor=2), dict(pipeline=2, microbatches=2),
+           None, dict(data=3, zero=1)]
+
+
+def make(seed=0):
+    return make_model(optimizer=keras.optimizers.Adam(1e-2), seed=seed)
+
+
+def _state(model):
+    return [v.numpy() for v in model.weights + model.optimizer.variables]
+
+
+def _fresh(config, seed=1):
+    """The model under `config` (None: one device, no strategy); by default
+    other initial weights than the reference's, which a restore replaces."""
+    if config is None:
+        return make(seed)
+    size = config.get("data", 1) * config.get("tensor", 1) * config.get("pipeline", 1)
+    with tfdist.Strategy(devices=devices(size), **config).scope():
+        return make(seed)
+
+
+def _fit(model, x, y, segment):
+    recorder = StepLosses()
+    part = slice(segment * CHUNK, (segment + 1) * CHUNK)
+    model.fit(x[part], y[part], batch_size=BATCH, shuffle=False, verbose=0, callbacks=[recorder])
+    return recorder.losses
+
+
+def test_five_layouts_in_a_row_continue_as_one_uninterrupted_device(tmp_path):
+    x, y = data(len(LAYOUTS) * CHUNK)
+    losses, saved = [], None
+    for segment, config in enumerate(LAYOUTS):
+        model = _fresh(config, seed=0 if segment == 0 else 1)
+        checkpoints = ShardedCheckpoint(model, tmp_path, max_to_keep=2)
+        found = checkpoints.restore()
+        if segment == 0:
+            assert found is None
+        else:  # exactly the state saved under the previous layout
+            assert found == {"step": segment * CHUNK // BATCH, "segment": segment - 1}
+            state = _state(model)
+            assert len(state) == len(saved)
+            for value, expected in zip(state, saved):
+                np.testing.assert_array_equal(value, expected)
+        losses += _fit(model, x, y, segment)
+        saved = _state(model)
+        checkpoints.save(metadata={"segment": segment})
+        # Training goes on while the files are written: the checkpoint keeps
+        # the values of the moment `save` returned.
+        model.train_on_batch(x[:BATCH], y[:BATCH])
+        checkpoints.wait()
+    # One device, the same five fits (Keras reports each fit's running mean).
+    uninterrupted, reference = make(), []
+    for segment in range(len(LAYOUTS)):
+        reference += _fit(uninterrupted, x, y, segment)
+    assert_parity((losses, saved[:len(model.weights)], None),
+                  (reference, _state(uninterrupted)[:len(model.weights)], None), steps=25)
+    # Two checkpoints kept, each TensorFlow's format of full-shape tensors.
+    kept = sorted(e for e in os.listdir(tmp_path) if e.startswith("ckpt-"))
+    assert len(kept) == 2 and open(tmp_path / "latest").read() in kept
+    reader = tf.train.load_checkpoint(str(tmp_path / kept[-1] / "ckpt"))
+    shapes = reader.get_variable_to_shape_map()
+    weights = model.weights + model.optimizer.variables
+    assert len(shapes) == len(weights)
+    with open(tmp_path / kept[-1] / "index.json") as f:
+        index = json.load(f)
+    for entry, variable in zip(index["variables"], weights):
+        assert shapes[entry["key"]] == list(variable.shape)
+
+
+def test_a_save_that_never_commits_leaves_the_last_checkpoint_in_use(tmp_path):
+    strategy = tfdist.Strategy(data=2, zero=3, devices=devices(2))
+    with strategy.scope():
+        model = make()
+    x, y = data(96)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    checkpoints = ShardedCheckpoint(model, tmp_path, asynchronous=False)
+    checkpoints.save(4)
+    saved = _state(model)
+    # A second save whose writing stops half-way (its task killed): a staging
+    # directory with part of the files, never renamed into place.
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    os.makedirs(tmp_path / ".staging-0123abcd" / "task-0")
+    (tmp_path / ".staging-0123abcd" / "task-0" / "part.index").write_bytes(b"cut")
+    restored = _fresh(dict(data=2, zero=3))
+    assert ShardedCheckpoint(restored, tmp_path).restore() == {"step": 4}
+    for value, expected in zip(_state(restored), saved):
+        np.testing.assert_array_equal(value, expected)
+    # The next commit clears what the interrupted save left.
+    ShardedCheckpoint(model, tmp_path, asynchronous=False).save(8)
+    assert not any(e.startswith(".staging-") for e in os.listdir(tmp_path))
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_variable(tmp_path):
+    model = make()
+    model.fit(*data(48), batch_size=BATCH, verbose=0)
+    ShardedCheckpoint(model, tmp_path, asynchronous=False).save(2)
+    other = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8),
+                              keras.layers.Dense(32), keras.layers.Dense(4)])
+    other.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(ValueError, match=r"holds model/0 \('.*kernel'\) of shape \(16, 32\) "
+                                         r"and dtype float32, but this model's '.*kernel' has "
+                                         r"shape \(16, 8\)"):
+        ShardedCheckpoint(other, tmp_path).restore()
+    with pytest.raises(ValueError, match=r"`max_to_keep` must be an int >= 1, got 0"):
+        ShardedCheckpoint(model, tmp_path, max_to_keep=0)
