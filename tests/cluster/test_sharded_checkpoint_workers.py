@@ -1,0 +1,149 @@
+"""Sharded checkpoints of a launched `zero=3` job: each worker writes its own
+shards; a worker killed while a save is written leaves the previous
+checkpoint in use; the restarted job resumes from it exactly as one
+uninterrupted device trains, and its checkpoint loads into one device."""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from helpers import StepLosses, run_tfdist
+from tfdist.checkpoint import ShardedCheckpoint
+
+pytestmark = pytest.mark.multiprocess
+
+# argv: checkpoint directory, phase ("first": segment 0, save, segment 1, a
+# save during which worker 1 is killed; "resume": restore, segments 1 and 2,
+# save; "frozen": a save during which worker 1 stops).
+JOB = """
+import json, os, signal, sys
+import keras, numpy as np, tensorflow as tf
+import tfdist
+from tfdist.checkpoint import ShardedCheckpoint
+directory, phase = sys.argv[1], sys.argv[2]
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+strategy = tfdist.MultiWorkerStrategy(zero=3, timeout_seconds=20)
+with strategy.scope():
+    keras.utils.set_random_seed(0 if phase == "first" else 1)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+rng = np.random.default_rng(0)
+x = rng.normal(size=(288, 16)).astype("float32")
+y = (x[:, :4] + 0.3 * rng.normal(size=(288, 4))).argmax(-1).astype("int32")
+checkpoints = ShardedCheckpoint(model, directory)
+
+
+def fit(segment):
+    losses = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: losses.append(float(logs["loss"])))
+    part = slice(segment * 96, (segment + 1) * 96)
+    model.fit(x[part], y[part], batch_size=16, shuffle=False, verbose=0, callbacks=[callback])
+    return losses
+
+
+if phase == "frozen":  # worker 1 stops as it starts writing its part
+    checkpoints = ShardedCheckpoint(model, directory, timeout_seconds=8)
+    fit(0)
+    if index == 1:
+        tf.raw_ops.SaveV2 = lambda **kwargs: signal.pause()
+    checkpoints.save()
+    checkpoints.wait()
+    print("committed", flush=True)
+elif phase == "first":
+    fit(0)
+    checkpoints.save(metadata={"segment": 0})
+    checkpoints.wait()
+    print("saved", checkpoints.latest(), flush=True)
+    fit(1)
+    if index == 1:  # killed as it starts writing its part of the second save
+        tf.raw_ops.SaveV2 = lambda **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    checkpoints.save(metadata={"segment": 1})
+    checkpoints.wait()
+    print("second save committed", flush=True)
+else:
+    found = checkpoints.restore()
+    losses = fit(1) + fit(2)
+    checkpoints.save(metadata={"segment": 2})
+    checkpoints.wait()
+    if index == 0:
+        print("RESUMED", json.dumps({"found": found, "losses": losses}), flush=True)
+"""
+
+
+def _make(seed):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(288, 16)).astype("float32")
+    y = (x[:, :4] + 0.3 * rng.normal(size=(288, 4))).argmax(-1).astype("int32")
+    return x, y
+
+
+def test_a_worker_killed_during_a_save_leaves_the_last_checkpoint_and_the_job_resumes(tmp_path):
+    first = run_tfdist("launch", "--workers=2", "--timeout=150", "--",
+                       sys.executable, "-c", JOB, str(tmp_path), "first", timeout=200)
+    output = first.stdout + first.stderr
+    assert first.returncode != 0, output[-3000:]
+    assert first.stdout.count("saved ckpt-6-") == 2, output[-3000:]
+    assert "second save committed" not in output
+    assert "worker:1 failed with exit code 137" in output, output[-3000:]
+    (committed,) = [e for e in os.listdir(tmp_path) if e.startswith("ckpt-")]
+    assert committed.startswith("ckpt-6-") and (tmp_path / "latest").read_text() == committed
+    # Each worker wrote its own half of the shards (zero=3 over 2 workers).
+    data = sorted(e for e in os.listdir(tmp_path / committed) if ".data-" in e)
+    assert data == ["ckpt.data-00000-of-00002", "ckpt.data-00001-of-00002"]
+    sizes = [os.path.getsize(tmp_path / committed / e) for e in data]
+    parameters = 16 * 64 + 64 + 64 * 64 + 64 + 64 * 4 + 4
+    assert sum(sizes) >= 3 * 4 * parameters  # weights, Adam's m and v, in float32
+    assert max(sizes) <= 0.52 * sum(sizes), sizes
+
+    resumed = run_tfdist("launch", "--workers=2", "--timeout=150", "--",
+                         sys.executable, "-c", JOB, str(tmp_path), "resume", timeout=200)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    (line,) = [line for line in resumed.stdout.splitlines() if "RESUMED " in line]
+    result = json.loads(line.split("RESUMED ", 1)[1])
+    assert result["found"] == {"step": 6, "segment": 0}
+    # One device, uninterrupted: segments 0, 1 and 2 (each fit reports its
+    # own running mean).
+    x, y = _data()
+    reference, losses = _make(0), []
+    for segment in range(3):
+        recorder = StepLosses()
+        part = slice(segment * 96, (segment + 1) * 96)
+        reference.fit(x[part], y[part], batch_size=16, shuffle=False, verbose=0,
+                      callbacks=[recorder])
+        if segment:
+            losses += recorder.losses
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-4)
+    # The job's last checkpoint, loaded into one device and plain Keras.
+    loaded = _make(1)
+    assert ShardedCheckpoint(loaded, tmp_path).restore() == {"step": 18, "segment": 2}
+    for value, expected in zip(loaded.weights + loaded.optimizer.variables,
+                               reference.weights + reference.optimizer.variables):
+        np.testing.assert_allclose(value.numpy(), expected.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_a_worker_that_stops_during_a_save_fails_it_within_the_timeout_naming_it(tmp_path):
+    done = run_tfdist("launch", "--workers=2", "--timeout=150", "--",
+                      sys.executable, "-c", JOB, str(tmp_path), "frozen", timeout=200)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert "committed" not in done.stdout
+    assert ("TimeoutError: Waited 8 s for the other tasks' parts of checkpoint 'ckpt-6-"
+            in output and "(missing: task 1)" in output), output[-3000:]
+    assert not (tmp_path / "latest").exists()
