@@ -193,12 +193,10 @@ class ShardedCheckpoint:
         ```
         """
         self.wait()
-        name = name or self.latest()
-        if name is None:
+        index = self._index(name)
+        if index is None:
             return None
-        path = os.path.join(self.directory, name)
-        with open(os.path.join(path, "index.json")) as f:
-            index = json.load(f)
+        path = os.path.join(self.directory, index["name"])
         optimizer = getattr(self.model, "optimizer", None)
         saved_optimizer = any(v["key"].startswith("optimizer/") for v in index["variables"])
         if saved_optimizer and optimizer is not None and not optimizer.built:
@@ -210,6 +208,26 @@ class ShardedCheckpoint:
         for key, variable in variables:
             _restore_variable(prefix, key, variable, self._strategy, self._replicas)
         return {"step": index["step"], **index["metadata"]}
+
+    def metadata(self, name: str | None = None) -> dict | None:
+        """The metadata and `step` of checkpoint `name` (default: the latest),
+        without loading it; None when there is no checkpoint yet.
+
+        Example:
+
+        ```python
+        checkpoints.metadata()   # {'step': 1000, 'epoch': 3}
+        ```
+        """
+        index = self._index(name)
+        return None if index is None else {"step": index["step"], **index["metadata"]}
+
+    def _index(self, name):
+        name = name or self.latest()
+        if name is None:
+            return None
+        with open(os.path.join(self.directory, name, "index.json")) as f:
+            return {**json.load(f), "name": name}
 
     def _variables(self):
         """(key, Keras variable) of the model's weights and its optimizer's variables."""

@@ -1,10 +1,10 @@
 """Fault drill: a worker SIGKILLed mid-training; the job restarts and resumes.
 
 With `zero=1` the optimizer state is sharded across the two workers: every
-backup gathers it from both (the other task joins each save into a private
-file), and the restarted job reshards it on restore. The kill may interrupt
-the save after epoch 2 (it needs worker 1): the job then resumes from the
-whole backup of epoch 1.
+backup is a sharded checkpoint (each task writes its own shards while
+training goes on) and the restarted job reads its shards back. The kill may
+interrupt the save after epoch 2 (it needs worker 1's part): that save is
+never committed and the job resumes from the backup of epoch 1.
 """
 
 import json

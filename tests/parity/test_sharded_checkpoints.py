@@ -122,3 +122,34 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_variable(tmp_path):
         ShardedCheckpoint(other, tmp_path).restore()
     with pytest.raises(ValueError, match=r"`max_to_keep` must be an int >= 1, got 0"):
         ShardedCheckpoint(model, tmp_path, max_to_keep=0)
+
+
+def test_backup_and_restore_of_sharded_state_resumes_on_another_layout(tmp_path):
+    class Stop(Exception):
+        pass
+
+    def stop_after(epochs):
+        def check(epoch, logs):
+            if epoch + 1 == epochs:
+                raise Stop()
+        return keras.callbacks.LambdaCallback(on_epoch_end=check)
+
+    x, y = data(96)
+    fit = dict(batch_size=BATCH, shuffle=False, verbose=0)
+    # Killed after epoch 2 of 4 under zero=3: the backup is each replica's shards.
+    interrupted = _fresh(dict(data=4, zero=3), seed=0)
+    with pytest.raises(Stop):
+        interrupted.fit(x, y, epochs=4, **fit, callbacks=[
+            tfdist.callbacks.BackupAndRestore(str(tmp_path)), stop_after(2)])
+    assert sorted(os.listdir(tmp_path)) == ["sharded"]
+    # Resumed at epoch 3 under data=2 x tensor=2.
+    resumed = _fresh(dict(data=2, tensor=2))
+    history = resumed.fit(x, y, epochs=4, **fit,
+                          callbacks=[tfdist.callbacks.BackupAndRestore(str(tmp_path))])
+    assert history.epoch == [2, 3]
+    assert not tmp_path.exists()  # deleted when training ended
+    uninterrupted = make()
+    expected = uninterrupted.fit(x, y, epochs=4, **fit)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"][2:], rtol=1e-4)
+    for value, reference in zip(resumed.weights, uninterrupted.weights):
+        np.testing.assert_allclose(value.numpy(), reference.numpy(), rtol=1e-4, atol=1e-6)

@@ -157,3 +157,16 @@ def predicted_no_batch(error) -> bool:
     ```
     """
     return isinstance(error, UnboundLocalError) and "batch_outputs" in str(error)
+
+
+def resume_at_epoch(model, epoch: int):
+    """Makes `model`'s running `fit` start at `epoch` (0-based), as Keras's
+    `BackupAndRestore` does after restoring a backup (`model._initial_epoch`).
+
+    Example:
+
+    ```python
+    resume_at_epoch(model, 3)   # called in on_train_begin: fit goes on from epoch 4
+    ```
+    """
+    model._initial_epoch = epoch

@@ -3,11 +3,12 @@
 import hashlib
 import json
 import os
-import tempfile
 
 import keras
 import tensorflow as tf
 
+from tfdist._compat.keras_trainer import resume_at_epoch
+from tfdist.checkpoint import ShardedCheckpoint
 from tfdist.cluster.agreement import gather_from_tasks
 from tfdist.cluster.tf_config import read_tf_config
 
@@ -21,14 +22,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     on where to resume and the job hangs. Here only the task that checkpoints
     for the job (the chief, or worker 0 without one: the strategy's
     `extended.should_checkpoint`) writes and deletes the backup, and every task
-    restores from it, so all resume at the same step. With `zero`, reading the
-    sharded optimizer state gathers it from every task, so the other tasks join
-    each save (into a private temporary file they delete). The backup's files
-    are written aside and renamed into place: a save that does not finish (with
-    `zero`, any task's death interrupts it) leaves the previous backup whole,
-    where Keras's in-place write would leave a truncated file whose optimizer
-    state a restart silently skips. Otherwise, and with one task, it is Keras's
-    callback.
+    restores from it, so all resume at the same step. The backup's files
+    are written aside and renamed into place: a save that does not finish
+    leaves the previous backup whole, where Keras's in-place write would leave
+    a truncated file whose optimizer state a restart silently skips.
+
+    Under a strategy that shards the model's state (`zero`, `tensor`,
+    `pipeline`) the backup is a `tfdist.checkpoint.ShardedCheckpoint` in
+    `backup_dir/sharded`: each task writes its own shards while training goes
+    on, no task gathers a whole tensor, and the restarted job (on any layout)
+    reads only its own. Otherwise, and with one task, it is Keras's callback.
 
     Args: as `keras.callbacks.BackupAndRestore`; `backup_dir` must be a
         directory every task reads (a shared volume on Kubernetes, any local
@@ -46,6 +49,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """
 
     def on_train_begin(self, logs=None):
+        config = getattr(self.model.distribute_strategy, "config", None)
+        self._checkpoints = None
+        if config is not None and (config.zero or config.tensor > 1 or config.pipeline > 1):
+            self._checkpoints = ShardedCheckpoint(
+                self.model, os.path.join(self.backup_dir, "sharded"),
+                max_to_keep=2 if self.double_checkpoint else 1)
         self._check_tasks_restore_one_backup()
         super().on_train_begin(logs)
 
@@ -57,11 +66,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         timeout = getattr(strategy, "timeout_seconds", None)
         if timeout is None:
             return  # not a MultiWorkerStrategy: one process reads the files
-        path = self._training_metadata_path
-        found = None
-        if tf.io.gfile.exists(path):
-            with tf.io.gfile.GFile(path) as f:
-                found = json.load(f)
+        found = self._backup_found()
         task = read_tf_config()
         own = {"task": task.task if task else "local", "backup": found}
         backups = gather_from_tasks(strategy, own, timeout,
@@ -76,16 +81,27 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 f"one backup: make `backup_dir` a directory all tasks share (a "
                 f"shared volume on Kubernetes), or remove the stale backups.")
 
+    def _backup_found(self):
+        """The backup's epoch and batch, or None."""
+        if self._checkpoints is not None:
+            found = self._checkpoints.metadata()
+            return None if found is None else {k: found[k] for k in ("epoch", "batch")}
+        path = self._training_metadata_path
+        if not tf.io.gfile.exists(path):
+            return None
+        with tf.io.gfile.GFile(path) as f:
+            return json.load(f)
+
     def _writes(self):
         extended = self.model.distribute_strategy.extended
         return getattr(extended, "should_checkpoint", True)
 
     def _save_model(self):
-        if self._writes():
+        if self._checkpoints is not None:
+            self._checkpoints.save(metadata={"epoch": self._current_epoch,
+                                             "batch": self._last_batch_seen})
+        elif self._writes():
             self._save_aside()
-        elif _has_sharded_state(self.model):
-            with tempfile.TemporaryDirectory() as private:
-                self.model.save_weights(os.path.join(private, "backup.weights.h5"))
 
     def _save_aside(self):
         """Keras's `_save_model`, each file written aside then renamed over the last."""
@@ -113,6 +129,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         backup recorded: a corrupted or truncated file raises OSError (and
         Keras falls back to the previous backup, if it keeps one) instead of
         loading wrong weights or failing inside h5py."""
+        if self._checkpoints is not None:
+            found = self._checkpoints.restore()
+            if found is not None:
+                resume_at_epoch(self.model, found["epoch"])
+            return
         gfile = tf.io.gfile
         if gfile.exists(self._training_metadata_path) and gfile.exists(self._weights_path):
             with gfile.GFile(self._training_metadata_path) as f:
@@ -126,8 +147,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         super()._load_model()
 
     def on_train_end(self, logs=None):
-        if self._writes():
-            super().on_train_end(logs)
+        if self._checkpoints is not None:
+            self._checkpoints.wait()
+            if self._checkpoints.tasks > 1:  # every task is done with the files
+                gather_from_tasks(self.model.distribute_strategy, {},
+                                  self._checkpoints.timeout_seconds, "ending training's backups")
+            if self._checkpoints.task != 0:
+                return
+        elif not self._writes():
+            return
+        super().on_train_end(logs)
 
 
 def _sha256(path):
@@ -142,11 +171,3 @@ def _resumes(backup):
     if backup is None:
         return "no backup, starts at epoch 1"
     return f"resumes at epoch {backup['epoch'] + 1}"
-
-
-def _has_sharded_state(model):
-    from tfdist.sharding.storage import ShardedStorage
-
-    optimizer = getattr(model, "optimizer", None)
-    return optimizer is not None and any(
-        isinstance(getattr(v, "value", None), ShardedStorage) for v in optimizer.variables)
