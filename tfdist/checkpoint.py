@@ -83,11 +83,17 @@ class ShardedCheckpoint:
     def __init__(self, model, directory, max_to_keep: int = 3, asynchronous: bool = True,
                  timeout_seconds: float | None = None):
         strategy = model.distribute_strategy
-        if "ParameterServer" in type(strategy).__name__:
+        if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
             raise NotImplementedError(
                 "`ShardedCheckpoint` does not support ParameterServerStrategy (its "
                 "variables live on the parameter servers); save with "
                 "`model.save_weights` from the chief.")
+        if "://" in os.fspath(directory):
+            raise ValueError(
+                f"`directory` must be a path of a POSIX file system every task shares, got "
+                f"{os.fspath(directory)!r}: a commit renames a directory, which object "
+                f"stores do not do atomically. Mount the bucket, or save with "
+                f"`model.save_weights`.")
         if not isinstance(max_to_keep, int) or max_to_keep < 1:
             raise ValueError(f"`max_to_keep` must be an int >= 1, got {max_to_keep!r}.")
         self.model = model

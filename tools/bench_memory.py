@@ -2,7 +2,8 @@
 
     python tools/bench_memory.py [--width=4096] [--layers=8] [--workers=4]
         [--modes=single,zero0,zero1,zero2,zero3,tensor4,pipeline4,data2_tensor2_zero3]
-        [--task_env=TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2] [--out=results.jsonl]
+        [--task_env=TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2] [--checkpoint]
+        [--out=results.jsonl]
 
 A model-parallel mode exists so that a model one worker cannot train alone
 trains on several: each worker's *peak* (not only its steady state) must be a
@@ -57,7 +58,14 @@ flags.DEFINE_float("cap", None, "Instead of the table, the demonstration: each p
                    "every mode in --modes capped (a cgroup memory limit) at this fraction of "
                    "what one uncapped process training the whole model is charged at its "
                    "peak; one capped process must fail.")
+flags.DEFINE_bool("checkpoint", False, "Also measure a sharded checkpoint "
+                  "(`tfdist.checkpoint.ShardedCheckpoint`): each trained task saves it, then "
+                  "a second job of the same mode builds the model and restores it; the peaks "
+                  "of the save and of the build with restore, against the training peak.")
 flags.DEFINE_string("mode", None, "Internal: the mode this task runs.")
+flags.DEFINE_string("checkpoint_dir", None, "Internal: the sharded checkpoint's directory.")
+flags.DEFINE_bool("restore", False, "Internal: build the model and restore the checkpoint "
+                  "instead of training.")
 flags.DEFINE_integer("cap_bytes", None, "Internal: this task's memory limit.")
 flags.DEFINE_string("weights", None, "Internal: where the first task saves the trained weights.")
 flags.DEFINE_string("report", None, "Internal: where this task writes its measures.")
@@ -121,6 +129,13 @@ def run_task():
         model = keras.Sequential([keras.Input((FLAGS.width,))] + [
             keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.layers)])
         model.compile(optimizer="adam", loss="mse")
+    if FLAGS.restore:  # a restarted job: the model built, then the checkpoint read
+        tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint_dir).restore()
+        record = {"mode": FLAGS.mode, "task": _task_name(), "baseline_bytes": baseline,
+                  "restore_peak_above_baseline_bytes": status_bytes("VmHWM") - baseline}
+        pathlib.Path(FLAGS.report, f"{record['task'].replace(':', '')}.json").write_text(
+            json.dumps(record))
+        return
     started = time.monotonic()
     history = model.fit(x, y, batch_size=BATCH, epochs=FLAGS.epochs, verbose=0, shuffle=False)
     record = {"mode": FLAGS.mode, "task": _task_name(), "baseline_bytes": baseline,
@@ -133,6 +148,11 @@ def run_task():
         estimate = strategy.predicted_peak(model, BATCH)
         record["predicted_peak_bytes"] = estimate.total
         record["predicted_parts"] = dict(vars(estimate))
+    if FLAGS.checkpoint_dir:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+        tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint_dir,
+                                            asynchronous=False).save()
+        record["save_peak_above_baseline_bytes"] = status_bytes("VmHWM") - baseline
     if FLAGS.weights:  # every task reads (gathers) each weight; the first saves it
         first = record["task"] in ("single:0", "worker:0")
         for i, variable in enumerate(model.weights):
@@ -271,14 +291,27 @@ def main(argv):
     unknown = [m for m in FLAGS.modes if m != "single" and m not in MODES]
     if unknown:
         sys.exit(f"--modes: unknown {unknown}; choose from single, {', '.join(MODES)}")
-    worst, predicted = {}, {}
+    worst, predicted, checkpoints = {}, {}, {}
     for mode in FLAGS.modes:
-        for record in run_mode(mode):
+        with tempfile.TemporaryDirectory() as directory:
+            saving = [f"--checkpoint_dir={directory}"] if FLAGS.checkpoint else []
+            records = run_mode(mode, saving)
+            restored = run_mode(mode, [*saving, "--restore"]) if FLAGS.checkpoint else []
+        by_task = {r["task"]: r for r in restored}
+        for record in records:
+            if record["task"] in by_task:
+                record["restore_peak_above_baseline_bytes"] = (
+                    by_task[record["task"]]["restore_peak_above_baseline_bytes"])
             emit({"bench": "memory", "width": FLAGS.width, "layers": FLAGS.layers,
                   "workers": 1 if mode == "single" else FLAGS.workers,
                   "task_env": task_env(), **record}, FLAGS.out)
             worst[mode] = max(worst.get(mode, 0), record["peak_above_baseline_bytes"])
             predicted[mode] = max(predicted.get(mode, 0), record.get("predicted_peak_bytes", 0))
+            if FLAGS.checkpoint:
+                checkpoints[mode] = [max(checkpoints.get(mode, (0, 0))[i], record[key])
+                                     for i, key in enumerate(
+                                         ["save_peak_above_baseline_bytes",
+                                          "restore_peak_above_baseline_bytes"])]
     single = worst.get("single")
     print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, {FLAGS.workers} workers, "
           f"environment {task_env() or 'unchanged'}")
@@ -290,6 +323,14 @@ def main(argv):
         guess = predicted[mode]
         versus = f"{guess / 2**30:.2f} | {peak / guess:.2f}" if guess else "- | -"
         print(f"| {mode} | {peak / 2**30:.2f} | {ratio} | {versus} |")
+    if checkpoints:
+        print("\nSharded checkpoint, worst worker's peak above baseline (GiB): training, "
+              "the save after it, a new job's build with restore")
+        print("| mode | training | save | build + restore |")
+        print("|---|---|---|---|")
+        for mode, (save, restore) in checkpoints.items():
+            print(f"| {mode} | {worst[mode] / 2**30:.2f} | {save / 2**30:.2f} | "
+                  f"{restore / 2**30:.2f} |")
 
 
 if __name__ == "__main__":

@@ -122,6 +122,9 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_variable(tmp_path):
         ShardedCheckpoint(other, tmp_path).restore()
     with pytest.raises(ValueError, match=r"`max_to_keep` must be an int >= 1, got 0"):
         ShardedCheckpoint(model, tmp_path, max_to_keep=0)
+    with pytest.raises(ValueError, match=r"`directory` must be a path of a POSIX file system "
+                                         r"every task shares, got 'gs://bucket/ckpt'"):
+        ShardedCheckpoint(model, "gs://bucket/ckpt")
 
 
 def test_backup_and_restore_of_sharded_state_resumes_on_another_layout(tmp_path):
