@@ -14,12 +14,15 @@ each microbatch, on each replica:
 
 1. forward, unit by unit: the unit's parameters are all-gathered (one packed
    collective), its layers run on those values, and the values are dropped;
-   only the unit's inputs are kept (its forward is recomputed in 2);
+   only the unit's inputs are kept (its forward is recomputed in 2). The
+   last unit (with the loss) runs under a tape instead, its values kept:
+   its backward comes next;
 2. backward, units in reverse: the parameters are gathered again (not kept
-   from the forward), the unit's forward is replayed under a tape (the same
-   dropout masks: `StageRunner.replay`), and the gradients of the full
-   parameters are reduce-scattered at once: a replica keeps only its shard
-   of each reduced gradient, summed over the microbatches;
+   from the forward; the last unit's are still there), the unit's forward is
+   replayed under a tape (the same dropout masks: `StageRunner.replay`), and
+   the gradients of the full parameters are reduce-scattered at once: a
+   replica keeps only its shard of each reduced gradient, summed over the
+   microbatches;
 3. the update is zero=2's (`ShardedUpdate`) on the parameter shards
    themselves; nothing is gathered after it.
 
@@ -35,9 +38,9 @@ waits for every op of the unit's work two before it in that order: at most
 two units' gathered parameters are alive at once, the current one's and the
 next one's, fetched while the current one computes.
 
-Per microbatch a replica all-gathers the parameters twice and reduce-scatters
-their gradients once: 3 x (N - 1)/N x the parameters' bytes, ZeRO's 1.5x of
-data parallelism's all-reduce (2 x (N - 1)/N).
+Per microbatch a replica all-gathers the parameters twice (the last unit's
+once) and reduce-scatters their gradients once: about 3 x (N - 1)/N x the
+parameters' bytes, ZeRO's 1.5x of data parallelism's all-reduce (2 x (N - 1)/N).
 
 Ops are named `tfdist/unit{u}/{fwd|bwd}/mb{i}/...`, the collectives
 `.../gather/...` and `.../reduce_scatter/...`.
@@ -366,7 +369,9 @@ class GatheredUnits(StagedCompute):
                 with tf.name_scope(f"unit{u}/fwd/mb{i}"), tf.device(device), \
                         tf.control_dependencies(done[-2]), _recording(done, device):
                     runner.moving.reset(starts[u])
-                    activations = runner.forward(env, head if u == last else None, remat=True)
+                    # The last unit's backward follows at once: recorded, not replayed.
+                    activations = runner.forward(env, head if u == last else None,
+                                                 remat=u != last)
                     moved[u] = runner.moving.add(moved[u], microbatch[4])
                 env.update((id(sym), value) for sym, value in
                            zip(runner.stage.outputs, activations.outputs))
@@ -377,7 +382,7 @@ class GatheredUnits(StagedCompute):
                 head = functools.partial(self._last_stage_loss, microbatch, False)
                 with tf.name_scope(f"unit{u}/bwd/mb{i}"), tf.device(device), \
                         tf.control_dependencies(done[-2]), _recording(done, device):
-                    replayed = runner.replay(kept[u], head if u == last else None)
+                    replayed = kept[u] if u == last else runner.replay(kept[u])
                     grads = runner.backward(replayed, out_grads)
                     with tf.name_scope("reduce_scatter"):
                         shards = self._reduce_scatter(runner, grads.weights)
