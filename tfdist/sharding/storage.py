@@ -24,7 +24,7 @@ import tensorflow as tf
 from tfdist._compat import tf_variables
 from tfdist._compat.tf_distribute import current_local_replica_id, replica_id_in_sync_group
 from tfdist.cluster.watchdog import process_watchdog
-from tfdist.sharding.layout import AxisLayout, ShardLayout
+from tfdist.sharding.layout import AxisLayout, MeshShardLayout, ShardLayout
 
 
 class ShardedStorage(tf_variables.SyncOnReadVariable):
@@ -230,14 +230,16 @@ def copy_devices(variable, strategy):
 
 
 def axis_layout(variable):
-    """The `AxisLayout` of a Keras variable split across a tensor group, else None.
+    """The `AxisLayout` of a Keras variable split across a tensor group (held
+    as those slices, or under `zero` as element shards of them), else None.
 
     Example:
 
     ```python
     axis_layout(model.layers[0].kernel)   # AxisLayout((8, 16), axis=1, parts=2)
-    axis_layout(model.optimizer.variables[2])  # None: a ZeRO shard, or whole
+    axis_layout(model.optimizer.variables[2])  # None: a ZeRO shard of a whole one
     ```
     """
     layout = storage_layout(variable)
-    return layout if isinstance(layout, AxisLayout) else None
+    return getattr(layout, "split", None) if isinstance(layout, MeshShardLayout) else (
+        layout if isinstance(layout, AxisLayout) else None)

@@ -40,7 +40,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat import keras_layers
-from tfdist.sharding.layout import AxisLayout
+from tfdist.sharding.layout import AxisLayout, MeshShardLayout
 from tfdist.sharding.storage import shard_keras_variable
 from tfdist.tensor.softmax import logits_are_sharded
 
@@ -344,5 +344,9 @@ class Heads(TensorLayout):
 
 def _split(variable, axis, mesh):
     layout = AxisLayout(variable.shape, axis, mesh.tensor)
+    strategy = mesh.strategy
+    if strategy.config.zero == 3:  # straight into zero=3's shards of each rank's slice
+        layout = MeshShardLayout(variable.shape, mesh.tensor,
+                                 strategy.num_replicas_in_sync // mesh.tensor, layout)
     with mesh.strategy.scope():
         shard_keras_variable(variable, layout, mesh.strategy)

@@ -31,6 +31,7 @@ from tfdist._compat import keras_functional, keras_layers
 from tfdist._compat.keras_optimizer import trainable_variables_of
 from tfdist._compat.keras_trainer import compiled_losses
 from tfdist.sharding.keys import optimizer_keys_follow
+from tfdist.sharding.layout import MeshShardLayout
 from tfdist.sharding.slots import optimizer_slots
 from tfdist.sharding.storage import axis_layout, shard_keras_variable
 from tfdist.tensor.blocks import (
@@ -352,9 +353,14 @@ def partition_model(model, mesh):
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     variables = list(trainable_variables_of(inner))
     with mesh.strategy.scope():
+        data = mesh.strategy.num_replicas_in_sync // mesh.tensor
         for slot, index in optimizer_slots(inner, variables, for_sharding=True):
-            layout = axis_layout(variables[index])
-            if layout is not None and axis_layout(slot) is None:
+            split = axis_layout(variables[index])
+            if split is not None and axis_layout(slot) is None:
+                # Its weight's slices; under `zero` straight into the shards
+                # of them that `ShardedUpdate` keeps.
+                layout = (MeshShardLayout(split.shape, mesh.tensor, data, split)
+                          if mesh.strategy.config.zero else split)
                 shard_keras_variable(slot, layout, mesh.strategy)
 
 
