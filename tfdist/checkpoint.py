@@ -104,10 +104,12 @@ class ShardedCheckpoint:
                                 getattr(strategy, "timeout_seconds", 300.0))
         self._strategy = strategy
         # The sync-group id of each local replica (one replica without a strategy).
-        self._replicas = [0]
-        if tf.distribute.has_strategy() or strategy is not tf.distribute.get_strategy():
-            self._replicas = [replica_id_in_sync_group(strategy.extended, i)
-                              for i in range(len(strategy.extended.worker_devices))]
+        try:
+            local = len(strategy.extended.worker_devices)
+        except RuntimeError:  # the default strategy (a model made outside any scope)
+            local = 0
+        self._replicas = [replica_id_in_sync_group(strategy.extended, i)
+                          for i in range(local)] or [0]
         self.task = self._replicas[0] // len(self._replicas)
         self.tasks = strategy.num_replicas_in_sync // len(self._replicas)
         self._thread = None
@@ -137,7 +139,7 @@ class ShardedCheckpoint:
         variables = self._variables()
         names, slices, tensors = [], [], []
         for key, variable in variables:
-            for spec, tensor in _own_pieces(variable, self._strategy, self._replicas):
+            for spec, tensor in _own_pieces(variable, self._replicas):
                 names.append(key)
                 slices.append(spec)
                 tensors.append(tensor)
@@ -212,7 +214,7 @@ class ShardedCheckpoint:
         _check_match(index["variables"], variables, path)
         prefix = os.path.join(path, "ckpt")
         for key, variable in variables:
-            _restore_variable(prefix, key, variable, self._strategy, self._replicas)
+            _restore_variable(prefix, key, variable, self._replicas)
         return {"step": index["step"], **index["metadata"]}
 
     def metadata(self, name: str | None = None) -> dict | None:
@@ -369,7 +371,7 @@ def _shard_rectangles(layout, replica: int):
                               f"{type(layout).__name__}.")
 
 
-def _own_pieces(variable, strategy, replicas):
+def _own_pieces(variable, replicas):
     """(slice spec, tensor) of what this task writes of `variable`."""
     storage = tf_variables.storage_of(variable)
     shape = list(variable.shape)
@@ -395,7 +397,7 @@ def _own_pieces(variable, strategy, replicas):
     return [("", value)] if replicas[0] == 0 else []
 
 
-def _restore_variable(prefix, key, variable, strategy, replicas):
+def _restore_variable(prefix, key, variable, replicas):
     """Assigns `variable` from the checkpoint, reading only its replicas' pieces."""
     storage = tf_variables.storage_of(variable)
     shape = list(variable.shape)

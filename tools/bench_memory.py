@@ -58,14 +58,16 @@ flags.DEFINE_float("cap", None, "Instead of the table, the demonstration: each p
                    "every mode in --modes capped (a cgroup memory limit) at this fraction of "
                    "what one uncapped process training the whole model is charged at its "
                    "peak; one capped process must fail.")
-flags.DEFINE_bool("checkpoint", False, "Also measure a sharded checkpoint "
-                  "(`tfdist.checkpoint.ShardedCheckpoint`): each trained task saves it, then "
-                  "a second job of the same mode builds the model and restores it; the peaks "
-                  "of the save and of the build with restore, against the training peak.")
+flags.DEFINE_bool("checkpoint", False, "Also measure checkpoints: each trained task saves "
+                  "a sharded checkpoint (`tfdist.checkpoint.ShardedCheckpoint`), then a Keras "
+                  "weights file of whole tensors (`save_weights`, one file per task); then "
+                  "two new jobs of the same mode build the model and read one each; the "
+                  "peaks of each save and of each build with its read, against the training "
+                  "peak.")
 flags.DEFINE_string("mode", None, "Internal: the mode this task runs.")
 flags.DEFINE_string("checkpoint_dir", None, "Internal: the sharded checkpoint's directory.")
-flags.DEFINE_bool("restore", False, "Internal: build the model and restore the checkpoint "
-                  "instead of training.")
+flags.DEFINE_enum("restore", None, ["sharded", "h5"], "Internal: build the model and read "
+                  "the sharded checkpoint or this task's weights file instead of training.")
 flags.DEFINE_integer("cap_bytes", None, "Internal: this task's memory limit.")
 flags.DEFINE_string("weights", None, "Internal: where the first task saves the trained weights.")
 flags.DEFINE_string("report", None, "Internal: where this task writes its measures.")
@@ -79,6 +81,8 @@ FLAGS = flags.FLAGS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH = 16
 CGROUP_PREFIX = "tfdist-bench-memory-"
+# The checkpoint peaks of `--checkpoint`, each `<key>_peak_above_baseline_bytes`.
+CHECKPOINT_PEAKS = ["sharded_save", "h5_save", "sharded_read", "h5_read"]
 # A mode's ParallelConfig fields, as `tfdist launch` flags.
 MODES = {"zero0": [], "zero1": ["--zero=1"], "zero2": ["--zero=2"], "zero3": ["--zero=3"],
          "tensor4": ["--tensor=4"], "pipeline4": ["--pipeline=4", "--microbatches=4"],
@@ -130,9 +134,14 @@ def run_task():
             keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.layers)])
         model.compile(optimizer="adam", loss="mse")
     if FLAGS.restore:  # a restarted job: the model built, then the checkpoint read
-        tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint_dir).restore()
+        if FLAGS.restore == "sharded":
+            tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint_dir).restore()
+        else:
+            model.optimizer.build(model.trainable_variables)
+            model.load_weights(_weights_file())
         record = {"mode": FLAGS.mode, "task": _task_name(), "baseline_bytes": baseline,
-                  "restore_peak_above_baseline_bytes": status_bytes("VmHWM") - baseline}
+                  f"{FLAGS.restore}_read_peak_above_baseline_bytes":
+                      status_bytes("VmHWM") - baseline}
         pathlib.Path(FLAGS.report, f"{record['task'].replace(':', '')}.json").write_text(
             json.dumps(record))
         return
@@ -152,7 +161,10 @@ def run_task():
         pathlib.Path("/proc/self/clear_refs").write_text("5")
         tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint_dir,
                                             asynchronous=False).save()
-        record["save_peak_above_baseline_bytes"] = status_bytes("VmHWM") - baseline
+        record["sharded_save_peak_above_baseline_bytes"] = status_bytes("VmHWM") - baseline
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+        model.save_weights(_weights_file())  # every task gathers each weight
+        record["h5_save_peak_above_baseline_bytes"] = status_bytes("VmHWM") - baseline
     if FLAGS.weights:  # every task reads (gathers) each weight; the first saves it
         first = record["task"] in ("single:0", "worker:0")
         for i, variable in enumerate(model.weights):
@@ -161,6 +173,12 @@ def run_task():
                 np.save(pathlib.Path(FLAGS.weights, f"{i}.npy"), value)
     pathlib.Path(FLAGS.report, f"{record['task'].replace(':', '')}.json").write_text(
         json.dumps(record))
+
+
+def _weights_file():
+    """This task's whole-tensor weights file (one per task: Keras's
+    `save_weights` writes on every task)."""
+    return str(pathlib.Path(FLAGS.checkpoint_dir, f"{_task_name().replace(':', '')}.weights.h5"))
 
 
 def _task_name():
@@ -296,22 +314,20 @@ def main(argv):
         with tempfile.TemporaryDirectory() as directory:
             saving = [f"--checkpoint_dir={directory}"] if FLAGS.checkpoint else []
             records = run_mode(mode, saving)
-            restored = run_mode(mode, [*saving, "--restore"]) if FLAGS.checkpoint else []
-        by_task = {r["task"]: r for r in restored}
+            reads = [r for kind in ("sharded", "h5") if FLAGS.checkpoint
+                     for r in run_mode(mode, [*saving, f"--restore={kind}"])]
         for record in records:
-            if record["task"] in by_task:
-                record["restore_peak_above_baseline_bytes"] = (
-                    by_task[record["task"]]["restore_peak_above_baseline_bytes"])
+            for read in (r for r in reads if r["task"] == record["task"]):
+                record.update((k, v) for k, v in read.items() if "_read_peak_" in k)
             emit({"bench": "memory", "width": FLAGS.width, "layers": FLAGS.layers,
                   "workers": 1 if mode == "single" else FLAGS.workers,
                   "task_env": task_env(), **record}, FLAGS.out)
             worst[mode] = max(worst.get(mode, 0), record["peak_above_baseline_bytes"])
             predicted[mode] = max(predicted.get(mode, 0), record.get("predicted_peak_bytes", 0))
             if FLAGS.checkpoint:
-                checkpoints[mode] = [max(checkpoints.get(mode, (0, 0))[i], record[key])
-                                     for i, key in enumerate(
-                                         ["save_peak_above_baseline_bytes",
-                                          "restore_peak_above_baseline_bytes"])]
+                checkpoints[mode] = [max(checkpoints.get(mode, [0] * 4)[i],
+                                         record[f"{key}_peak_above_baseline_bytes"])
+                                     for i, key in enumerate(CHECKPOINT_PEAKS)]
     single = worst.get("single")
     print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, {FLAGS.workers} workers, "
           f"environment {task_env() or 'unchanged'}")
@@ -324,13 +340,15 @@ def main(argv):
         versus = f"{guess / 2**30:.2f} | {peak / guess:.2f}" if guess else "- | -"
         print(f"| {mode} | {peak / 2**30:.2f} | {ratio} | {versus} |")
     if checkpoints:
-        print("\nSharded checkpoint, worst worker's peak above baseline (GiB): training, "
-              "the save after it, a new job's build with restore")
-        print("| mode | training | save | build + restore |")
-        print("|---|---|---|---|")
-        for mode, (save, restore) in checkpoints.items():
-            print(f"| {mode} | {worst[mode] / 2**30:.2f} | {save / 2**30:.2f} | "
-                  f"{restore / 2**30:.2f} |")
+        print("\nCheckpoints, worst worker's peak above baseline (GiB): training; after it, "
+              "a sharded save and a whole-tensor save_weights; a new job's build with the "
+              "sharded restore, and with load_weights")
+        print("| mode | training | sharded save | save_weights | build + sharded restore "
+              "| build + load_weights |")
+        print("|---|---|---|---|---|---|")
+        for mode, peaks in checkpoints.items():
+            print(f"| {mode} | {worst[mode] / 2**30:.2f} | "
+                  + " | ".join(f"{p / 2**30:.2f}" for p in peaks) + " |")
 
 
 if __name__ == "__main__":
