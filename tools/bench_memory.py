@@ -137,7 +137,8 @@ def run_task():
         if FLAGS.restore == "sharded":
             tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint_dir).restore()
         else:
-            model.optimizer.build(model.trainable_variables)
+            with strategy.scope() if strategy else contextlib.nullcontext():
+                model.optimizer.build(model.trainable_variables)
             model.load_weights(_weights_file())
         record = {"mode": FLAGS.mode, "task": _task_name(), "baseline_bytes": baseline,
                   f"{FLAGS.restore}_read_peak_above_baseline_bytes":
