@@ -147,8 +147,8 @@ class ShardedCheckpoint:
                  "metadata": dict(metadata or {}), "tasks": self.tasks,
                  "variables": [{"key": key, "path": v.path, "shape": list(v.shape),
                                 "dtype": tf.as_dtype(v.dtype).name} for key, v in variables]}
-        json.dumps(index)  # refuses a metadata that is not JSON-serialisable, here
-        work = (name, save_id, names, slices, tensors, index)
+        # (Here, not on the thread, a metadata that is not JSON-serialisable is refused.)
+        work = (name, save_id, names, slices, tensors, json.dumps(index))
         if self.asynchronous:
             self._thread = threading.Thread(target=self._run, args=work, daemon=False,
                                             name=f"tfdist-checkpoint-{name}")
@@ -251,38 +251,36 @@ class ShardedCheckpoint:
         except BaseException as error:  # noqa: BLE001 - raised by the next wait()
             self._error = error
 
-    def _write(self, name, save_id, names, slices, tensors, index):
+    def _write(self, name, save_id, names, slices, tensors, index_json):
         """Writes this task's part; the committing task then merges and commits."""
         staging = os.path.join(self.directory, f".staging-{save_id}")
         os.makedirs(staging, exist_ok=True)
-        prefix = os.path.join(staging, f"task-{self.task}", "part")
+        prefix = _part_prefix(staging, self.task)
         if names:
             tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=slices,
                               tensors=tensors)
-        _write_atomically(os.path.join(staging, f"task-{self.task}.done"), str(bool(names)))
+        _write_atomically(os.path.join(staging, f"task-{self.task}.done"), "")
         if self.task == 0:
-            self._commit(name, staging, index)
+            self._commit(name, staging, index_json)
         else:
             _wait_for(lambda: os.path.exists(os.path.join(self.directory, name, "index.json")),
                       self.timeout_seconds,
                       f"task 0 to commit checkpoint {name!r} in {self.directory!r}")
 
-    def _commit(self, name, staging, index):
+    def _commit(self, name, staging, index_json):
         done = [os.path.join(staging, f"task-{t}.done") for t in range(self.tasks)]
         _wait_for(lambda: all(os.path.exists(p) for p in done), self.timeout_seconds,
                   lambda: (f"the other tasks' parts of checkpoint {name!r} (missing: " + ", ".join(
                       f"task {t}" for t, p in enumerate(done) if not os.path.exists(p)) + ")"))
-        parts = []
-        for t, marker in enumerate(done):
-            with open(marker) as f:
-                if f.read() == "True":
-                    parts.append(os.path.join(staging, f"task-{t}", "part"))
+        # (A task that holds no piece wrote no part.)
+        parts = [prefix for prefix in (_part_prefix(staging, t) for t in range(self.tasks))
+                 if os.path.exists(f"{prefix}.index")]
         tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts,
                                       destination_prefix=os.path.join(staging, "ckpt"),
                                       delete_old_dirs=True)
         for marker in done:
             os.remove(marker)
-        _write_atomically(os.path.join(staging, "index.json"), json.dumps(index))
+        _write_atomically(os.path.join(staging, "index.json"), index_json)
         os.rename(staging, os.path.join(self.directory, name))
         _write_atomically(os.path.join(self.directory, _LATEST), name)
         self._prune(name)
@@ -300,6 +298,11 @@ class ShardedCheckpoint:
                 committed.append((os.path.getmtime(os.path.join(path, "index.json")), entry))
         for _, entry in sorted(committed)[:max(0, len(committed) + 1 - self.max_to_keep)]:
             shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
+
+
+def _part_prefix(staging, task):
+    """Where task `task` writes its part of a save being staged in `staging`."""
+    return os.path.join(staging, f"task-{task}", "part")
 
 
 def flat_rectangles(start: int, stop: int, shape) -> list:
@@ -347,8 +350,7 @@ def _shard_rectangles(layout, replica: int):
     whether replica `replica` is the first to hold them)."""
     shape = layout.shape.as_list()
     if isinstance(layout, ShardLayout):
-        start = replica * layout.shard_size
-        return flat_rectangles(start, min(layout.size, start + layout.shard_size), shape), True
+        return _element_rectangles(layout, replica), True
     if isinstance(layout, AxisLayout):
         rank = replica % layout.parts
         offsets, lengths = [0] * len(shape), list(shape)
@@ -356,11 +358,8 @@ def _shard_rectangles(layout, replica: int):
         lengths[layout.axis] = layout.shard_shape[layout.axis]
         return [(offsets, lengths)], replica < layout.parts
     if isinstance(layout, MeshShardLayout):
-        rank, index = replica % layout.tensor, replica // layout.tensor
-        part = layout.part
-        start = index * part.shard_size
-        found = flat_rectangles(start, min(part.size, start + part.shard_size),
-                                part.shape.as_list())
+        rank = replica % layout.tensor
+        found = _element_rectangles(layout.part, replica // layout.tensor)
         if layout.split is None:
             return found, rank == 0
         axis, width = layout.split.axis, layout.split.shard_shape[layout.split.axis]
@@ -369,6 +368,13 @@ def _shard_rectangles(layout, replica: int):
         return found, True
     raise NotImplementedError(f"No sharded checkpoint for a layout of type "
                               f"{type(layout).__name__}.")
+
+
+def _element_rectangles(layout, index):
+    """The rectangles of `layout`'s (a `ShardLayout`) shard `index`, padding left out."""
+    start = index * layout.shard_size
+    return flat_rectangles(start, min(layout.size, start + layout.shard_size),
+                           layout.shape.as_list())
 
 
 def _own_pieces(variable, replicas):

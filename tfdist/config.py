@@ -294,6 +294,19 @@ class ParallelConfig:
         """
         return self.pipeline * self.virtual_stages
 
+    @property
+    def shards_state(self) -> bool:
+        """Whether the step holds some of the model's state as shards (any
+        `zero`, `tensor` or `pipeline`): the scope creates it as shards, and
+        `BackupAndRestore` keeps sharded backups.
+
+        Example:
+
+        >>> ParallelConfig(data=4, zero=1).shards_state, ParallelConfig(data=4).shards_state
+        (True, False)
+        """
+        return bool(self.zero) or self.tensor > 1 or self.pipeline > 1
+
     def _check_strategy(self, strategy):
         if strategy not in STRATEGIES:
             raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}.")

@@ -51,7 +51,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_train_begin(self, logs=None):
         config = getattr(self.model.distribute_strategy, "config", None)
         self._checkpoints = None
-        if config is not None and (config.zero or config.tensor > 1 or config.pipeline > 1):
+        if config is not None and config.shards_state:
             self._checkpoints = ShardedCheckpoint(
                 self.model, os.path.join(self.backup_dir, "sharded"),
                 max_to_keep=2 if self.double_checkpoint else 1)

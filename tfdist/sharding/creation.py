@@ -61,9 +61,9 @@ def sharded_creation(strategy, config):
         model = build_model()
     ```
     """
-    weights_too = config.zero == 3 or config.tensor > 1 or config.pipeline > 1
-    if not (config.zero or weights_too):
+    if not config.shards_state:
         return contextlib.nullcontext()
+    weights_too = config.zero == 3 or config.tensor > 1 or config.pipeline > 1
 
     def create(next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")

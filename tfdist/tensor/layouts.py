@@ -344,9 +344,7 @@ class Heads(TensorLayout):
 
 def _split(variable, axis, mesh):
     layout = AxisLayout(variable.shape, axis, mesh.tensor)
-    strategy = mesh.strategy
-    if strategy.config.zero == 3:  # straight into zero=3's shards of each rank's slice
-        layout = MeshShardLayout(variable.shape, mesh.tensor,
-                                 strategy.num_replicas_in_sync // mesh.tensor, layout)
+    if mesh.strategy.config.zero == 3:  # straight into zero=3's shards of each rank's slice
+        layout = MeshShardLayout(variable.shape, mesh.tensor, mesh.data, layout)
     with mesh.strategy.scope():
         shard_keras_variable(variable, layout, mesh.strategy)

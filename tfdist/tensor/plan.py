@@ -353,13 +353,12 @@ def partition_model(model, mesh):
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     variables = list(trainable_variables_of(inner))
     with mesh.strategy.scope():
-        data = mesh.strategy.num_replicas_in_sync // mesh.tensor
         for slot, index in optimizer_slots(inner, variables, for_sharding=True):
             split = axis_layout(variables[index])
             if split is not None and axis_layout(slot) is None:
                 # Its weight's slices; under `zero` straight into the shards
                 # of them that `ShardedUpdate` keeps.
-                layout = (MeshShardLayout(split.shape, mesh.tensor, data, split)
+                layout = (MeshShardLayout(split.shape, mesh.tensor, mesh.data, split)
                           if mesh.strategy.config.zero else split)
                 shard_keras_variable(slot, layout, mesh.strategy)
 
