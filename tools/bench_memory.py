@@ -127,7 +127,7 @@ def run_task():
     x = rng.normal(size=(FLAGS.examples, FLAGS.width)).astype("float32")
     y = rng.normal(size=(FLAGS.examples, FLAGS.width)).astype("float32")
     baseline = status_bytes("VmRSS")
-    pathlib.Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    reset_peak()
     keras.utils.set_random_seed(0)
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = keras.Sequential([keras.Input((FLAGS.width,))] + [
@@ -143,9 +143,7 @@ def run_task():
         record = {"mode": FLAGS.mode, "task": _task_name(), "baseline_bytes": baseline,
                   f"{FLAGS.restore}_read_peak_above_baseline_bytes":
                       status_bytes("VmHWM") - baseline}
-        pathlib.Path(FLAGS.report, f"{record['task'].replace(':', '')}.json").write_text(
-            json.dumps(record))
-        return
+        return write_report(record)
     started = time.monotonic()
     history = model.fit(x, y, batch_size=BATCH, epochs=FLAGS.epochs, verbose=0, shuffle=False)
     record = {"mode": FLAGS.mode, "task": _task_name(), "baseline_bytes": baseline,
@@ -159,11 +157,11 @@ def run_task():
         record["predicted_peak_bytes"] = estimate.total
         record["predicted_parts"] = dict(vars(estimate))
     if FLAGS.checkpoint_dir:
-        pathlib.Path("/proc/self/clear_refs").write_text("5")
+        reset_peak()
         tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint_dir,
                                             asynchronous=False).save()
         record["sharded_save_peak_above_baseline_bytes"] = status_bytes("VmHWM") - baseline
-        pathlib.Path("/proc/self/clear_refs").write_text("5")
+        reset_peak()
         model.save_weights(_weights_file())  # every task gathers each weight
         record["h5_save_peak_above_baseline_bytes"] = status_bytes("VmHWM") - baseline
     if FLAGS.weights:  # every task reads (gathers) each weight; the first saves it
@@ -172,14 +170,28 @@ def run_task():
             value = variable.numpy()
             if first:
                 np.save(pathlib.Path(FLAGS.weights, f"{i}.npy"), value)
-    pathlib.Path(FLAGS.report, f"{record['task'].replace(':', '')}.json").write_text(
-        json.dumps(record))
+    write_report(record)
+
+
+def reset_peak():
+    """Sets this process's `VmHWM` to its current `VmRSS`."""
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+
+
+def write_report(record):
+    """Writes this task's `record` into `--report`, one file per task."""
+    pathlib.Path(FLAGS.report, f"{_file_name()}.json").write_text(json.dumps(record))
 
 
 def _weights_file():
     """This task's whole-tensor weights file (one per task: Keras's
     `save_weights` writes on every task)."""
-    return str(pathlib.Path(FLAGS.checkpoint_dir, f"{_task_name().replace(':', '')}.weights.h5"))
+    return str(pathlib.Path(FLAGS.checkpoint_dir, f"{_file_name()}.weights.h5"))
+
+
+def _file_name():
+    """This task's name without its colon: `worker0`."""
+    return _task_name().replace(":", "")
 
 
 def _task_name():

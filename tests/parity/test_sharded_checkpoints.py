@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import tfdist
 from helpers import StepLosses, assert_parity, data, devices, make_model
+from test_zero_checkpoints import _state
 from tfdist.checkpoint import ShardedCheckpoint
 
 BATCH, CHUNK = 24, 120  # 5 steps per segment; 24 divides over 2, 3 and 4 replicas
@@ -22,10 +23,6 @@ LAYOUTS = [dict(data=4, zero=3), dict(data=2, tensor=2), dict(pipeline=2, microb
 
 def make(seed=0):
     return make_model(optimizer=keras.optimizers.Adam(1e-2), seed=seed)
-
-
-def _state(model):
-    return [v.numpy() for v in model.weights + model.optimizer.variables]
 
 
 def _fresh(config, seed=1):
