@@ -124,6 +124,17 @@ def test_a_frozen_task_fails_fit_naming_it_within_seconds(tmp_path, task):
 
 
 @pytest.mark.multiprocess
+def test_a_result_is_not_taken_as_there_while_its_worker_is_frozen(tmp_path):
+    # The coordinator marks a result available when it sends the function, and
+    # its copy to the chief blocks while the worker is frozen: fit's waits must
+    # keep checking the tasks, not block in `fetch`.
+    r = result(run([*TFDIST, "launch", "--chief", "--workers=1", "--ps=1", "--timeout=150",
+                    "--", sys.executable, str(SCRIPT), "--mode=frozen_fetch",
+                    f"--pid_dir={tmp_path}"], timeout=200))
+    assert r == {"ready_while_frozen": False, "ready_after": True, "result_is_finite": True}
+
+
+@pytest.mark.multiprocess
 @pytest.mark.alone
 def test_worker_killed_mid_epoch_loses_no_step_and_rejoins(tmp_path):
     out = run([*TFDIST, "launch", "--chief", "--workers=3", "--ps=1", "--restart-on-failure=1",

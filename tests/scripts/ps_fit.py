@@ -9,6 +9,9 @@ Modes:
   (`tfdist.Strategy`, `--workers` devices); reports held-out accuracy.
 - `--mode=drill`: under `tfdist launch` (TF_CONFIG); every task writes its pid
   to `--pid_dir`, and the chief SIGKILLs worker 1 after `--kill_at` steps.
+- `--mode=frozen_fetch`: under `tfdist launch` (one worker); the chief
+  schedules a few seconds of work, freezes the worker once it has taken it,
+  and reports whether tfdist's wait for the result says it is there.
 """
 
 import json
@@ -18,7 +21,8 @@ import signal
 
 from absl import app, flags
 
-flags.DEFINE_enum("mode", "checks", ["checks", "ps", "sync", "drill"], "What to run.")
+flags.DEFINE_enum("mode", "checks", ["checks", "ps", "sync", "drill", "frozen_fetch"],
+                 "What to run.")
 flags.DEFINE_integer("workers", 2, "Workers (in-process cluster) or devices (sync).")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_integer("steps_per_epoch", 30, "Steps per epoch.")
@@ -217,6 +221,34 @@ def run_drill():
           "steps": FLAGS.epochs * FLAGS.steps_per_epoch})
 
 
+def run_frozen_fetch():
+    import numpy as np
+    import tensorflow as tf
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    pid_dir = pathlib.Path(FLAGS.pid_dir)
+    (pid_dir / f"{task['type']}-{task['index']}.pid").write_text(str(os.getpid()))
+    import tfdist
+    from tfdist._compat.tf_parameter_server import wait_for_result
+
+    strategy = tfdist.ParameterServerStrategy()  # workers and ps serve here
+
+    @tf.function
+    def seconds_of_work():
+        x = tf.random.stateless_uniform([256, 256], seed=[1, 2])
+        return tf.reduce_sum(tf.foldl(lambda a, _: tf.tanh(a @ x), tf.range(3000), x))
+
+    value = strategy.coordinator.schedule(seconds_of_work)
+    value._status_available_event.wait(60)  # the worker took the function
+    worker = int((pid_dir / "worker-0.pid").read_text())
+    os.kill(worker, signal.SIGSTOP)
+    ready_while_frozen = wait_for_result(value, 3.0)
+    os.kill(worker, signal.SIGCONT)
+    ready_after = wait_for_result(value, 120.0)
+    emit({"ready_while_frozen": ready_while_frozen, "ready_after": ready_after,
+          "result_is_finite": bool(ready_after and np.isfinite(value.fetch()))})
+
+
 def main(argv):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -226,6 +258,8 @@ def main(argv):
         run_checks()
     elif FLAGS.mode == "drill":
         run_drill()
+    elif FLAGS.mode == "frozen_fetch":
+        run_frozen_fetch()
     else:
         run_budget(FLAGS.mode)
 

@@ -8,11 +8,14 @@ own evaluate and predict functions.
 """
 
 import contextlib
+import time
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import parameter_server_strategy_v2, sharded_variable
 from tensorflow.python.distribute.coordinator import cluster_coordinator
+
+_RESULT_POLL_SECONDS = 0.01
 
 
 def serve_keras_variables(strategy):
@@ -87,7 +90,15 @@ def num_ps(extended) -> int:
 
 def wait_for_result(remote_value, seconds: float) -> bool:
     """Waits up to `seconds` for a scheduled function's `RemoteValue` to have
-    its result (or error); whether it has (`fetch()` then returns at once).
+    its result (or error) on the chief; whether it has (`fetch()` then
+    returns at once).
+
+    The value's own event is set when the function is sent to a worker, not
+    when it has run: the coordinator's thread for that worker then copies the
+    result to the chief holding the value's lock, and a `fetch()` meanwhile
+    waits for that lock, forever if the worker froze after taking the
+    function. So the result is there once that copy is made (or the value
+    holds an error, or was aborted).
 
     Example:
 
@@ -97,7 +108,14 @@ def wait_for_result(remote_value, seconds: float) -> bool:
     logs = remote_value.fetch()
     ```
     """
-    return remote_value._status_available_event.wait(seconds)
+    deadline = time.monotonic() + seconds
+    while remote_value._status_available_event.wait(max(0.0, deadline - time.monotonic())):
+        if remote_value._error is not None or remote_value._has_fetched_to_local:
+            return True  # (an aborted value holds its error too)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(_RESULT_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+    return False
 
 
 @contextlib.contextmanager

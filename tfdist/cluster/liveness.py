@@ -18,7 +18,9 @@ with monitor:
 ```
 """
 
+import faulthandler
 import os
+import sys
 import threading
 import time
 
@@ -62,7 +64,8 @@ class TaskMonitor:
     TensorFlow, which reports it (or reschedules its work) itself. If no
     `check()` has raised it `exit_after` seconds later (the process is
     blocked inside a TensorFlow call that waits on the frozen task), the
-    monitor logs the error and ends the process with exit code 1.
+    monitor logs the error and every thread's stack, and ends the process
+    with exit code 1.
 
     Args:
         tasks: task name ("ps:0") -> "host:port".
@@ -145,7 +148,8 @@ class TaskMonitor:
 
     def _exit_unless_reported(self):
         if not self._stop.wait(self.exit_after) and not self._reported:
-            logging.error("%s Ending this process: it is blocked waiting on that task.",
-                          self._message(self.frozen))
+            logging.error("%s Ending this process: it is blocked waiting on that task "
+                          "(where each thread waits follows).", self._message(self.frozen))
             logging.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             os._exit(1)
