@@ -35,10 +35,10 @@ checkpoints.restore()            # in another job, on any mesh: {'step': 1000}
 ```
 """
 
+import concurrent.futures
 import json
 import os
 import shutil
-import threading
 import time
 import uuid
 
@@ -112,8 +112,8 @@ class ShardedCheckpoint:
                           for i in range(local)] or [0]
         self.task = self._replicas[0] // len(self._replicas)
         self.tasks = strategy.num_replicas_in_sync // len(self._replicas)
-        self._thread = None
-        self._error = None
+        self._writer = None  # one thread for every asynchronous save
+        self._pending = None  # the last save's future
 
     def save(self, step: int | None = None, metadata: dict | None = None) -> str:
         """Saves the current state as checkpoint `step` (default: the
@@ -150,9 +150,10 @@ class ShardedCheckpoint:
         # (Here, not on the thread, a metadata that is not JSON-serialisable is refused.)
         work = (name, save_id, names, slices, tensors, json.dumps(index))
         if self.asynchronous:
-            self._thread = threading.Thread(target=self._run, args=work, daemon=False,
-                                            name=f"tfdist-checkpoint-{name}")
-            self._thread.start()
+            if self._writer is None:  # (Python's exit waits for its last save)
+                self._writer = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="tfdist-checkpoint")
+            self._pending = self._writer.submit(self._write, *work)
         else:
             self._write(*work)
         return name
@@ -166,12 +167,9 @@ class ShardedCheckpoint:
         checkpoints.wait()
         ```
         """
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def latest(self) -> str | None:
         """The directory name of the last committed checkpoint, or None.
@@ -244,12 +242,6 @@ class ShardedCheckpoint:
         if optimizer is not None and optimizer.built:
             found += [(f"optimizer/{i}", v) for i, v in enumerate(optimizer.variables)]
         return found
-
-    def _run(self, *args):
-        try:
-            self._write(*args)
-        except BaseException as error:  # noqa: BLE001 - raised by the next wait()
-            self._error = error
 
     def _write(self, name, save_id, names, slices, tensors, index_json):
         """Writes this task's part; the committing task then merges and commits."""

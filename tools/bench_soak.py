@@ -2,6 +2,8 @@
 
     python tools/bench_soak.py [--workers=2] [--steps=5000] [--zero=0] [--out=results.jsonl]
     python tools/bench_soak.py --strategy=keras   # the same job under plain tf.distribute
+    python tools/bench_soak.py --zero=3 --checkpoint_every=50   # and an asynchronous
+                                                                # sharded save every 50 steps
 
 Launches `--workers` tasks with `tfdist launch`; each trains a small MLP with
 `tfdist.MultiWorkerStrategy` and `model.fit` for `--steps` steps (epochs of
@@ -9,6 +11,11 @@ Launches `--workers` tasks with `tfdist launch`; each trains a small MLP with
 descriptors every `--sample_every` steps. A job that runs for days must stay
 flat: growth is reported from the sample after `--warmup` steps to the last
 (the bar: under 5%). One JSON line per task and sample, then a table.
+
+`--checkpoint_every=N` also saves a `tfdist.checkpoint.ShardedCheckpoint`
+(asynchronous, `max_to_keep=3`) every N steps into one directory the tasks
+share; each sample is taken with no save in flight and also counts the
+entries of that directory.
 
 `--stall_task=1 --stall_at=20` makes that task sleep in a callback at that
 step (alive, but not taking part in the step): the others must fail within
@@ -32,6 +39,8 @@ flags.DEFINE_integer("steps_per_epoch", 100, "Steps per epoch.")
 flags.DEFINE_integer("sample_every", 250, "Steps between two samples.")
 flags.DEFINE_integer("warmup", 500, "Steps before the sample growth is measured from.")
 flags.DEFINE_integer("zero", 0, "ParallelConfig.zero of the job.")
+flags.DEFINE_integer("checkpoint_every", 0, "Steps between two sharded checkpoint saves "
+                     "(0: none).")
 flags.DEFINE_enum("strategy", "tfdist", ["tfdist", "keras"],
                   "tfdist: tfdist.MultiWorkerStrategy; keras: "
                   "tf.distribute.MultiWorkerMirroredStrategy and Keras's own step.")
@@ -48,12 +57,22 @@ BATCH = 32
 
 
 def usage():
-    """This process's threads, resident bytes and open file descriptors."""
+    """This process's threads, resident bytes and open file descriptors, and
+    the entries of the checkpoint directory (if any)."""
     import psutil
 
     process = psutil.Process()
-    return {"threads": process.num_threads(), "rss_bytes": process.memory_info().rss,
-            "fds": process.num_fds()}
+    sample = {"threads": process.num_threads(), "rss_bytes": process.memory_info().rss,
+              "fds": process.num_fds()}
+    if FLAGS.checkpoint_every:
+        directory = checkpoint_directory()
+        sample["checkpoint_entries"] = (len(os.listdir(directory)) if os.path.isdir(directory)
+                                        else 0)
+    return sample
+
+
+def checkpoint_directory():
+    return os.path.join(FLAGS.samples, "checkpoints")
 
 
 def task():
@@ -81,6 +100,10 @@ def task():
                                   keras.layers.Dense(4)])
         model.compile(optimizer="adam", metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if FLAGS.checkpoint_every:
+        if FLAGS.strategy == "keras":
+            sys.exit("--checkpoint_every needs --strategy=tfdist.")
+        checkpoints = tfdist.checkpoint.ShardedCheckpoint(model, checkpoint_directory())
     samples = []
     started = time.monotonic()
 
@@ -95,7 +118,11 @@ def task():
 
         def on_train_batch_end(self, batch, logs=None):
             self.step += 1
+            if FLAGS.checkpoint_every and self.step % FLAGS.checkpoint_every == 0:
+                checkpoints.save(step=self.step)
             if self.step % FLAGS.sample_every == 0:
+                if FLAGS.checkpoint_every:  # sampled with no save in flight
+                    checkpoints.wait()
                 samples.append({"step": self.step,
                                 "seconds": round(time.monotonic() - started, 1), **usage()})
 
@@ -106,6 +133,8 @@ def task():
     else:
         model.fit(x, y, batch_size=BATCH, epochs=epochs, callbacks=[Sample()], verbose=0,
                   shuffle=False)
+        if FLAGS.checkpoint_every:
+            checkpoints.wait()
     with open(os.path.join(FLAGS.samples, f"worker{index}.json"), "w") as f:
         json.dump(samples, f)
 
@@ -157,7 +186,8 @@ def bench():
              f"--samples={samples}", f"--steps={FLAGS.steps}",
              f"--steps_per_epoch={FLAGS.steps_per_epoch}",
              f"--sample_every={FLAGS.sample_every}",
-             f"--timeout_seconds={FLAGS.timeout_seconds}", f"--strategy={FLAGS.strategy}"],
+             f"--timeout_seconds={FLAGS.timeout_seconds}", f"--strategy={FLAGS.strategy}",
+             f"--checkpoint_every={FLAGS.checkpoint_every}"],
             capture_output=True, text=True, cwd=ROOT)
         if done.returncode:
             sys.exit(f"the job failed ({done.returncode}):\n{done.stdout[-4000:]}")
@@ -168,13 +198,16 @@ def bench():
     for index, task_samples in per_task.items():
         for sample in task_samples:
             emit({"bench": "soak", "strategy": FLAGS.strategy, "task": f"worker:{index}",
-                  "zero": FLAGS.zero, **sample}, FLAGS.out)
+                  "zero": FLAGS.zero, "checkpoint_every": FLAGS.checkpoint_every, **sample},
+                 FLAGS.out)
         grown = growth(task_samples, FLAGS.warmup)
         emit({"bench": "soak_growth", "strategy": FLAGS.strategy, "task": f"worker:{index}",
-              "zero": FLAGS.zero,
+              "zero": FLAGS.zero, "checkpoint_every": FLAGS.checkpoint_every,
               "steps": FLAGS.steps, "warmup": FLAGS.warmup, **grown}, FLAGS.out)
         rows.append((index, task_samples, grown))
-    print(f"\n{FLAGS.strategy}: {FLAGS.workers} workers, zero={FLAGS.zero}, "
+    saves = (f", a sharded checkpoint every {FLAGS.checkpoint_every} steps"
+             if FLAGS.checkpoint_every else "")
+    print(f"\n{FLAGS.strategy}: {FLAGS.workers} workers, zero={FLAGS.zero}{saves}, "
           f"{FLAGS.steps} steps in {wall:.0f} s (growth from step {FLAGS.warmup} "
           "to the last sample)")
     print("| task | threads (start, warm, end) | RSS MiB (warm, end) | fds (warm, end) "

@@ -18,14 +18,17 @@ SOAK = pathlib.Path(__file__).parents[2] / "tools" / "bench_soak.py"
 
 
 @pytest.mark.multiprocess
-def test_a_long_multiworker_fit_keeps_threads_rss_and_open_files_flat(tmp_path):
+@pytest.mark.parametrize("job", [["--zero=0"], ["--zero=3", "--checkpoint_every=50"]],
+                         ids=["zero0", "zero3-saving"])
+def test_a_long_multiworker_fit_keeps_threads_rss_and_open_files_flat(tmp_path, job):
     # 800 steps with Adam: every step runs collectives (gradients, metrics).
     # Each collective used to leave a thread sleeping for the whole collective
-    # timeout: hundreds of threads after 100 steps, thousands after 800.
+    # timeout: hundreds of threads after 100 steps, thousands after 800. With
+    # zero=3, 16 asynchronous sharded saves as well (a thread and files each).
     out = tmp_path / "soak.jsonl"
     done = subprocess.run(
         [sys.executable, str(SOAK), "--steps=800", "--sample_every=100", "--warmup=200",
-         f"--out={out}"], capture_output=True, text=True, timeout=300)
+         f"--out={out}", *job], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
     samples = [r for r in records if r["bench"] == "soak"]
@@ -40,6 +43,8 @@ def test_a_long_multiworker_fit_keeps_threads_rss_and_open_files_flat(tmp_path):
         # and no growth while warming up either: the threads TensorFlow's
         # runtime starts, not one per step
         assert max(s["threads"] for s in task_samples) < 300, task_samples
+        if "--checkpoint_every=50" in job:  # 3 kept, `latest`, one save in flight
+            assert max(s["checkpoint_entries"] for s in task_samples) <= 5, task_samples
 
 
 @pytest.mark.multiprocess
