@@ -17,8 +17,10 @@ parameters) for `--epochs` epochs of `model.fit`:
 
 Each process measures its baseline (RSS once TensorFlow and the strategy
 exist), resets its high-water mark (`/proc/self/clear_refs`), builds,
-compiles and fits, then reads its peak (`VmHWM`) and the strategy's
-prediction of it (`Strategy.predicted_peak`). One JSON line per process,
+compiles and fits, then reads its peak (`VmHWM`), the peak of the bytes
+TensorFlow's CPU allocator had handed out at once (its tensors, by its own
+count: `tf.config.experimental.get_memory_info`), and the strategy's
+prediction of the peak (`Strategy.predicted_peak`). One JSON line per process,
 then a table of each mode's worst worker against `single` and the prediction.
 
     python tools/bench_memory.py --cap=0.8 --modes=zero3,tensor4
@@ -128,6 +130,7 @@ def run_task():
     y = rng.normal(size=(FLAGS.examples, FLAGS.width)).astype("float32")
     baseline = status_bytes("VmRSS")
     reset_peak()
+    tensor_peak_bytes(reset=True)
     keras.utils.set_random_seed(0)
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = keras.Sequential([keras.Input((FLAGS.width,))] + [
@@ -150,7 +153,8 @@ def run_task():
               "peak_bytes": status_bytes("VmHWM"),
               "parameter_bytes": 4 * model.count_params(),
               "fit_seconds": round(time.monotonic() - started, 1),
-              "final_loss": history.history["loss"][-1], "losses": history.history["loss"]}
+              "final_loss": history.history["loss"][-1], "losses": history.history["loss"],
+              "tensor_peak_bytes": tensor_peak_bytes()}
     record["peak_above_baseline_bytes"] = record["peak_bytes"] - baseline
     if strategy is not None:
         estimate = strategy.predicted_peak(model, BATCH)
@@ -171,6 +175,21 @@ def run_task():
             if first:
                 np.save(pathlib.Path(FLAGS.weights, f"{i}.npy"), value)
     write_report(record)
+
+
+def tensor_peak_bytes(reset=False):
+    """The most bytes TensorFlow's CPU allocator has had handed out at once
+    (its own count: tensors, not the memory its pool or malloc keep) since
+    the last reset, or None where the allocator keeps no count."""
+    import tensorflow as tf
+
+    try:
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    except ValueError:  # "Allocator stats not available"
+        return None
+    if reset:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+    return peak
 
 
 def reset_peak():
@@ -322,7 +341,7 @@ def main(argv):
     unknown = [m for m in FLAGS.modes if m != "single" and m not in MODES]
     if unknown:
         sys.exit(f"--modes: unknown {unknown}; choose from single, {', '.join(MODES)}")
-    worst, predicted, checkpoints = {}, {}, {}
+    worst, predicted, tensors, checkpoints = {}, {}, {}, {}
     for mode in FLAGS.modes:
         with tempfile.TemporaryDirectory() as directory:
             saving = [f"--checkpoint_dir={directory}"] if FLAGS.checkpoint else []
@@ -337,6 +356,7 @@ def main(argv):
                   "task_env": task_env(), **record}, FLAGS.out)
             worst[mode] = max(worst.get(mode, 0), record["peak_above_baseline_bytes"])
             predicted[mode] = max(predicted.get(mode, 0), record.get("predicted_peak_bytes", 0))
+            tensors[mode] = max(tensors.get(mode, 0), record.get("tensor_peak_bytes") or 0)
             if FLAGS.checkpoint:
                 checkpoints[mode] = [max(checkpoints.get(mode, [0] * 4)[i],
                                          record[f"{key}_peak_above_baseline_bytes"])
@@ -345,13 +365,17 @@ def main(argv):
     print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, {FLAGS.workers} workers, "
           f"environment {task_env() or 'unchanged'}")
     print("| mode | worst worker's peak above baseline (GiB) | x single process "
-          "| predicted (GiB) | measured / predicted |")
-    print("|---|---|---|---|---|")
+          "| predicted (GiB) | measured / predicted "
+          "| TensorFlow's tensors at their peak (GiB) | tensors / predicted |")
+    print("|---|---|---|---|---|---|---|")
     for mode, peak in worst.items():
         ratio = f"{peak / single:.2f}" if single else "-"
         guess = predicted[mode]
         versus = f"{guess / 2**30:.2f} | {peak / guess:.2f}" if guess else "- | -"
-        print(f"| {mode} | {peak / 2**30:.2f} | {ratio} | {versus} |")
+        held = tensors[mode]
+        counted = (f"{held / 2**30:.2f} | " + (f"{held / guess:.2f}" if guess else "-")
+                   if held else "- | -")
+        print(f"| {mode} | {peak / 2**30:.2f} | {ratio} | {versus} | {counted} |")
     if checkpoints:
         print("\nCheckpoints, worst worker's peak above baseline (GiB): training; after it, "
               "a sharded save and a whole-tensor save_weights; a new job's build with the "
