@@ -12,7 +12,7 @@ import pytest
 
 from tfdist.cluster.tf_config import free_ports
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
+pytestmark = pytest.mark.multiprocess
 
 CREATE_STRATEGY = ("import tfdist\n"
                    "tfdist.MultiWorkerStrategy(timeout_seconds=4)\n"

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import TFDIST
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
+pytestmark = pytest.mark.multiprocess
 
 FIT_A_FEW_STEPS = """
 import keras, numpy as np, tfdist
