@@ -21,6 +21,8 @@ stages gathering their parameters: `tfdist.optim.zero3`;
 a tf_keras model's microbatch loss is `TfKerasLoss`: `tfdist.engine.tf_keras`).
 """
 
+import gc
+
 import keras
 import tensorflow as tf
 
@@ -203,6 +205,12 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
     """
     if is_tf_keras(model):
         return tf_keras.parts(model, config)
+    if config.shards_state:
+        # The graphs traced so far (Keras's symbolic build, the tensor plan's
+        # trace) are reference cycles holding the handles of the variables
+        # about to move: collected first, each replaced storage is freed as
+        # it is replaced instead of at the next cyclic collection.
+        gc.collect()
     strategy = model.distribute_strategy
     mesh = getattr(strategy, "tensor_mesh", None)
     optimizer = model.optimizer

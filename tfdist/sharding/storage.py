@@ -18,6 +18,7 @@ is unchanged.
 """
 
 import contextlib
+import weakref
 
 import tensorflow as tf
 
@@ -103,8 +104,8 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
             "tfdist.callbacks.BackupAndRestore does.")
             if tf.executing_eagerly() else contextlib.nullcontext())
         with deadline:
-            gathered = strategy.gather(
-                tf_variables.PerReplica(tuple(shard[tf.newaxis] for shard in shards)), axis=0)
+            gathered = _gather_across_workers(strategy, tuple(shard[tf.newaxis]
+                                                              for shard in shards))
         return self._layout.unshard(gathered)
 
     def assign(self, value, use_locking=False, name=None, read_value=True):
@@ -154,6 +155,29 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
 
     def _restore_from_tensors(self, restored_tensors):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+# One traced gather per strategy (retraced per shard shape and dtype).
+_GATHERS = weakref.WeakKeyDictionary()
+
+
+def _gather_across_workers(strategy, shards):
+    """`strategy.gather` of this task's `shards` (one per local replica,
+    stacked on a new first axis) with every other task's, along axis 0.
+
+    Called eagerly, `tf.distribute`'s multi-worker gather traces a new
+    function at every call, and each traced graph holds the call's tensors in
+    reference cycles until Python's cyclic collector runs: reading a tensor
+    split model whole, weight by weight, kept every gathered weight alive
+    (192 MiB on each of 4 workers of an 8 x Dense(4096) model). A traced
+    gather kept per strategy leaves nothing behind.
+    """
+    if strategy not in _GATHERS:
+        _GATHERS[strategy] = tf.function(
+            lambda shards: strategy.gather(tf_variables.PerReplica(shards), axis=0))
+    if not tf.executing_eagerly():
+        return strategy.gather(tf_variables.PerReplica(shards), axis=0)
+    return _GATHERS[strategy](shards)
 
 
 def own_copy(shard):
