@@ -29,7 +29,7 @@ what neither took, as replicated weights are.
 Example:
 
 ```python
-strategy = tfdist.Strategy(zero=3, devices=4)
+strategy = tfdist.Strategy(zero=3)   # 4 devices
 with strategy.scope():   # (the strategy's scope installs it)
     dense = keras.layers.Dense(4096)
     dense.build((None, 4096))
