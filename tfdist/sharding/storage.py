@@ -167,10 +167,10 @@ def _gather_across_workers(strategy, shards):
 
     Called eagerly, `tf.distribute`'s multi-worker gather traces a new
     function at every call, and each traced graph holds the call's tensors in
-    reference cycles until Python's cyclic collector runs: reading a tensor
-    split model whole, weight by weight, kept every gathered weight alive
-    (192 MiB on each of 4 workers of an 8 x Dense(4096) model). A traced
-    gather kept per strategy leaves nothing behind.
+    reference cycles until Python's cyclic collector runs: splitting a model
+    over tensor groups, which reads each weight whole, kept what it gathered
+    alive (64 MiB on each of 4 workers of an 8 x Dense(4096) model under
+    tensor=4). A traced gather kept per strategy leaves nothing behind.
     """
     if strategy not in _GATHERS:
         _GATHERS[strategy] = tf.function(
