@@ -18,7 +18,6 @@ is unchanged.
 """
 
 import contextlib
-import weakref
 
 import tensorflow as tf
 
@@ -157,8 +156,8 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
-# One traced gather per strategy (retraced per shard shape and dtype).
-_GATHERS = weakref.WeakKeyDictionary()
+# The strategy attribute holding its traced gather.
+_TRACED_GATHER = "_tfdist_traced_gather"
 
 
 def _gather_across_workers(strategy, shards):
@@ -170,14 +169,19 @@ def _gather_across_workers(strategy, shards):
     reference cycles until Python's cyclic collector runs: splitting a model
     over tensor groups, which reads each weight whole, kept what it gathered
     alive (64 MiB on each of 4 workers of an 8 x Dense(4096) model under
-    tensor=4). A traced gather kept per strategy leaves nothing behind.
+    tensor=4). One traced gather per strategy (shapes left general after its
+    first retrace) leaves nothing behind.
     """
-    if strategy not in _GATHERS:
-        _GATHERS[strategy] = tf.function(
-            lambda shards: strategy.gather(tf_variables.PerReplica(shards), axis=0))
-    if not tf.executing_eagerly():
+    def gather(shards):
         return strategy.gather(tf_variables.PerReplica(shards), axis=0)
-    return _GATHERS[strategy](shards)
+
+    if not tf.executing_eagerly():
+        return gather(shards)
+    traced = getattr(strategy, _TRACED_GATHER, None)
+    if traced is None:
+        traced = tf.function(gather, reduce_retracing=True)
+        setattr(strategy, _TRACED_GATHER, traced)
+    return traced(shards)
 
 
 def own_copy(shard):
