@@ -176,14 +176,24 @@ def run_budget(mode):
           "steps": steps})
 
 
+def write_pid():
+    """Writes this task's pid to `--pid_dir`/<type>-<index>.pid."""
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    pathlib.Path(FLAGS.pid_dir, f"{task['type']}-{task['index']}.pid").write_text(
+        str(os.getpid()))
+
+
+def pid_of(task):
+    """The pid task `task` (<type>-<index>) wrote to `--pid_dir`."""
+    return int(pathlib.Path(FLAGS.pid_dir, f"{task}.pid").read_text())
+
+
 def run_drill():
     import keras
     import tensorflow as tf
     from tensorflow.python.data.experimental.ops import testing
 
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
-    pid_dir = pathlib.Path(FLAGS.pid_dir)
-    (pid_dir / f"{task['type']}-{task['index']}.pid").write_text(str(os.getpid()))
+    write_pid()
     import tfdist
 
     strategy = tfdist.ParameterServerStrategy()  # workers and ps serve here
@@ -196,7 +206,7 @@ def run_drill():
         def on_train_batch_end(self, batch, logs=None):
             self.steps += 1
             if self.steps == FLAGS.kill_at:
-                pid = int((pid_dir / f"{FLAGS.kill_task}.pid").read_text())
+                pid = pid_of(FLAGS.kill_task)
                 print(f"killing {FLAGS.kill_task} (pid {pid}) after {self.steps} steps "
                       f"with {FLAGS.kill_signal}", flush=True)
                 os.kill(pid, getattr(signal, FLAGS.kill_signal))
@@ -225,9 +235,7 @@ def run_frozen_fetch():
     import numpy as np
     import tensorflow as tf
 
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
-    pid_dir = pathlib.Path(FLAGS.pid_dir)
-    (pid_dir / f"{task['type']}-{task['index']}.pid").write_text(str(os.getpid()))
+    write_pid()
     import tfdist
     from tfdist._compat.tf_parameter_server import wait_for_result
 
@@ -240,7 +248,7 @@ def run_frozen_fetch():
 
     value = strategy.coordinator.schedule(seconds_of_work)
     value._status_available_event.wait(60)  # the worker took the function
-    worker = int((pid_dir / "worker-0.pid").read_text())
+    worker = pid_of("worker-0")
     os.kill(worker, signal.SIGSTOP)
     ready_while_frozen = wait_for_result(value, 3.0)
     os.kill(worker, signal.SIGCONT)

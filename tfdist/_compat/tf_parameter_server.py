@@ -114,7 +114,7 @@ def wait_for_result(remote_value, seconds: float) -> bool:
             return True  # (an aborted value holds its error too)
         if time.monotonic() >= deadline:
             return False
-        time.sleep(min(_RESULT_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+        time.sleep(_RESULT_POLL_SECONDS)  # sent, not yet copied
     return False
 
 
