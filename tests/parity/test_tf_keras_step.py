@@ -14,6 +14,7 @@ import tf_keras
 
 import tfdist
 from helpers import cached_reference, devices, recipe_text
+from tfdist.input_options import without_autotuning
 from tfdist.sharding.storage import ShardedStorage
 
 STEPS, BATCH, SEQUENCE = 10, 16, 16
@@ -38,8 +39,8 @@ def dataset():
     x = {"input_word_ids": rng.integers(0, 100, (n, SEQUENCE)).astype("int32"),
          "input_mask": np.ones((n, SEQUENCE), "int32"),
          "input_type_ids": (rng.random((n, SEQUENCE)) < 0.5).astype("int32")}
-    return tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 3, n))).batch(
-        BATCH, drop_remainder=True)
+    return without_autotuning(tf.data.Dataset.from_tensor_slices(
+        (x, rng.integers(0, 3, n))).batch(BATCH, drop_remainder=True))
 
 
 @contextlib.contextmanager
@@ -75,9 +76,9 @@ def resnet_classifier():
 def images():
     rng = np.random.default_rng(0)
     n = STEPS * BATCH
-    return tf.data.Dataset.from_tensor_slices(
+    return without_autotuning(tf.data.Dataset.from_tensor_slices(
         (rng.normal(size=(n, 16, 16, 3)).astype("float32"), rng.integers(0, 3, n))).batch(
-        BATCH, drop_remainder=True)
+        BATCH, drop_remainder=True))
 
 
 def train(strategy, initial, precision="float32", make=bert_classifier, data=dataset):
