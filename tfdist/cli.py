@@ -97,6 +97,8 @@ flags.DEFINE_string("logdir", None, "Log directory.")
 flags.DEFINE_integer("profiler_port", None, "Port of each task's profiler server.")
 flags.DEFINE_string("restart_policy", "OnFailure", "Pod restart policy.")
 flags.DEFINE_integer("backoff_limit", None, "Retries before the job is failed.")
+flags.DEFINE_list("env", None, "More environment variables of each pod, NAME=VALUE,... "
+                  "e.g. MALLOC_ARENA_MAX=2.")
 flags.DEFINE_boolean("submit", False, "Create the TFJob in the current kubeconfig's "
                      "cluster instead of printing it.")
 # profile
@@ -175,13 +177,25 @@ def _tfjob_command(command):
         memory=FLAGS.memory, config=config_from_flags(), logdir=FLAGS.logdir,
         profiler_port=FLAGS.profiler_port,
         restart_policy=FLAGS.restart_policy,
-        backoff_limit=FLAGS.backoff_limit)
+        backoff_limit=FLAGS.backoff_limit, env=_env_items(FLAGS.env))
     if FLAGS.submit:
         submit(manifest)
         print(f"created TFJob {FLAGS.namespace}/{FLAGS.name}")
     else:
         sys.stdout.write(manifest.to_yaml())
     return 0
+
+
+def _env_items(items):
+    """`--env`'s NAME=VALUE items as a dict (None without any)."""
+    env = {}
+    for item in items or ():
+        name, equals, value = item.partition("=")
+        if not equals:
+            raise app.UsageError(f"`tfdist tfjob --env` takes NAME=VALUE items, got "
+                                 f"{item!r}.")
+        env[name] = value
+    return env or None
 
 
 def _profile_command(args):
@@ -248,7 +262,7 @@ COMMANDS = {
     "tfjob": _Command(_tfjob_command, _CONFIG_FLAGS + _TASK_FLAGS
                       + ("name", "image", "namespace", "gpus_per_worker", "cpu",
                          "memory", "logdir", "profiler_port", "restart_policy",
-                         "backoff_limit", "submit"),
+                         "backoff_limit", "env", "submit"),
                       "Print a Kubeflow TFJob manifest for COMMAND (--submit creates it).",
                       "tfdist tfjob --name mnist --image registry.example.com/mnist:1 "
                       "--workers 2 python train.py"),

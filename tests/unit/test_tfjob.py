@@ -88,6 +88,7 @@ SHAPES = {
         config=ParallelConfig(data=2, microbatches=4, precision="mixed_bfloat16"),
         logdir="gs://bucket/logs", profiler_port=6009, restart_policy="ExitCode",
         backoff_limit=3, clean_pod_policy="All", port=3333,
+        env={"MALLOC_ARENA_MAX": "2", "TF_ONEDNN_USE_SYSTEM_ALLOCATOR": "1"},
     ),
 }
 
@@ -187,6 +188,8 @@ def test_everything_reaches_every_replica():
                 == SHAPES["everything"]["config"])
         assert variables["TFDIST_LOGDIR"] == "gs://bucket/logs"
         assert variables["TFDIST_PROFILER_PORT"] == "6009"
+        assert variables["MALLOC_ARENA_MAX"] == "2"
+        assert variables["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] == "1"
         assert container(manifest, kind)["ports"] == [
             {"containerPort": 3333, "name": "tfjob-port"},
             {"containerPort": 6009, "name": "tfdist-profiler"},
@@ -321,6 +324,12 @@ BAD_INPUTS = [
     (dict(config={"data": 0}), ValueError, "`data` must be an int >= 1, got 0."),
     (dict(config={"dta": 2}), ValueError, "Unknown ParallelConfig field"),
     (dict(logdir=""), ValueError, "`logdir` must be a non-empty string, got ''."),
+    (dict(env=["A=1"]), TypeError, "`env` must be a dict of strings to strings"),
+    (dict(env={"A": 1}), TypeError, "`env` must be a dict of strings to strings"),
+    (dict(env={"1A": "x"}), ValueError, "`env` has '1A', not an environment variable name"),
+    (dict(env={"TF_CONFIG": "{}"}), ValueError,
+     "`env` has 'TF_CONFIG', which the job sets itself: the training operator writes it."),
+    (dict(env={"TFDIST_CONFIG": "{}"}), ValueError, "which the job sets itself: pass `config`"),
 ]
 
 
@@ -404,7 +413,8 @@ EXAMPLES = pathlib.Path(__file__).parents[2] / "keras_examples" / "tfjob"
 def test_cli_prints_a_manifest_that_matches_the_crd(validator):
     done = run_tfdist("tfjob", "--name=digits", f"--image={IMAGE}", "--chief",
                       "--workers=2", "--ps=1", "--evaluator", "--gpus-per-worker=1",
-                      "--profiler-port=6009", "--microbatches=2", "--", *COMMAND)
+                      "--profiler-port=6009", "--microbatches=2",
+                      "--env=MALLOC_ARENA_MAX=2,TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1", "--", *COMMAND)
     assert done.returncode == 0, done.stderr
     manifest = yaml.safe_load(done.stdout)
     validator.validate(manifest)
@@ -413,12 +423,16 @@ def test_cli_prints_a_manifest_that_matches_the_crd(validator):
     (worker,) = specs["Worker"]["template"]["spec"]["containers"]
     assert worker["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     assert {"name": "tfdist-profiler", "containerPort": 6009} in worker["ports"]
+    assert worker["env"][-2:] == [{"name": "MALLOC_ARENA_MAX", "value": "2"},
+                                  {"name": "TF_ONEDNN_USE_SYSTEM_ALLOCATOR", "value": "1"}]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--name=digits", "--image=tensorflow/tensorflow"], "has no tag or digest"),
     (["--name=Digits_1", f"--image={IMAGE}"], "`name` must be an RFC 1035 label"),
     (["--name=digits", f"--image={IMAGE}", "--workers=0"], "`workers` must be an int >= 1"),
+    (["--name=digits", f"--image={IMAGE}", "--env=MALLOC_ARENA_MAX"],
+     "`tfdist tfjob --env` takes NAME=VALUE items, got 'MALLOC_ARENA_MAX'."),
 ])
 def test_cli_bad_input(args, message):
     done = run_tfdist("tfjob", *args, "--", *COMMAND)

@@ -27,7 +27,7 @@ import kubernetes
 import yaml
 from kubeflow.training import TrainingClient, models
 
-from tfdist.cluster.tf_config import check_task_counts
+from tfdist.cluster.tf_config import TF_CONFIG_ENV, check_task_counts
 from tfdist.config import CONFIG_ENV, LOGDIR_ENV, PROFILER_PORT_ENV, ParallelConfig
 
 API_VERSION = "kubeflow.org/v1"
@@ -48,6 +48,11 @@ GPU_REPLICA_TYPES = ("Chief", "Worker")
 _RFC1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _RFC1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _MAX_LABEL_LENGTH = 63
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Variables a replica gets from the operator or from tfjob's own arguments.
+_SET_ENV = {TF_CONFIG_ENV: "the training operator writes it",
+            CONFIG_ENV: "pass `config`", LOGDIR_ENV: "pass `logdir`",
+            PROFILER_PORT_ENV: "pass `profiler_port`"}
 _QUANTITY = re.compile(
     r"[+-]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?(\d+(\.\d*)?|\.\d+))?"
 )
@@ -127,6 +132,7 @@ def tfjob(
     backoff_limit: int | None = None,
     clean_pod_policy: str = "Running",
     port: int = 2222,
+    env: dict[str, str] | None = None,
 ) -> TFJobManifest:
     """Builds a Kubeflow TFJob that runs `command` in `image` on every replica.
 
@@ -161,6 +167,9 @@ def tfjob(
         clean_pod_policy: which pods are deleted when the job ends: one of
             "None", "Running", "All".
         port: the port TensorFlow's servers listen on.
+        env: more environment variables of every replica's container
+            ({name: value}), e.g. an allocator's settings; not `TF_CONFIG`
+            (the operator's) nor the variables the arguments above set.
 
     Returns:
         A `TFJobManifest`.
@@ -172,6 +181,11 @@ def tfjob(
     ...     chief=True, workers=2, config={"microbatches": 2})
     >>> list(manifest.to_dict()["spec"]["tfReplicaSpecs"])
     ['Chief', 'Worker']
+    >>> manifest = tfjob("mnist", "tensorflow/tensorflow:2.20.0", ["python", "train.py"],
+    ...                  env={"MALLOC_ARENA_MAX": "2"})
+    >>> manifest.to_dict()["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"][
+    ...     "containers"][0]["env"]
+    [{'name': 'MALLOC_ARENA_MAX', 'value': '2'}]
     """
     check_task_counts(chief=chief, workers=workers, ps=ps, evaluator=evaluator)
     replicas = {"Chief": int(chief), "Worker": workers, "PS": ps,
@@ -201,23 +215,25 @@ def tfjob(
     _check_choice("clean_pod_policy", clean_pod_policy, CLEAN_POD_POLICIES)
     if backoff_limit is not None:
         _check_int("backoff_limit", backoff_limit, minimum=0)
+    env = _check_env(env)
 
     client = kubernetes.client
 
     def replica_spec(kind, count):
-        env = []
+        variables = []
         if config is not None:
-            env.append(client.V1EnvVar(name=CONFIG_ENV, value=config.to_json()))
+            variables.append(client.V1EnvVar(name=CONFIG_ENV, value=config.to_json()))
         if logdir is not None:
-            env.append(client.V1EnvVar(name=LOGDIR_ENV, value=logdir))
+            variables.append(client.V1EnvVar(name=LOGDIR_ENV, value=logdir))
         ports = [client.V1ContainerPort(name=PORT_NAME, container_port=port)]
         if profiler_port is not None:
-            env.append(
+            variables.append(
                 client.V1EnvVar(name=PROFILER_PORT_ENV, value=str(profiler_port))
             )
             ports.append(client.V1ContainerPort(
                 name=PROFILER_PORT_NAME, container_port=profiler_port
             ))
+        variables += [client.V1EnvVar(name=k, value=v) for k, v in env.items()]
         limits = dict(quantities)
         if gpus_per_worker and kind in GPU_REPLICA_TYPES:
             limits["nvidia.com/gpu"] = str(gpus_per_worker)
@@ -227,7 +243,7 @@ def tfjob(
             # Kubernetes expands `$(VAR)` in a command with the container's
             # environment; `$$` is its escape for `$`: the pod runs what was typed.
             command=[part.replace("$", "$$") for part in command],
-            env=env or None,
+            env=variables or None,
             ports=ports,
             resources=client.V1ResourceRequirements(
                 requests=dict(quantities) or None, limits=limits or None
@@ -398,6 +414,26 @@ def _check_command(command):
             "`command` must not be empty: give the program to run, e.g. "
             "['python', 'train.py']."
         )
+
+
+def _check_env(env):
+    """`env` as a dict of environment variable names to string values."""
+    if env is None:
+        return {}
+    if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise TypeError(f"`env` must be a dict of strings to strings such as "
+                        f"{{'MALLOC_ARENA_MAX': '2'}}, got {env!r}.")
+    for name in env:
+        if not _ENV_NAME.fullmatch(name):
+            raise ValueError(
+                f"`env` has {name!r}, not an environment variable name: letters, "
+                f"digits and '_', not starting with a digit.")
+        if name in _SET_ENV:
+            raise ValueError(
+                f"`env` has {name!r}, which the job sets itself: "
+                f"{_SET_ENV[name]}.")
+    return env
 
 
 def _check_quantity(arg, value):
