@@ -254,9 +254,8 @@ class ShardedCheckpoint:
         _write_atomically(os.path.join(staging, f"task-{self.task}.done"), "")
         if self.task == 0:
             self._commit(name, staging, index_json)
-        else:
-            _wait_for(lambda: os.path.exists(os.path.join(self.directory, name, "index.json")),
-                      self.timeout_seconds,
+        else:  # committed once `latest` names it (task 0 renames the directory first)
+            _wait_for(lambda: self.latest() == name, self.timeout_seconds,
                       f"task 0 to commit checkpoint {name!r} in {self.directory!r}")
 
     def _commit(self, name, staging, index_json):
