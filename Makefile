@@ -31,10 +31,14 @@ demo: $(STAMP)
 	@echo "tfdist demo: data-parallel training of a digits classifier on 4 virtual CPU devices"
 	$(BIN)/python keras_examples/data_parallel.py --devices=4
 
-# ruff, then no Keras / TensorFlow internals outside tfdist/_compat/.
+# ruff; no Keras / TensorFlow internals outside tfdist/_compat/; imports only
+# downward through the layers of tools/check_layers.py, no cycle; no module
+# branching on the modes beyond its allowance (tools/check_mode_branches.py).
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/python tools/check_internals.py
+	$(BIN)/python tools/check_layers.py
+	$(BIN)/python tools/check_mode_branches.py
 
 # Every tier, then the tfdist/ docstring examples. The tests marked `alone`
 # (tests/cluster: bounds on wall time, processes killed at set moments) run

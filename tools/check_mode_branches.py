@@ -1,0 +1,158 @@
+"""Counts, per tfdist module, the conditionals that branch on which modes are on.
+
+A *mode branch* is an `if` / `elif`, a conditional expression, a `while` or a
+comprehension's `if` whose test reads a `ParallelConfig` field through a
+config (`config.zero`, `self._config.tensor`, `strategy.config.pipeline`) or
+the tensor mesh (`mesh`, `tensor_mesh`, `getattr(strategy, "tensor_mesh",
+None)`). The rules on how modes combine belong to `tfdist/config.py`; the
+choice of parts per mode to the code that assembles the step. Every other
+module should take what it needs when it is built and not ask which modes are
+on. `ALLOWED` is the allowance per module, written down as the code stands:
+the check fails when a module has more mode branches than its allowance (a new
+branch must be argued for here), and when it has fewer (lower the allowance,
+so it only goes down).
+
+Exits 1 on either, 0 otherwise.
+
+Example:
+
+```
+python tools/check_mode_branches.py            # checks tfdist/ against ALLOWED
+python tools/check_mode_branches.py --list     # prints every mode branch
+```
+"""
+
+import argparse
+import ast
+import collections
+import dataclasses
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tfdist"
+sys.path.insert(0, str(ROOT))
+
+from tfdist.config import ParallelConfig  # noqa: E402  (no TensorFlow import)
+
+FIELDS = frozenset(field.name for field in dataclasses.fields(ParallelConfig))
+MESH_NAMES = frozenset({"mesh", "tensor_mesh"})
+# Modules whose job is the rules on modes: not counted.
+RULES = ("tfdist/config.py",)
+# Mode branches allowed per module (path from the repository's root).
+ALLOWED = {
+    "tfdist/batch_statistics.py": 4,
+    "tfdist/engine/build.py": 17,
+    "tfdist/engine/compute.py": 3,
+    "tfdist/engine/reduce.py": 6,
+    "tfdist/engine/step.py": 1,
+    "tfdist/engine/tf_keras.py": 5,
+    "tfdist/optim/zero.py": 3,
+    "tfdist/optim/zero3.py": 2,
+    "tfdist/pipeline/compute.py": 2,
+    "tfdist/pipeline/stages.py": 1,
+    "tfdist/ps/strategy.py": 1,
+    "tfdist/sharding/creation.py": 1,
+    "tfdist/sharding/peak.py": 5,
+    "tfdist/strategy.py": 11,
+    "tfdist/tensor/layers.py": 4,
+    "tfdist/tensor/layout_map.py": 4,
+    "tfdist/tensor/layouts.py": 2,
+    "tfdist/tensor/plan.py": 1,
+    "tfdist/tensor/softmax.py": 1,
+    "tfdist/usage_checks.py": 1,
+}
+
+
+def reads_a_mode(test: ast.AST) -> bool:
+    """Whether the expression `test` reads a config field through a config,
+    or the tensor mesh.
+
+    Example:
+
+    >>> reads_a_mode(ast.parse("self._config.zero == 3", mode="eval"))
+    True
+    >>> reads_a_mode(ast.parse("layer.built and x.data", mode="eval"))
+    False
+    """
+    for node in ast.walk(test):
+        if isinstance(node, ast.Attribute):
+            if node.attr in MESH_NAMES:
+                return True
+            receiver = ast.unparse(node.value).lower()
+            if node.attr in FIELDS and receiver.endswith(("config", "cfg")):
+                return True
+        elif isinstance(node, ast.Name) and node.id in MESH_NAMES:
+            return True
+        elif isinstance(node, ast.Constant) and node.value in MESH_NAMES:
+            return True
+    return False
+
+
+def mode_branches(path: pathlib.Path):
+    """`(line, test source)` of every mode branch in the file at `path`, in
+    line order."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            tests = [node.test]
+        elif isinstance(node, ast.comprehension):
+            tests = node.ifs
+        else:
+            continue
+        found.extend((test.lineno, ast.unparse(test)) for test in tests if reads_a_mode(test))
+    return sorted(found)
+
+
+def count(package=PACKAGE) -> dict[str, list]:
+    """Every counted module's mode branches, by path from the package's parent."""
+    found = collections.defaultdict(list)
+    for path in sorted(package.rglob("*.py")):
+        name = path.relative_to(package.parent).as_posix()
+        if name not in RULES:
+            found[name].extend(mode_branches(path))
+    return {name: branches for name, branches in found.items() if branches}
+
+
+def problems(found: dict[str, list], allowed=ALLOWED) -> list[str]:
+    """Every module whose count differs from its allowance, in words.
+
+    Example:
+
+    >>> problems({"tfdist/a.py": [(3, "config.zero")]}, allowed={})
+    ['tfdist/a.py:3: 1 mode branch, 0 allowed: config.zero']
+    """
+    out = []
+    for name in sorted(set(found) | set(allowed)):
+        branches, allowance = found.get(name, []), allowed.get(name, 0)
+        if len(branches) > allowance:
+            listed = "; ".join(source for _, source in branches)
+            out.append(f"{name}:{branches[0][0]}: {len(branches)} mode "
+                       f"branch{'es' if len(branches) != 1 else ''}, {allowance} allowed: "
+                       f"{listed}")
+        elif len(branches) < allowance:
+            out.append(f"{name}:1: {len(branches)} mode branches, fewer than the "
+                       f"{allowance} allowed: lower its allowance in "
+                       f"tools/check_mode_branches.py to {len(branches)}")
+    return out
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="print every mode branch")
+    args = parser.parse_args(argv)
+    found = count()
+    if args.list:
+        for name, branches in found.items():
+            for line, source in branches:
+                print(f"{name}:{line}: {source}")
+        total = sum(map(len, found.values()))
+        print(f"{total} mode branches in {len(found)} modules")
+    out = problems(found)
+    for line in out:
+        print(line)
+    return 1 if out else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
