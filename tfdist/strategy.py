@@ -51,7 +51,7 @@ from tfdist.sharding.layout import AxisLayout
 from tfdist.sharding.peak import predict_peak
 from tfdist.tensor import plan as tensor_plan
 from tfdist.tensor.layout_map import check_layout_map
-from tfdist.tensor.mesh import TensorMesh
+from tfdist.tensor.mesh import DataOnlyMesh, TensorMesh
 
 # Each strategy gets its own range of collective group keys: TensorFlow's
 # collective runtime remembers a group key's size for the life of the process,
@@ -134,6 +134,19 @@ class _StepOwner:
     def tensor_mesh(self):
         """The data x tensor `TensorMesh` of the replicas when `tensor` > 1, else None."""
         return getattr(self, "_tensor_mesh", None)
+
+    @property
+    def replica_mesh(self):
+        """The data x tensor mesh of the replicas, whatever the config: the
+        `TensorMesh` when `tensor` > 1, else a `DataOnlyMesh` (tensor groups
+        of one replica). The step's parts take it.
+
+        Example:
+
+        >>> tfdist.Strategy(data=2, devices=["/cpu:0", "/cpu:1"]).replica_mesh.tensor
+        1
+        """
+        return self.tensor_mesh or DataOnlyMesh(self)
 
     def reduce(self, reduce_op, value, axis):
         """`tf.distribute.Strategy.reduce`, also for batches of unequal size.
@@ -338,7 +351,6 @@ class _StepOwner:
         runs as written, with a warning (once) when the config asks for
         step-level options (`tfdist.usage_checks.check_run_function`).
         """
-        mesh = self.tensor_mesh
         evaluated = _keras_step_owner(fn, ("test_step",))
         predicted = None if evaluated is not None else _keras_predict_model(fn)
         if (evaluated or predicted) is not None:
@@ -349,11 +361,11 @@ class _StepOwner:
         if self._config.zero == 3 and (evaluated or predicted) is not None:
             # evaluate and predict with the parameters gathered
             fn = zero3.with_gathered_parameters(fn, evaluated or predicted)
-        if mesh is not None:  # a tensor group evaluates and predicts one batch
-            if evaluated is not None:
-                fn = mesh.on_group_batch(fn)
-            elif predicted is not None:
-                fn = mesh.on_group_batch(fn, own_rows=True)
+        # A tensor group evaluates and predicts one batch.
+        if evaluated is not None:
+            fn = self.replica_mesh.on_group_batch(fn)
+        elif predicted is not None:
+            fn = self.replica_mesh.on_group_batch(fn, own_rows=True)
         model = _keras_step_owner(fn, ("train_step",))
         own_step = None
         if model is not None:

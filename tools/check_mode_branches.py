@@ -42,19 +42,17 @@ RULES = ("tfdist/config.py",)
 # Mode branches allowed per module (path from the repository's root).
 ALLOWED = {
     "tfdist/batch_statistics.py": 4,
-    "tfdist/engine/build.py": 17,
-    "tfdist/engine/compute.py": 3,
-    "tfdist/engine/reduce.py": 6,
+    "tfdist/engine/build.py": 18,
+    "tfdist/engine/compute.py": 1,
+    "tfdist/engine/reduce.py": 2,
     "tfdist/engine/step.py": 1,
     "tfdist/engine/tf_keras.py": 5,
-    "tfdist/optim/zero.py": 3,
-    "tfdist/optim/zero3.py": 2,
-    "tfdist/pipeline/compute.py": 2,
+    "tfdist/pipeline/compute.py": 1,
     "tfdist/pipeline/stages.py": 1,
     "tfdist/ps/strategy.py": 1,
     "tfdist/sharding/creation.py": 1,
     "tfdist/sharding/peak.py": 5,
-    "tfdist/strategy.py": 11,
+    "tfdist/strategy.py": 10,
     "tfdist/tensor/layers.py": 4,
     "tfdist/tensor/layout_map.py": 4,
     "tfdist/tensor/layouts.py": 2,
@@ -131,7 +129,8 @@ def problems(found: dict[str, list], allowed=ALLOWED) -> list[str]:
                        f"branch{'es' if len(branches) != 1 else ''}, {allowance} allowed: "
                        f"{listed}")
         elif len(branches) < allowance:
-            out.append(f"{name}:1: {len(branches)} mode branches, fewer than the "
+            out.append(f"{name}:1: {len(branches)} mode "
+                       f"branch{'es' if len(branches) != 1 else ''}, fewer than the "
                        f"{allowance} allowed: lower its allowance in "
                        f"tools/check_mode_branches.py to {len(branches)}")
     return out

@@ -212,7 +212,10 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
         # it is replaced instead of at the next cyclic collection.
         gc.collect()
     strategy = model.distribute_strategy
-    mesh = getattr(strategy, "tensor_mesh", None)
+    mesh = strategy.replica_mesh
+    # What is reduced whole: over the data group with tensor groups (each
+    # rank's gradients times t), else by tf.distribute's all-reduce.
+    whole = DataGroupAllReduce(mesh) if config.tensor > 1 else AllReduce()
     optimizer = model.optimizer
     if config.zero and not optimizer.built:
         raise RuntimeError(
@@ -223,34 +226,36 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
         pipeline = pipeline_compute(model, strategy, sequence_length)
         with tf.init_scope():
             whole_where_not_kept(model)
-            update = ShardedUpdate(model, 3)
+            update = ShardedUpdate(model, 3, mesh)
         zero3.gather_stage_parameters(pipeline, update.layouts)
-        return PipelinedCompute(model, k, pipeline), ShardedReduce(update.layouts, 2), update
+        return (PipelinedCompute(model, k, pipeline, mesh),
+                ShardedReduce(update.layouts, 2, mesh, whole), update)
     if config.zero == 3:  # layers split, then sharded: the units gather them
         with tf.init_scope():
-            if mesh is not None:
+            if config.tensor > 1:
                 partition_model(model, mesh)
             whole_where_not_kept(model)
-            update = ShardedUpdate(model, 3)
-        units = zero3.GatheredUnits(model, update.layouts, strategy.pipeline_devices,
-                                    config.zero3_unit_params, mesh)
-        return PipelinedCompute(model, k, units, mesh), AlreadyReduced(mesh), update
+            update = ShardedUpdate(model, 3, mesh)
+        units = zero3.GatheredUnits(model, update.layouts, strategy.pipeline_devices, mesh,
+                                    whole, config.zero3_unit_params)
+        return PipelinedCompute(model, k, units, mesh), AlreadyReduced(whole), update
     if config.pipeline > 1:
         compute = PipelinedCompute(model, k, pipeline_compute(model, strategy, sequence_length),
                                    mesh)
     else:
         compute = LocalCompute(model, k, mesh, xla=config.xla)
     with tf.init_scope():
-        if mesh is not None:
+        if config.tensor > 1:
             partition_model(model, mesh)
             if config.pipeline > 1:
                 compute.pipeline.split_copies()  # a tied embedding's, on the last stage
         whole_where_not_kept(model)
     if config.zero:
         with tf.init_scope():
-            update = ShardedUpdate(model, config.zero)
-        return compute, ShardedReduce(update.layouts, config.zero, mesh), update
-    if mesh is not None:
-        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        return compute, DataGroupAllReduce(mesh, share_non_finite=scaled), KerasApply(model)
-    return compute, AllReduce(), KerasApply(model)
+            update = ShardedUpdate(model, config.zero, mesh)
+        return compute, ShardedReduce(update.layouts, config.zero, mesh, whole), update
+    if config.tensor > 1 and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        # Keras's update checks the rank's own gradients: an overflow on one
+        # rank is made everyone's, so that every rank skips the step.
+        whole = DataGroupAllReduce(mesh, share_non_finite=True)
+    return compute, whole, KerasApply(model)

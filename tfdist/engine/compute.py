@@ -36,7 +36,8 @@ class Compute:
     Args:
         model: the compiled Keras model.
         microbatches: microbatches per replica batch.
-        mesh: the strategy's `TensorMesh`, or None.
+        mesh: the strategy's `replica_mesh` (a `TensorMesh`, or a
+            `DataOnlyMesh` without tensor parallelism).
         loss: the per-microbatch loss (default: `MicrobatchLoss(model, mesh)`;
             a tf_keras model's: `tfdist.engine.tf_keras.TfKerasLoss`).
 
@@ -47,16 +48,15 @@ class Compute:
     ```
     """
 
-    def __init__(self, model, microbatches: int, mesh=None, loss=None):
+    def __init__(self, model, microbatches: int, mesh, loss=None):
         self.model = model
         self.microbatches = microbatches
         self.mesh = mesh
         self.loss = loss or microbatch.MicrobatchLoss(model, mesh)
 
     def __call__(self, data):
-        if self.mesh is not None:
-            with tf.name_scope("group_batch"):  # a tensor group shares its batch
-                data, _ = self.mesh.group_batch(data)
+        with tf.name_scope("group_batch"):  # a tensor group shares its batch
+            data, _ = self.mesh.group_batch(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         return self.gradients(x, y, sample_weight)
 
@@ -65,8 +65,7 @@ class Compute:
         each weighted by its share of the global batch."""
         k = self.microbatches
         if k > 1:
-            groups = self.model.distribute_strategy.num_replicas_in_sync // (
-                self.mesh.tensor if self.mesh is not None else 1)
+            groups = self.model.distribute_strategy.num_replicas_in_sync // self.mesh.tensor
             microbatch.check_divides(tf.get_static_value(microbatch.batch_size_of(x)), k, groups)
             microbatch.check_mean_losses(self.model, k)
         with tf.name_scope("count"):
@@ -87,26 +86,27 @@ class LocalCompute(Compute):
     Args:
         model: the compiled Keras model.
         microbatches: microbatches per replica batch.
-        mesh: the strategy's `TensorMesh`, or None.
+        mesh: the strategy's `replica_mesh` (a `TensorMesh`, or a
+            `DataOnlyMesh` without tensor parallelism).
         xla: compile each microbatch's forward and backward with XLA.
         loss: the per-microbatch loss (as `Compute`'s).
 
     Example:
 
     ```python
-    compute = LocalCompute(model, microbatches=4)
+    compute = LocalCompute(model, 4, strategy.replica_mesh)
     grads, metrics = strategy.run(compute, args=(batch,))
     ```
     """
 
-    def __init__(self, model, microbatches: int, mesh=None, xla=False, loss=None):
+    def __init__(self, model, microbatches: int, mesh, xla=False, loss=None):
         super().__init__(model, microbatches, mesh, loss)
         self.moving = MovingStatistics([model])
         self._runs = [self._forward_backward] * microbatches
         if xla:
             self._runs = [tf.function(
                 self._forward_backward, jit_compile=True, reduce_retracing=True)] * microbatches
-        elif mesh is not None and microbatches > 1:
+        elif mesh.tensor > 1 and microbatches > 1:
             # The replicas are traced into one graph, in which TensorFlow
             # chains every stateful op without a resource (the loss's shape
             # asserts) in program order: replica 0's microbatch 1, which waits
@@ -162,16 +162,18 @@ class PipelinedCompute(Compute):
         microbatches: microbatches per replica batch.
         pipeline: the `PipelineCompute` that runs the stages' units in
             schedule order (`tfdist.pipeline.compute.pipeline_compute`).
-        mesh: the strategy's `TensorMesh`, or None.
+        mesh: the strategy's `replica_mesh` (a `TensorMesh`, or a
+            `DataOnlyMesh` without tensor parallelism).
 
     Example:
 
     ```python
-    compute = PipelinedCompute(model, 4, pipeline_compute(model, strategy))
+    compute = PipelinedCompute(model, 4, pipeline_compute(model, strategy),
+                               strategy.replica_mesh)
     ```
     """
 
-    def __init__(self, model, microbatches: int, pipeline, mesh=None):
+    def __init__(self, model, microbatches: int, pipeline, mesh):
         super().__init__(model, microbatches, mesh)
         self.pipeline = pipeline
 

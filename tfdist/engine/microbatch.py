@@ -171,7 +171,7 @@ class MicrobatchLoss:
 
     Args:
         model: the compiled Keras model.
-        mesh: the strategy's `TensorMesh`, or None. When the model's final
+        mesh: the strategy's `replica_mesh`. When the model's final
             classifier is split by classes, the loss is computed on each
             rank's slice of the logits (`logits()` is the context for the
             forward pass) and the metrics see the gathered logits.
@@ -179,7 +179,7 @@ class MicrobatchLoss:
     Example:
 
     ```python
-    loss_of = MicrobatchLoss(model, mesh=None)
+    loss_of = MicrobatchLoss(model, strategy.replica_mesh)
     with tf.GradientTape() as tape, loss_of.logits():
         y_pred = model(mb.x, training=True)
         loss = loss_of.loss(mb, y_pred)
@@ -188,12 +188,12 @@ class MicrobatchLoss:
     ```
     """
 
-    def __init__(self, model, mesh=None):
+    def __init__(self, model, mesh):
         self.model = model
         self.mesh = mesh
 
     def _sharded(self):
-        return self.mesh is not None and sharded_classifier(self.model)
+        return sharded_classifier(self.model)
 
     def logits(self):
         """The context of a forward pass whose logits the loss takes."""

@@ -124,17 +124,17 @@ class AlreadyReduced:
     replica's shard of every reduced gradient: they pass through.
 
     Args:
-        mesh: the strategy's `TensorMesh`, or None: metric states are summed
-            over the data group, or over every replica.
+        whole: the reduce part that sums the metric states over the global
+            batch (`AllReduce`, or with tensor groups `DataGroupAllReduce`).
 
     Example:
 
-    >>> AlreadyReduced()([None])
+    >>> AlreadyReduced(AllReduce())([None])
     [None]
     """
 
-    def __init__(self, mesh=None):
-        self._sum = DataGroupAllReduce(mesh) if mesh is not None else AllReduce()
+    def __init__(self, whole):
+        self._sum = whole
 
     def __call__(self, grads):
         return grads
@@ -175,21 +175,24 @@ class ShardedReduce:
             is cut into element shards over its data group.
         zero: 1 (all-reduce, then keep this replica's shard) or 2
             (reduce-scatter: no replica ever holds another's reduced shard).
-        mesh: the strategy's `TensorMesh` (the reduction is over each data
-            group), or None (over every replica).
+        mesh: the strategy's `replica_mesh`: the reduction is over each data
+            group (every replica without tensor groups).
+        whole: the reduce part for what is reduced whole (every gradient
+            under `zero=1`, sparse ones, the metric states): `AllReduce`, or
+            with tensor groups `DataGroupAllReduce`.
 
     Example:
 
     ```python
-    shards = ShardedReduce(update.layouts, zero=2)(grads)
+    shards = ShardedReduce(update.layouts, 2, strategy.replica_mesh, AllReduce())(grads)
     ```
     """
 
-    def __init__(self, layouts, zero: int, mesh=None):
+    def __init__(self, layouts, zero: int, mesh, whole):
         self.layouts = layouts
         self.zero = zero
         self.mesh = mesh
-        self._full = DataGroupAllReduce(mesh) if mesh is not None else AllReduce()
+        self._full = whole
 
     def __call__(self, grads):
         return self.with_states(grads, [])[0]
@@ -206,7 +209,7 @@ class ShardedReduce:
         layouts = [self.layouts[i] for i in positions]
         context = tf.distribute.get_replica_context()
         # This replica's shard index: its place in its data group.
-        index = context.replica_id_in_sync_group // (mesh.tensor if mesh else 1)
+        index = context.replica_id_in_sync_group // mesh.tensor
         # Sparse gradients are gathered whole (their slices, as tf.distribute
         # does), and each replica keeps the parts inside its shard.
         gathered = [k for k, g in enumerate(present)
@@ -219,9 +222,9 @@ class ShardedReduce:
         if scattered:
             parts = packed_reduce_scatter([present[k] for k in scattered],
                                           [layouts[k] for k in scattered],
-                                          mesh.data_launcher() if mesh else None)
+                                          mesh.data_launcher())
             for k, g in zip(scattered, parts):  # times t: see DataGroupAllReduce
-                shards[k] = g * tf.cast(mesh.tensor, g.dtype) if mesh else g
+                shards[k] = g * tf.cast(mesh.tensor, g.dtype) if mesh.tensor > 1 else g
         out = [None] * len(grads)
         for i, shard in zip(positions, shards):
             out[i] = shard

@@ -154,11 +154,12 @@ def parts(model, config: ParallelConfig, loss=None, optimizer=None):
     ```
     """
     loss = loss or TfKerasLoss(model, optimizer)
-    compute = LocalCompute(model, config.microbatches, xla=config.xla, loss=loss)
+    mesh = model.distribute_strategy.replica_mesh  # (no tensor groups: Keras 3 only)
+    compute = LocalCompute(model, config.microbatches, mesh, xla=config.xla, loss=loss)
     if config.zero:
         with tf.init_scope():
-            update = TfKerasShardedUpdate(model, config.zero, optimizer)
-        return compute, ShardedReduce(update.layouts, config.zero), update
+            update = TfKerasShardedUpdate(model, config.zero, mesh, optimizer)
+        return compute, ShardedReduce(update.layouts, config.zero, mesh, AllReduce()), update
     return compute, AllReduce(), TfKerasApply(model, optimizer)
 
 

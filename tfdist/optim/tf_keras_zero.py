@@ -20,8 +20,8 @@ loss scaling (`mixed_float16`) are refused before the first step.
 Example:
 
 ```python
-update = TfKerasShardedUpdate(model, zero=1)          # once, optimizer built
-reduce = ShardedReduce(update.layouts, 1)
+update = TfKerasShardedUpdate(model, 1, strategy.replica_mesh)   # once, optimizer built
+reduce = ShardedReduce(update.layouts, 1, strategy.replica_mesh, AllReduce())
 update(reduce(local_gradients))    # per step, in replica context
 ```
 """
@@ -91,22 +91,24 @@ class TfKerasShardedUpdate(ShardedUpdate):
     Args:
         model: a tf_keras model built under a tfdist strategy.
         zero: the stage, 1 or 2.
+        mesh: the strategy's `replica_mesh`.
         optimizer: the optimizer that applies (default: the model's compiled
             one); it is built on the model's trainable variables if it is not.
 
     Example:
 
     ```python
-    update = TfKerasShardedUpdate(model, zero=2)
-    update(ShardedReduce(update.layouts, 2)(local_gradients))
+    mesh = strategy.replica_mesh
+    update = TfKerasShardedUpdate(model, 2, mesh)
+    update(ShardedReduce(update.layouts, 2, mesh, AllReduce())(local_gradients))
     ```
     """
 
-    def __init__(self, model, zero: int, optimizer=None):
+    def __init__(self, model, zero: int, mesh, optimizer=None):
         optimizer = optimizer or model.optimizer
         with model.distribute_strategy.scope():
             optimizer.build(model.trainable_variables)  # a no-op once built
-        super().__init__(model, zero, optimizer)
+        super().__init__(model, zero, mesh, optimizer)
         for variable, buffer in zip(self.variables, self.buffers):
             tf_keras_optimizer.found_as(buffer, variable)
 

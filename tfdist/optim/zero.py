@@ -157,20 +157,24 @@ class ShardedUpdate:
 
     Args:
         model: a compiled, built `keras.Model` under a tfdist strategy.
-        zero: the stage, 1 or 2.
+        zero: the stage, 1, 2 or 3.
+        mesh: the strategy's `replica_mesh`: with tensor groups each replica
+            updates its tensor rank's part of every weight, sharded over its
+            data group.
         optimizer: the optimizer that applies (default: the model's compiled
             one).
 
     Example:
 
     ```python
-    update = ShardedUpdate(model, zero=2)                  # once
-    reduce = ShardedReduce(update.layouts, 2)              # once
+    mesh = strategy.replica_mesh
+    update = ShardedUpdate(model, 2, mesh)                           # once
+    reduce = ShardedReduce(update.layouts, 2, mesh, AllReduce())     # once
     update(reduce(local_gradients))   # per step, in replica context
     ```
     """
 
-    def __init__(self, model, zero: int, optimizer=None):
+    def __init__(self, model, zero: int, mesh, optimizer=None):
         optimizer = optimizer or model.optimizer
         self._check(optimizer, zero)
         self.zero = zero
@@ -182,8 +186,8 @@ class ShardedUpdate:
         # With tensor parallelism each replica updates its tensor rank's part
         # of every weight (a slice if the weight is split, else all of it),
         # sharded across the replicas of its data group.
-        self.mesh = getattr(strategy, "tensor_mesh", None)
-        tensor = self.mesh.tensor if self.mesh else 1
+        self.mesh = mesh
+        tensor = mesh.tensor
         self.num_shards = strategy.num_replicas_in_sync // tensor
         self.variables = self._optimizer_variables()
         # Where each replica's state lives, and its slicing of the local part.
@@ -255,9 +259,9 @@ class ShardedUpdate:
         layouts = [self._by_index[i] for i in indices]
         context = tf.distribute.get_replica_context()
         mesh = self.mesh
-        launcher = mesh.data_launcher() if mesh else None
+        launcher = mesh.data_launcher()
         # This replica's shard index: its place in its data group.
-        replica = context.replica_id_in_sync_group // (mesh.tensor if mesh else 1)
+        replica = context.replica_id_in_sync_group // mesh.tensor
         with tf.name_scope("apply"):
             # One decision on every replica (of every tensor rank): the
             # shards of all replicas cover every reduced gradient.

@@ -268,8 +268,7 @@ def gather_stage_parameters(pipeline, layouts):
 def _gathering(model, layouts, launcher):
     """A runner's `gather`: the full values of its weights from their shards
     (`layouts` aligned with `model.trainable_weights`), in the dtypes their
-    layers compute with, over the group of the launcher `launcher()` gives
-    (None: every replica)."""
+    layers compute with, over the group of the launcher `launcher()` gives."""
     index = {id(v): i for i, v in enumerate(model.trainable_weights)}
     dtypes = read_dtypes(model)
 
@@ -306,7 +305,7 @@ def with_gathered_parameters(fn, model):
     ```
     """
     dtypes = read_dtypes(model)
-    mesh = getattr(model.distribute_strategy, "tensor_mesh", None)
+    mesh = model.distribute_strategy.replica_mesh
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -315,7 +314,7 @@ def with_gathered_parameters(fn, model):
             return fn(*args, **kwargs)
         # (With tensor groups: each replica's rank slices, over its data group.)
         full = gather(sharded, [storage_layout(v).part for v in sharded],
-                      [dtypes[id(v)] for v in sharded], mesh.data_launcher() if mesh else None)
+                      [dtypes[id(v)] for v in sharded], mesh.data_launcher())
         with substituted(zip(sharded, full)):
             return fn(*args, **kwargs)
 
@@ -331,6 +330,10 @@ class GatheredUnits(StagedCompute):
         layouts: each trainable weight's `ShardLayout` (aligned with
             `model.trainable_weights`: `ShardedUpdate.layouts`).
         devices: `devices[r][0]`, the device of data replica r.
+        mesh: the strategy's `replica_mesh`: each unit gathers and
+            reduce-scatters over the replica's data group.
+        whole: the reduce part of gradients reduced whole (sparse ones):
+            `AllReduce`, or with tensor groups `DataGroupAllReduce`.
         min_params: the fewest parameters of a unit (`plan_units`).
 
     Called in replica context with one (x, y, sample_weight, share, size)
@@ -340,19 +343,20 @@ class GatheredUnits(StagedCompute):
     Example:
 
     ```python
-    compute = PipelinedCompute(model, 2, GatheredUnits(model, update.layouts,
-                                                         strategy.pipeline_devices))
+    mesh = strategy.replica_mesh
+    units = GatheredUnits(model, update.layouts, strategy.pipeline_devices, mesh, AllReduce())
+    compute = PipelinedCompute(model, 2, units, mesh)
     ```
     """
 
-    def __init__(self, model, layouts, devices, min_params=0, mesh=None):
+    def __init__(self, model, layouts, devices, mesh, whole, min_params=0):
         units = plan_units(model, min_params)
         self.layouts = layouts
-        self.mesh = mesh
-        gather_unit = _gathering(model, layouts, lambda: mesh.data_launcher() if mesh else None)
+        self.whole = whole
+        gather_unit = _gathering(model, layouts, mesh.data_launcher)
         super().__init__(model, units, devices, [0] * len(units),
                          [StageRunner(unit, model.trainable_weights, gather=gather_unit)
-                          for unit in units])
+                          for unit in units], mesh)
 
     def _run_actions(self, slices, local, mesh):
         device = self.devices[local][0]
@@ -394,7 +398,7 @@ class GatheredUnits(StagedCompute):
         if all(g is None for g in grads):
             return grads
         return ShardedReduce([self.layouts[index] for index, _ in runner.weights], 2,
-                             self.mesh)(grads)
+                             self.mesh, self.whole)(grads)
 
 
 @contextlib.contextmanager

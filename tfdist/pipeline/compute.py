@@ -27,7 +27,6 @@ for a "B" and a "W" alike; a "W"'s ops wait for its `bwd_weight/mb{i}/start`,
 and its gradients are added to the stage's totals under `bwd_weight/mb{i}`.
 """
 
-import contextlib
 import functools
 
 import tensorflow as tf
@@ -75,6 +74,7 @@ class StagedCompute:
         devices: `devices[r][d]`, device d of data replica r.
         device_of: the device index (into `devices[r]`) of each stage.
         runners: each stage's `StageRunner`.
+        mesh: the strategy's `replica_mesh` (tensor groups inside stages).
 
     Example:
 
@@ -84,14 +84,15 @@ class StagedCompute:
     ```
     """
 
-    def __init__(self, model, stages, devices, device_of, runners):
+    def __init__(self, model, stages, devices, device_of, runners, mesh):
         self.model = model
         self.graph = stages[0].graph
         self.stages = stages
         self.devices = devices
         self.device_of = device_of
         self.runners = runners
-        self.loss = MicrobatchLoss(model, getattr(model.distribute_strategy, "tensor_mesh", None))
+        self.mesh = mesh
+        self.loss = MicrobatchLoss(model, mesh)
         self._per_replica = {}  # with tensor groups: local replica -> its tf.function
 
     def __call__(self, slices):
@@ -105,8 +106,8 @@ class StagedCompute:
         if replica is None:
             raise RuntimeError("pipeline: the replica id is not known while tracing.")
         local = int(local_replica_id(strategy.extended, replica))
-        mesh = getattr(strategy, "tensor_mesh", None)
-        if mesh is None:
+        mesh = self.mesh
+        if mesh.tensor == 1:
             return self._finish(*self._replica_actions(slices, local, mesh), local)
         # With tensor groups, actions all-reduce with the other replicas. The
         # replicas are traced into one graph, in which TensorFlow chains
@@ -176,6 +177,7 @@ class PipelineCompute(StagedCompute):
         devices: `devices[r][d]`, pipeline device d of data replica r (stage
             s runs on device `stage_device(kind, s, p)`: s mod p, or ZB-V's V).
         microbatches: microbatches per replica batch.
+        mesh: the strategy's `replica_mesh`.
         kind: the schedule, a key of `tfdist.pipeline.schedule.SCHEDULES`.
         remat: recompute each stage's forward in its backward.
         xla: compile each stage's layers with XLA.
@@ -188,20 +190,21 @@ class PipelineCompute(StagedCompute):
     Example:
 
     ```python
-    compute = PipelineCompute(model, plan_stages(model, 2), [["CPU:0", "CPU:1"]], 4, "1f1b")
+    compute = PipelineCompute(model, plan_stages(model, 2), [["CPU:0", "CPU:1"]], 4,
+                              strategy.replica_mesh, "1f1b")
     grads, metrics = compute(slices)   # inside strategy.run: one (x, y, sw, share, size)
                                        # per microbatch
     ```
     """
 
-    def __init__(self, model, stages, devices, microbatches, kind, remat=False, xla=False,
-                 copies=None, virtual_stages=1):
+    def __init__(self, model, stages, devices, microbatches, mesh, kind, remat=False,
+                 xla=False, copies=None, virtual_stages=1):
         self.pipeline = len(stages) // virtual_stages
         super().__init__(
             model, stages, devices,
             [stage_device(kind, s, self.pipeline) for s in range(len(stages))],
             [StageRunner(stage, model.trainable_weights, xla=xla, copies=copies)
-             for stage in stages])
+             for stage in stages], mesh)
         self.order = emission_order(stage_orders(kind, self.pipeline, microbatches,
                                                  virtual_stages))
         self.split_backward = any(action.kind == WEIGHTS for action in self.order)
@@ -241,7 +244,7 @@ class PipelineCompute(StagedCompute):
                     if s == last else None)
             with tf.name_scope(f"stage{s}/{names[action.kind]}/mb{i}"), \
                     tf.device(devices[d]), tf.control_dependencies(previous[d]), \
-                    mesh.stage(d) if mesh else contextlib.nullcontext():
+                    mesh.stage(d):
                 if action.kind == FORWARD:
                     runner.moving.reset(starts[s])  # every microbatch from the step's start
                     kept = runner.forward(env[i], head, remat=self.remat)
@@ -291,6 +294,6 @@ def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:
     stages = plan_stages(model, config.model_stages, config.stage_boundaries, sequence_length)
     devices = strategy.pipeline_devices
     copies = place_stages(model, stages, stage_devices(config, devices), strategy)
-    return PipelineCompute(model, stages, devices, config.microbatches,
+    return PipelineCompute(model, stages, devices, config.microbatches, strategy.replica_mesh,
                            config.schedule, remat=config.remat, xla=config.xla,
                            copies=copies, virtual_stages=config.virtual_stages)

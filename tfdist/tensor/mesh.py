@@ -256,6 +256,79 @@ class TensorMesh:
         return on_group_batch
 
 
+class DataOnlyMesh:
+    """The mesh of a strategy without tensor parallelism: tensor groups of one
+    replica, every replica in one data group.
+
+    It answers what `TensorMesh` answers, so the step's parts take a mesh
+    whatever the config: its tensor-group operators are the identity, its
+    data group's launcher is the strategy's own.
+
+    Args:
+        strategy: a `tfdist.Strategy` or `tfdist.MultiWorkerStrategy`.
+
+    Example:
+
+    >>> mesh = DataOnlyMesh(tfdist.Strategy(data=2, devices=["/cpu:0", "/cpu:1"]))
+    >>> mesh.tensor, mesh.rank(), mesh.copy(3)
+    (1, None, 3)
+    """
+
+    tensor = 1
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    @property
+    def num_replicas(self):
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def data(self):
+        return self.num_replicas
+
+    def stage(self, index: int):
+        """(Nothing to move: no tensor group collectives.)"""
+        del index
+        return contextlib.nullcontext()
+
+    def replica(self):
+        """As `TensorMesh.replica`."""
+        return TensorMesh.replica(self)
+
+    def rank(self):
+        """0 in this strategy's replica context, else None."""
+        return None if self.replica() is None else 0
+
+    def data_launcher(self):
+        """The strategy's own collective launcher of the current replica."""
+        return tf_collectives.strategy_launcher(
+            self.strategy.extended, tf_distribute.current_local_replica_id())
+
+    def reduce(self, x):
+        return x
+
+    def copy(self, x):
+        return x
+
+    def gather_last(self, x):
+        return x
+
+    def take_slice(self, x, axis):
+        del axis
+        return x
+
+    def on_group_batch(self, step, own_rows=False):
+        """`step` itself: a replica's batch is its group's."""
+        del own_rows
+        return step
+
+    def group_batch(self, data):
+        """`(data, (0, its rows))`: a replica's batch is its group's."""
+        tensors = [t for t in tf.nest.flatten(data) if t is not None]
+        return data, (0, tf.shape(tensors[0])[0])
+
+
 def _concatenated(launcher, x, axis):
     """The group's `x` concatenated along `axis`, in rank order."""
     rank = x.shape.rank
