@@ -146,7 +146,11 @@ class _StepOwner:
         >>> tfdist.Strategy(data=2, devices=["/cpu:0", "/cpu:1"]).replica_mesh.tensor
         1
         """
-        return self.tensor_mesh or DataOnlyMesh(self)
+        return self._replica_mesh
+
+    @functools.cached_property
+    def _replica_mesh(self):
+        return self.tensor_mesh or DataOnlyMesh(self, getattr(self, "pipeline_devices", None))
 
     def reduce(self, reduce_op, value, axis):
         """`tf.distribute.Strategy.reduce`, also for batches of unequal size.

@@ -185,6 +185,23 @@ def test_pipeline_stages_gather_their_parameters_over_their_data_group(
             re.search(r"per device ([\d,]+) B", line).group(1).replace(",", ""))
     for index in range(2):
         assert held[f"CPU:{index}"] == held[f"CPU:{2 + index}"] == own[index]
+    # Each stage's gradients are reduce-scattered on its own device, among
+    # the two replicas' copies of it: a device receives its stages' whole
+    # gradients, not the model's (the whole model's were once moved to the
+    # replica's own device first).
+    scattered = [0, 0]  # by pipeline device index: bytes entering its reduce-scatters
+    for op in _step_graph(result[2]).get_operations():
+        if op.type == "CollectiveAllToAllV2":
+            cpu = int(op.device.rpartition(":")[2])
+            assert op.inputs[1].op.get_attr("value").int_val == [2], op.name
+            if cpu < 2:  # replica 0's devices
+                rows = op.inputs[0]
+                scattered[cpu] += rows.shape.num_elements() * rows.dtype.size
+    # (the rows of two shards each, every weight float32: twice what it keeps;
+    # the embedding's slices, on stage 0, are gathered instead)
+    sliced = sum(2 * -(-w.shape.num_elements() // 2) * 4 for layer in model.layers
+                 if isinstance(layer, keras.layers.Embedding) for w in layer.trainable_weights)
+    assert scattered == [2 * own[0] - sliced, 2 * own[1]], (scattered, own, sliced)
     assert sum(held.values()) // 2 == int(re.search(
         r"([\d,]+) B per replica", lines[[k for k, line in enumerate(lines)
                                           if line.startswith("zero=3 over")][0]]).group(1)

@@ -227,9 +227,8 @@ def assemble(model, config: ParallelConfig, sequence_length=None):
         with tf.init_scope():
             whole_where_not_kept(model)
             update = ShardedUpdate(model, 3, mesh)
-        zero3.gather_stage_parameters(pipeline, update.layouts)
-        return (PipelinedCompute(model, k, pipeline, mesh),
-                ShardedReduce(update.layouts, 2, mesh, whole), update)
+        zero3.gather_stage_parameters(pipeline, update.layouts, whole)
+        return PipelinedCompute(model, k, pipeline, mesh), AlreadyReduced(whole), update
     if config.zero == 3:  # layers split, then sharded: the units gather them
         with tf.init_scope():
             if config.tensor > 1:

@@ -52,11 +52,8 @@ import functools
 import keras
 import tensorflow as tf
 
-from tfdist._compat import tf_collectives, tf_distribute
 from tfdist._compat.keras_functional import nested_sublayers
 from tfdist._compat.keras_layers import read_dtype
-from tfdist._compat.tf_collectives import group_launcher
-from tfdist._compat.tf_distribute import current_local_replica_id
 from tfdist._compat.tf_variables import storage_of
 from tfdist.engine.reduce import ShardedReduce
 from tfdist.pipeline.compute import StagedCompute
@@ -231,17 +228,21 @@ def gather(variables, layouts, dtypes, launcher=None):
                                   for v, dtype in zip(variables, dtypes)], layouts, launcher)
 
 
-def gather_stage_parameters(pipeline, layouts):
+def gather_stage_parameters(pipeline, layouts, whole):
     """Makes a `PipelineCompute` (its stages placed, its model's parameters
-    then sharded by `ShardedUpdate(model, 3)`, `layouts` aligned with the
-    trainable weights) compute with gathered parameters: each stage's runner
-    all-gathers the stage's shards over its data group (that stage's device
-    of every replica), on the stage's device, for every forward and replay.
+    then sharded by `ShardedUpdate(model, 3, mesh)`, `layouts` aligned with
+    the trainable weights) compute with gathered parameters: each stage's
+    runner all-gathers the stage's shards over its data group (that stage's
+    device of every replica), on the stage's device, for every forward and
+    replay; and reduce-scatter each stage's gradients there, over the same
+    group, so that no device holds more than its stage's whole gradients
+    (`whole`: the reduce part of those reduced whole, sparse ones). The
+    step's reduce part is then `AlreadyReduced`.
 
     Example:
 
     ```python
-    gather_stage_parameters(pipeline, update.layouts)   # before the first step
+    gather_stage_parameters(pipeline, update.layouts, AllReduce())   # before the first step
     ```
     """
     model = pipeline.model
@@ -256,13 +257,26 @@ def gather_stage_parameters(pipeline, layouts):
         raise NotImplementedError(
             "`zero=3` with `pipeline` runs in one process in this version (its "
             "replicas' stage devices all local): use zero <= 2 across workers.")
-    launchers = _stage_launchers(strategy)
-    for s, runner in enumerate(pipeline.runners):
-        def launcher(device=pipeline.device_of[s]):
-            return (None if launchers[device] is None
-                    else launchers[device][current_local_replica_id()])
+    mesh = pipeline.mesh  # (its data launcher is the current stage's: `mesh.stage`)
+    for runner in pipeline.runners:
+        runner.gather = _gathering(model, layouts, mesh.data_launcher)
 
-        runner.gather = _gathering(model, layouts, launcher)
+    def scattered(totals, devices):
+        shards = [None] * len(layouts)
+        for s, stage_totals in enumerate(totals):
+            d = pipeline.device_of[s]
+            present = [i for i, g in enumerate(stage_totals) if g is not None]
+            if not present:
+                continue
+            with tf.name_scope(f"stage{s}/reduce_scatter"), tf.device(devices[d]), \
+                    mesh.stage(d):
+                reduced = ShardedReduce([layouts[i] for i in present], 2, mesh, whole)(
+                    [stage_totals[i] for i in present])
+            for i, shard in zip(present, reduced):  # (no weight is on two stages)
+                shards[i] = shard
+        return shards
+
+    pipeline.gradients_out = scattered
 
 
 def _gathering(model, layouts, launcher):
@@ -277,21 +291,6 @@ def _gathering(model, layouts, launcher):
                       [dtypes[id(v)] for v in variables], launcher())
 
     return gather_weights
-
-
-def _stage_launchers(strategy):
-    """By pipeline device index d: None for d = 0 (the replica's own device:
-    the strategy's launcher), else each local replica's launcher of
-    collectives among every replica's device d, on its own device d."""
-    extended = strategy.extended
-    keys = tf_distribute.collective_keys(extended)
-    options = tf_collectives.launcher_options(tf_collectives.strategy_launcher(extended, 0))
-    launchers = [None]
-    for d in range(1, len(strategy.pipeline_devices[0])):
-        group = [devices[d] for devices in strategy.pipeline_devices]
-        launchers.append([group_launcher(keys, group, device, options=options)
-                          for device in group])
-    return launchers
 
 
 def with_gathered_parameters(fn, model):

@@ -208,6 +208,8 @@ class PipelineCompute(StagedCompute):
         self.order = emission_order(stage_orders(kind, self.pipeline, microbatches,
                                                  virtual_stages))
         self.split_backward = any(action.kind == WEIGHTS for action in self.order)
+        # The stages' gradient totals -> each weight's (`meet_on_replica_device`).
+        self.gradients_out = meet_on_replica_device
         self.remat = remat
         self.peak_held = [0] * self.pipeline
 
@@ -271,11 +273,23 @@ class PipelineCompute(StagedCompute):
                     start = tf.no_op(name="start")
                     weights = deferred.pop((s, i)).start_weights(start)
                     previous[d] = self._add(totals[s], runner, weights) or [start]
-        # The gradients meet on the replica's own device: the data-parallel
-        # reduce is then one packed all-reduce, as without stages.
-        with tf.device(devices[0]):
-            totals = [None if g is None else tf.identity(g) for g in _meet(totals)]
-        return totals, metrics, starts, moved
+        return self.gradients_out(totals, devices), metrics, starts, moved
+
+
+def meet_on_replica_device(totals, devices):
+    """Each weight's gradient from the stages' `totals` (one list per stage,
+    aligned with the model's trainable weights), on the replica's own device
+    `devices[0]`: the data-parallel reduce is then one packed all-reduce, as
+    without stages.
+
+    Example:
+
+    ```python
+    grads = meet_on_replica_device(totals, strategy.pipeline_devices[0])
+    ```
+    """
+    with tf.device(devices[0]):
+        return [None if g is None else tf.identity(g) for g in _meet(totals)]
 
 
 def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:

@@ -33,7 +33,35 @@ from tfdist._compat import tf_collectives, tf_distribute
 from tfdist._compat.tf_collectives import group_launcher
 
 
-class TensorMesh:
+class _Staged:
+    """What both meshes share: the pipeline stage the current thread's
+    collectives are for (`stage`)."""
+
+    @contextlib.contextmanager
+    def stage(self, index: int):
+        """Collectives of the current thread (replica) use pipeline stage
+        `index`'s devices while in effect (the pipeline engine sets it around
+        each unit of stage `index`).
+
+        Example:
+
+        ```python
+        with mesh.stage(1):
+            y = mesh.reduce(partial_sum)   # over the stage-1 devices of the group
+        ```
+        """
+        previous = self._stage_index()
+        self._stage.index = index
+        try:
+            yield
+        finally:
+            self._stage.index = previous
+
+    def _stage_index(self):
+        return getattr(self._stage, "index", 0)
+
+
+class TensorMesh(_Staged):
     """The data x tensor layout of a strategy's N replicas, t shards per group.
 
     Args:
@@ -98,26 +126,6 @@ class TensorMesh:
                 for replica, device in enumerate(on_stage)})
         self._stage = threading.local()
 
-    @contextlib.contextmanager
-    def stage(self, index: int):
-        """Tensor collectives of the current thread (replica) use pipeline
-        stage `index`'s devices while in effect (the pipeline engine sets it
-        around each unit of stage `index`).
-
-        Example:
-
-        ```python
-        with mesh.stage(1):
-            y = mesh.reduce(partial_sum)   # over the stage-1 devices of the group
-        ```
-        """
-        previous = getattr(self._stage, "index", 0)
-        self._stage.index = index
-        try:
-            yield
-        finally:
-            self._stage.index = previous
-
     def replica(self):
         """The current replica's id in the sync group (across workers), or
         None outside this mesh's replicas."""
@@ -134,7 +142,7 @@ class TensorMesh:
         return None if replica is None else replica % self.tensor
 
     def _tensor_launcher(self):
-        return self._tensor_launchers[getattr(self._stage, "index", 0)][self.replica()]
+        return self._tensor_launchers[self._stage_index()][self.replica()]
 
     def data_launcher(self):
         """The current replica's launcher of collectives over its data group
@@ -256,16 +264,20 @@ class TensorMesh:
         return on_group_batch
 
 
-class DataOnlyMesh:
+class DataOnlyMesh(_Staged):
     """The mesh of a strategy without tensor parallelism: tensor groups of one
     replica, every replica in one data group.
 
     It answers what `TensorMesh` answers, so the step's parts take a mesh
     whatever the config: its tensor-group operators are the identity, its
-    data group's launcher is the strategy's own.
+    data group's launcher is the strategy's own, or under `stage(s)` (s > 0)
+    one among the stage-s devices of every replica (made on first use; the
+    replicas all of this process's).
 
     Args:
-        strategy: a `tfdist.Strategy` or `tfdist.MultiWorkerStrategy`.
+        strategy: a tfdist strategy.
+        stage_devices: with pipeline stages, `stage_devices[r][s]` is the
+            device of replica r's stage s.
 
     Example:
 
@@ -276,8 +288,12 @@ class DataOnlyMesh:
 
     tensor = 1
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, stage_devices=None):
         self.strategy = strategy
+        self._stage_devices = stage_devices
+        self._stage = threading.local()
+        self._stage_launchers = {}  # stage -> the local replicas' launchers
+        self._lock = threading.Lock()
 
     @property
     def num_replicas(self):
@@ -286,11 +302,6 @@ class DataOnlyMesh:
     @property
     def data(self):
         return self.num_replicas
-
-    def stage(self, index: int):
-        """(Nothing to move: no tensor group collectives.)"""
-        del index
-        return contextlib.nullcontext()
 
     def replica(self):
         """As `TensorMesh.replica`."""
@@ -301,9 +312,21 @@ class DataOnlyMesh:
         return None if self.replica() is None else 0
 
     def data_launcher(self):
-        """The strategy's own collective launcher of the current replica."""
-        return tf_collectives.strategy_launcher(
-            self.strategy.extended, tf_distribute.current_local_replica_id())
+        """The current replica's launcher of collectives over its data group
+        on the current stage's devices (the strategy's own on stage 0)."""
+        stage, local = self._stage_index(), tf_distribute.current_local_replica_id()
+        extended = self.strategy.extended
+        if stage == 0:
+            return tf_collectives.strategy_launcher(extended, local)
+        with self._lock:  # (replica threads trace at once)
+            if stage not in self._stage_launchers:
+                group = [devices[stage] for devices in self._stage_devices]
+                options = tf_collectives.launcher_options(
+                    tf_collectives.strategy_launcher(extended, 0))
+                keys = tf_distribute.collective_keys(extended)
+                self._stage_launchers[stage] = [
+                    group_launcher(keys, group, device, options=options) for device in group]
+        return self._stage_launchers[stage][local]
 
     def reduce(self, x):
         return x
