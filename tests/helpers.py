@@ -11,6 +11,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,13 @@ def run_tfdist(*args, timeout=120, env=None):
     environment); its output is captured as text."""
     return subprocess.run([*TFDIST, *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def output_tail(output, chars=4000):
+    """The last `chars` of a subprocess's `output`, for a failure message,
+    without the list of extension modules Python prints after a fatal
+    error's stacks (a few thousand characters that would hide them)."""
+    return re.sub(r"\nExtension modules: [^\n]*", "", output)[-chars:]
 
 
 def devices(n):

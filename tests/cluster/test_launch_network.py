@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import TFDIST, TINY_TASK
+from helpers import TFDIST, TINY_TASK, output_tail
 from tfdist.cluster.tf_config import free_ports
 
 pytestmark = [pytest.mark.multiprocess,
@@ -74,7 +74,7 @@ def start_job(command, go, *args, prefix=()):
         line = launcher.stdout.readline()
         if not line:
             launcher.wait()
-            pytest.fail(f"the job ended before serving:\n{output[-4000:]}")
+            pytest.fail(f"the job ended before serving:\n{output_tail(output)}")
         output += line
         match = re.match(r"\[worker:\d\] serving (.*)$", line)
         if match:
@@ -124,8 +124,8 @@ def test_a_launched_jobs_tensorflow_servers_are_reachable_from_this_host_only(tm
                 report["seen"]
     finally:
         rest = finish(launcher, go)
-    assert launcher.returncode == 0, rest[-4000:]
-    assert rest.count("trained True") == 2, rest[-4000:]
+    assert launcher.returncode == 0, output_tail(rest)
+    assert rest.count("trained True") == 2, output_tail(rest)
 
 
 @pytest.mark.parametrize("args, hidden", [((), True), (("--host-network",), False)])

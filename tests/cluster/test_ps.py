@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import TFDIST
+from helpers import TFDIST, output_tail
 
 ROOT = pathlib.Path(__file__).parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "ps_fit.py"
@@ -23,7 +23,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "ps_fit.py"
 
 def run(command, timeout=300):
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0, output_tail(done.stdout) + output_tail(done.stderr)
     return done.stdout + done.stderr
 
 
@@ -117,7 +117,7 @@ def test_a_frozen_task_fails_fit_naming_it_within_seconds(tmp_path, task):
     name = task.replace("-", ":")
     said = re.search(rf"TaskUnresponsiveError: Task {name} \(127.0.0.1:\d+, no answer for "
                      rf"(\d+) s\) stopped answering during training", out)
-    assert said, out[-4000:]
+    assert said, output_tail(out)
     assert int(said.group(1)) <= 20
     assert "[launch] chief:0 failed with exit code 1" in out
     assert "timed out" not in out
