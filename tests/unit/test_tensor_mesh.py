@@ -14,8 +14,9 @@ from tfdist.tensor.mesh import cluster_devices
 
 
 def per_replica(strategy, fn):
-    """`fn(mesh, replica)` run on every replica (in a tf.function), as numpy per replica."""
-    mesh = strategy.tensor_mesh
+    """`fn(mesh, replica)` run on every replica (in a tf.function), as numpy
+    per replica; `mesh` is the strategy's `replica_mesh`."""
+    mesh = strategy.replica_mesh
 
     @tf.function
     def step():
@@ -90,3 +91,32 @@ def test_cluster_devices_follow_the_task_ids_chief_first():
     assert cluster_devices(extended) == [
         f"/job:{job}/replica:0/task:{task}/device:CPU:{index}"
         for job, task in [("chief", 0), ("worker", 0), ("worker", 1)] for index in (0, 1)]
+
+
+def test_without_tensor_groups_the_replica_mesh_is_data_only():
+    strategy = tfdist.Strategy(data=2, pipeline=2, microbatches=2, devices=devices(4))
+    mesh = strategy.replica_mesh
+    assert strategy.tensor_mesh is None and mesh is strategy.replica_mesh
+    assert (mesh.data, mesh.tensor, mesh.num_replicas) == (2, 1, 2)
+    assert mesh.rank() is None  # outside the replicas
+    # Tensor-group operators are the identity; ranks are all 0.
+    ranks = per_replica(strategy, lambda mesh, replica: tf.constant(mesh.rank()))
+    assert ranks.tolist() == [0, 0]
+    same = per_replica(strategy, lambda mesh, replica: mesh.gather_last(mesh.reduce(
+        mesh.copy(replica[None, None]))))
+    assert same[:, 0, 0].tolist() == [0, 1]
+
+    # The data group is every replica; under `stage(1)` its collectives run
+    # among the replicas' stage-1 devices (CPU:1 and CPU:3), on those devices.
+    def summed_on(stage):
+        def fn(mesh, replica):
+            with mesh.stage(stage):
+                launcher = mesh.data_launcher()
+                with tf.device(strategy.pipeline_devices[mesh.replica()][stage]):
+                    total = launcher.all_reduce(replica[None] + 1)
+            return tf.stack([total[0], tf.constant(float(total.device.endswith(
+                f"CPU:{2 * mesh.replica() + stage}")))])
+        return per_replica(strategy, fn)
+
+    for stage in (0, 1):
+        assert summed_on(stage).tolist() == [[3.0, 1.0], [3.0, 1.0]], stage
