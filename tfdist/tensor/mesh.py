@@ -33,9 +33,9 @@ from tfdist._compat import tf_collectives, tf_distribute
 from tfdist._compat.tf_collectives import group_launcher
 
 
-class _Staged:
-    """What both meshes share: the pipeline stage the current thread's
-    collectives are for (`stage`)."""
+class _ReplicaMesh:
+    """What both meshes share: the current replica (`replica`) and the
+    pipeline stage its collectives are for (`stage`)."""
 
     @contextlib.contextmanager
     def stage(self, index: int):
@@ -60,8 +60,17 @@ class _Staged:
     def _stage_index(self):
         return getattr(self._stage, "index", 0)
 
+    def replica(self):
+        """The current replica's id in the sync group (across workers), or
+        None outside this mesh's replicas."""
+        context = tf.distribute.get_replica_context()
+        if context is None or context.strategy is not self.strategy:
+            return None
+        local = tf_distribute.current_local_replica_id()  # on this task
+        return tf_distribute.replica_id_in_sync_group(self.strategy.extended, local)
 
-class TensorMesh(_Staged):
+
+class TensorMesh(_ReplicaMesh):
     """The data x tensor layout of a strategy's N replicas, t shards per group.
 
     Args:
@@ -125,15 +134,6 @@ class TensorMesh(_Staged):
                                         options=options)
                 for replica, device in enumerate(on_stage)})
         self._stage = threading.local()
-
-    def replica(self):
-        """The current replica's id in the sync group (across workers), or
-        None outside this mesh's replicas."""
-        context = tf.distribute.get_replica_context()
-        if context is None or context.strategy is not self.strategy:
-            return None
-        local = tf_distribute.current_local_replica_id()  # on this task
-        return tf_distribute.replica_id_in_sync_group(self.strategy.extended, local)
 
     def rank(self):
         """The current replica's tensor rank (its shard index), or None outside
@@ -264,7 +264,7 @@ class TensorMesh(_Staged):
         return on_group_batch
 
 
-class DataOnlyMesh(_Staged):
+class DataOnlyMesh(_ReplicaMesh):
     """The mesh of a strategy without tensor parallelism: tensor groups of one
     replica, every replica in one data group.
 
@@ -302,10 +302,6 @@ class DataOnlyMesh(_Staged):
     @property
     def data(self):
         return self.num_replicas
-
-    def replica(self):
-        """As `TensorMesh.replica`."""
-        return TensorMesh.replica(self)
 
     def rank(self):
         """0 in this strategy's replica context, else None."""
