@@ -59,13 +59,24 @@ class PeakEstimate:
         return sum(dataclasses.astuple(self))
 
     def __str__(self):
-        parts = ", ".join(f"{field.name.replace('_', ' ')} {_gib(getattr(self, field.name))}"
+        parts = ", ".join(f"{field.name.replace('_', ' ')} {readable(getattr(self, field.name))}"
                           for field in dataclasses.fields(self))
-        return f"predicted peak per device {_gib(self.total)}: {parts}"
+        return f"predicted peak per device {readable(self.total)}: {parts}"
 
 
-def _gib(size):
-    return f"{size / 2**30:.2f} GiB"
+def readable(size: int) -> str:
+    """`size` bytes in the largest binary unit it fills (B to GiB), so that
+    a small model's prediction does not read as 0.00 GiB.
+
+    Example:
+
+    >>> readable(512), readable(13_908), readable(3 * 2**30)
+    ('512 B', '13.58 KiB', '3.00 GiB')
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size} B"
 
 
 def predict_peak(strategy, model, batch_size: int, sequence_length=None,
