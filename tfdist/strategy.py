@@ -135,7 +135,7 @@ class _StepOwner:
         """The data x tensor `TensorMesh` of the replicas when `tensor` > 1, else None."""
         return getattr(self, "_tensor_mesh", None)
 
-    @property
+    @functools.cached_property
     def replica_mesh(self):
         """The data x tensor mesh of the replicas, whatever the config: the
         `TensorMesh` when `tensor` > 1, else a `DataOnlyMesh` (tensor groups
@@ -146,10 +146,6 @@ class _StepOwner:
         >>> tfdist.Strategy(data=2, devices=["/cpu:0", "/cpu:1"]).replica_mesh.tensor
         1
         """
-        return self._replica_mesh
-
-    @functools.cached_property
-    def _replica_mesh(self):
         return self.tensor_mesh or DataOnlyMesh(self, getattr(self, "pipeline_devices", None))
 
     def reduce(self, reduce_op, value, axis):

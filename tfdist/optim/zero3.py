@@ -259,36 +259,35 @@ def gather_stage_parameters(pipeline, layouts, whole):
             "replicas' stage devices all local): use zero <= 2 across workers.")
     mesh = pipeline.mesh  # (its data launcher is the current stage's: `mesh.stage`)
     for runner in pipeline.runners:
-        runner.gather = _gathering(model, layouts, mesh.data_launcher)
+        runner.gather = _gathering(model, layouts, mesh)
 
     def scattered(totals, devices):
         shards = [None] * len(layouts)
         for s, stage_totals in enumerate(totals):
-            d = pipeline.device_of[s]
-            present = [i for i, g in enumerate(stage_totals) if g is not None]
-            if not present:
+            if all(g is None for g in stage_totals):
                 continue
+            d = pipeline.device_of[s]
             with tf.name_scope(f"stage{s}/reduce_scatter"), tf.device(devices[d]), \
                     mesh.stage(d):
-                reduced = ShardedReduce([layouts[i] for i in present], 2, mesh, whole)(
-                    [stage_totals[i] for i in present])
-            for i, shard in zip(present, reduced):  # (no weight is on two stages)
-                shards[i] = shard
+                reduced = ShardedReduce(layouts, 2, mesh, whole)(stage_totals)
+            # (no weight is on two stages)
+            shards = [shard if mine is None else mine for shard, mine in zip(shards, reduced)]
         return shards
 
     pipeline.gradients_out = scattered
 
 
-def _gathering(model, layouts, launcher):
+def _gathering(model, layouts, mesh):
     """A runner's `gather`: the full values of its weights from their shards
     (`layouts` aligned with `model.trainable_weights`), in the dtypes their
-    layers compute with, over the group of the launcher `launcher()` gives."""
+    layers compute with, over the data group of `mesh` (the current stage's:
+    `mesh.stage`)."""
     index = {id(v): i for i, v in enumerate(model.trainable_weights)}
     dtypes = read_dtypes(model)
 
     def gather_weights(variables):
         return gather(variables, [layouts[index[id(v)]] for v in variables],
-                      [dtypes[id(v)] for v in variables], launcher())
+                      [dtypes[id(v)] for v in variables], mesh.data_launcher())
 
     return gather_weights
 
@@ -352,7 +351,7 @@ class GatheredUnits(StagedCompute):
         units = plan_units(model, min_params)
         self.layouts = layouts
         self.whole = whole
-        gather_unit = _gathering(model, layouts, mesh.data_launcher)
+        gather_unit = _gathering(model, layouts, mesh)
         super().__init__(model, units, devices, [0] * len(units),
                          [StageRunner(unit, model.trainable_weights, gather=gather_unit)
                           for unit in units], mesh)
