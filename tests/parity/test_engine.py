@@ -1,5 +1,7 @@
 """The step engine: one all-reduce per step, loss-scale skips, refusals."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -185,7 +187,8 @@ def _traced_model_calls(config, run="fit"):
     """How often the first `run` ("fit", "evaluate" or "predict") under
     `config` called the model's layers' Python code (its step's traces, on
     every replica)."""
-    strategy = tfdist.Strategy(devices=devices(2), **config)
+    count = config.get("data", 1) * config.get("tensor", 1) * config.get("pipeline", 1)
+    strategy = tfdist.Strategy(devices=devices(count), **config)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
@@ -197,6 +200,15 @@ def _traced_model_calls(config, run="fit"):
     return _CountsTraces.calls - before
 
 
+def _autograph_converted_tfdist_code():
+    """The tfdist functions AutoGraph has converted so far in this process
+    (its transpiler's cache of converted code objects)."""
+    from tensorflow.python.autograph.impl import api as autograph_api
+    package = os.path.dirname(tfdist.__file__)
+    return {code for code in list(autograph_api._TRANSPILER._cache._cache)
+            if code.co_filename.startswith(package)}
+
+
 @pytest.mark.parametrize("config", [dict(tensor=2), dict(data=2, zero=1), dict(data=2, zero=2),
                                     dict(pipeline=2, microbatches=2)], ids=str)
 def test_the_step_is_traced_once(config):
@@ -206,6 +218,28 @@ def test_the_step_is_traced_once(config):
     # whole step a second time (tensor=2 called the model 2x as often as
     # data=2, its first step cost 1.8x data=4's: docs/benchmarks.md).
     assert _traced_model_calls(config) == _traced_model_calls(dict(data=2))
+
+
+def _autograph_converted_tfdist_code():
+    """The tfdist functions AutoGraph has converted so far in this process
+    (the code objects in its transpiler's cache)."""
+    from tensorflow.python.autograph.impl import api as autograph_api
+    package = os.path.dirname(tfdist.__file__)
+    return {code for code in list(autograph_api._TRANSPILER._cache._cache)
+            if code.co_filename.startswith(package)}
+
+
+@pytest.mark.parametrize("config", [dict(tensor=2, microbatches=2),
+                                    dict(tensor=2, pipeline=2, microbatches=2)], ids=str)
+def test_the_step_is_traced_without_autograph(config):
+    # tfdist's step is plain Python control flow, traced as written. The
+    # functions tensor x microbatches and tensor x pipeline trace per
+    # microbatch / replica had AutoGraph convert every tfdist function they
+    # called: a quarter of data=2 x tensor=2 x zero=3 x microbatches=2's first
+    # step (docs/benchmarks.md).
+    converted = _autograph_converted_tfdist_code()
+    _traced_model_calls(config)
+    assert _autograph_converted_tfdist_code() - converted == set()
 
 
 @pytest.mark.parametrize("run", ["evaluate", "predict"])

@@ -105,7 +105,8 @@ class LocalCompute(Compute):
         self._runs = [self._forward_backward] * microbatches
         if xla:
             self._runs = [tf.function(
-                self._forward_backward, jit_compile=True, reduce_retracing=True)] * microbatches
+                self._forward_backward, jit_compile=True, reduce_retracing=True,
+                autograph=False)] * microbatches
         elif mesh.tensor > 1 and microbatches > 1:
             # The replicas are traced into one graph, in which TensorFlow
             # chains every stateful op without a resource (the loss's shape
@@ -118,7 +119,8 @@ class LocalCompute(Compute):
             # that they meet their peers whatever order the ranks run the
             # microbatches in (with microbatches of unequal sizes, a shared
             # function's collectives met another microbatch's).
-            self._runs = [tf.function(self._forward_backward, reduce_retracing=True)
+            self._runs = [tf.function(self._forward_backward, reduce_retracing=True,
+                                      autograph=False)
                           for _ in range(microbatches)]
 
     def gradients(self, x, y, sample_weight):

@@ -118,7 +118,8 @@ class StagedCompute:
         # keeps each replica's chain inside its own call.
         if local not in self._per_replica:
             self._per_replica[local] = tf.function(
-                functools.partial(self._replica_actions, local=local, mesh=mesh))
+                functools.partial(self._replica_actions, local=local, mesh=mesh),
+                autograph=False)
         return self._finish(*self._per_replica[local](slices), local)
 
     def _finish(self, totals, metrics, starts, moved, local):

@@ -225,7 +225,8 @@ class StageRunner:
 
         self._call = stage_layers
         if xla:
-            self._call = tf.function(stage_layers, jit_compile=True, reduce_retracing=True)
+            self._call = tf.function(stage_layers, jit_compile=True, reduce_retracing=True,
+                                     autograph=False)
 
     @property
     def weights(self):

@@ -179,7 +179,7 @@ def _gather_across_workers(strategy, shards):
         return gather(shards)
     traced = getattr(strategy, _TRACED_GATHER, None)
     if traced is None:
-        traced = tf.function(gather, reduce_retracing=True)
+        traced = tf.function(gather, reduce_retracing=True, autograph=False)
         setattr(strategy, _TRACED_GATHER, traced)
     return traced(shards)
 
