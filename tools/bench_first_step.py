@@ -22,7 +22,8 @@ classifier, Adam; sequence length `--seq` (16), global batch 8.
 
 Cases (`--cases`): `mirrored` (`tf.distribute.MirroredStrategy` over the 4
 devices, Keras's own step), and `tfdist.Strategy` with `data4` (data=4),
-`data2_zero1`, `data4_zero3`, `data2_tensor2`, `tensor4`, `pipeline2_mb2`
+`data2_zero1`, `data4_zero3`, `data2_tensor2`, `data2_tensor2_mb2` (with
+microbatches=2), `tensor4`, `pipeline2_mb2`
 (data=2, pipeline=2, microbatches=2) and `data2_mb2` (data=2, microbatches=2),
 each on the first data x pipeline x tensor devices. A case tfdist refuses for
 a model is recorded with tfdist's message and left empty in the table.
@@ -60,6 +61,7 @@ CASES = {
     "data2_zero1": dict(data=2, zero=1),
     "data4_zero3": dict(data=4, zero=3),
     "data2_tensor2": dict(data=2, tensor=2),
+    "data2_tensor2_mb2": dict(data=2, tensor=2, microbatches=2),
     "tensor4": dict(tensor=4),
     "pipeline2_mb2": dict(data=2, pipeline=2, microbatches=2),
     "data2_mb2": dict(data=2, microbatches=2),
