@@ -454,3 +454,15 @@ def test_example_manifests_are_up_to_date(validator):
     assert done.returncode == 0, done.stdout + done.stderr
     for path in EXAMPLES.glob("*.yaml"):
         validator.validate(yaml.safe_load(path.read_text()))
+
+
+def test_importing_the_cluster_tools_leaves_the_kubernetes_sdks_unloaded():
+    # Every task of a job imports tfdist.cluster (TF_CONFIG, rendezvous): the
+    # Kubernetes and Kubeflow SDKs, half a second, load with a manifest only.
+    code = ("import sys, tfdist.cluster\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'kubernetes', 'kubeflow'}))\n"
+            "tfdist.cluster.tfjob('demo', 'image:1.0', ['python'])\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'kubernetes', 'kubeflow'}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.splitlines() == ["[]", "['kubeflow', 'kubernetes']"]

@@ -21,14 +21,21 @@ submit(manifest)            # or create it with the current kubeconfig
 ```
 """
 
-import re
+from __future__ import annotations
 
-import kubernetes
+import re
+from typing import TYPE_CHECKING
+
 import yaml
-from kubeflow.training import TrainingClient, models
 
 from tfdist.cluster.tf_config import TF_CONFIG_ENV, check_task_counts
 from tfdist.config import CONFIG_ENV, LOGDIR_ENV, PROFILER_PORT_ENV, ParallelConfig
+
+if TYPE_CHECKING:
+    from kubeflow.training import models
+# The Kubernetes and Kubeflow SDKs load when a manifest is made or submitted:
+# importing them takes half a second, which every process that imports
+# `tfdist.cluster` (each task of a job) would otherwise pay.
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "TFJob"
@@ -97,6 +104,8 @@ class TFJobManifest:
         ...     "spec"]["tfReplicaSpecs"]["Worker"]["replicas"]
         1
         """
+        import kubernetes
+
         with kubernetes.client.ApiClient() as api_client:
             return api_client.sanitize_for_serialization(self.job)
 
@@ -217,6 +226,9 @@ def tfjob(
         _check_int("backoff_limit", backoff_limit, minimum=0)
     env = _check_env(env)
 
+    import kubernetes
+    from kubeflow.training import models
+
     client = kubernetes.client
 
     def replica_spec(kind, count):
@@ -311,6 +323,9 @@ def submit(
             f"{type(manifest).__name__}."
         )
     if training_client is None:
+        import kubernetes
+        from kubeflow.training import TrainingClient
+
         try:
             training_client = TrainingClient(job_kind=KIND)
         except (kubernetes.config.ConfigException, yaml.YAMLError) as error:
@@ -438,6 +453,8 @@ def _check_env(env):
 
 def _check_quantity(arg, value):
     """A positive Kubernetes quantity ("2", "500m", "4Gi"), as a string."""
+    import kubernetes
+
     valid_type = isinstance(value, (str, int)) and not isinstance(value, bool)
     text = str(value) if valid_type else ""
     if not _QUANTITY.fullmatch(text) or kubernetes.utils.parse_quantity(text) <= 0:
