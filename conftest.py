@@ -5,13 +5,13 @@ and every `>>>` example sees the same devices: `tfdist.Strategy(data=8)` works
 anywhere in the suite.
 """
 
+import functools
 import gc
 import os
 import shutil
 import subprocess
 import sys
 import threading
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -19,6 +19,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from tensorflow.python.data.ops.iterator_ops import OwnedIterator  # noqa: E402
 
 import tfdist  # noqa: E402
 from helpers import REFERENCES_DIR  # noqa: E402  (tests/, on pytest's pythonpath)
@@ -59,22 +60,38 @@ def _native_stacks_of_a_slow_test(request):
     timer.cancel()
 
 
-# A test that took this long may have made tf.data iterators.
-TRAINED_SECONDS = 1.0
+class _IteratorCount:
+    """How many tf.data iterators this process has made: every kind (a plain
+    dataset's, a `MultiDeviceIterator`'s per device, a distributed dataset's)
+    is or holds an `OwnedIterator`."""
+
+    made = 0
+
+    @classmethod
+    def counting(cls, init):
+        @functools.wraps(init)
+        def counted(self, *args, **kwargs):
+            cls.made += 1
+            init(self, *args, **kwargs)
+        return counted
+
+
+OwnedIterator.__init__ = _IteratorCount.counting(OwnedIterator.__init__)
 
 
 @pytest.fixture(autouse=True)
 def _iterators_freed_by_their_test():
-    """A test that took a second or more ends with a garbage collection, so
-    the tf.data iterators its `fit`s made are destroyed then, young, not by
-    whichever later test's allocation starts a collection. Destroying an
-    iterator with tf.data autotuning on can wait for its autotuning thread's
-    sleep (TensorFlow 2.20's missed wake-up, tfdist/input_options.py), a
-    sleep that doubles with the iterator's age up to 60 s: plain Keras
-    `fit`s' iterators, left to a later test, stalled it by a minute and more."""
-    started = time.monotonic()
+    """A test that made a tf.data iterator ends with a garbage collection, so
+    its iterators are destroyed then, young, not by whichever later test's
+    allocation starts a collection. Destroying an iterator with tf.data
+    autotuning on can wait for its autotuning thread's sleep (TensorFlow
+    2.20's missed wake-up, tfdist/input_options.py), a sleep that doubles
+    with the iterator's age up to 60 s: plain Keras `fit`s' iterators, left to
+    a later test, stalled it by a minute and more (a test's teardown took
+    60.4 s when only tests of a second or more collected)."""
+    made = _IteratorCount.made
     yield
-    if time.monotonic() - started >= TRAINED_SECONDS:
+    if _IteratorCount.made > made:
         gc.collect()
 
 
