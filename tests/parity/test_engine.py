@@ -200,15 +200,6 @@ def _traced_model_calls(config, run="fit"):
     return _CountsTraces.calls - before
 
 
-def _autograph_converted_tfdist_code():
-    """The tfdist functions AutoGraph has converted so far in this process
-    (its transpiler's cache of converted code objects)."""
-    from tensorflow.python.autograph.impl import api as autograph_api
-    package = os.path.dirname(tfdist.__file__)
-    return {code for code in list(autograph_api._TRANSPILER._cache._cache)
-            if code.co_filename.startswith(package)}
-
-
 @pytest.mark.parametrize("config", [dict(tensor=2), dict(data=2, zero=1), dict(data=2, zero=2),
                                     dict(pipeline=2, microbatches=2)], ids=str)
 def test_the_step_is_traced_once(config):
