@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import tfdist
 from tfdist.input_options import without_autotuning
 
 FEATURES, CLASSES = 16, 4
@@ -59,6 +60,13 @@ def output_tail(output, chars=4000):
 def devices(n):
     """The first `n` logical CPU device names."""
     return [d.name for d in tf.config.list_logical_devices("CPU")[:n]]
+
+
+def strategy_on_its_devices(**config):
+    """A `tfdist.Strategy` of `config` on the first data x pipeline x tensor
+    devices (each field 1 where `config` leaves it out)."""
+    used = config.get("data", 1) * config.get("pipeline", 1) * config.get("tensor", 1)
+    return tfdist.Strategy(devices=devices(used), **config)
 
 
 def data(n=640, seed=0):

@@ -14,6 +14,7 @@ from helpers import (
     devices,
     executed_op_counts,
     make_model,
+    strategy_on_its_devices,
     train,
     trained_reference,
 )
@@ -187,8 +188,7 @@ def _traced_model_calls(config, run="fit"):
     """How often the first `run` ("fit", "evaluate" or "predict") under
     `config` called the model's layers' Python code (its step's traces, on
     every replica)."""
-    count = config.get("data", 1) * config.get("tensor", 1) * config.get("pipeline", 1)
-    strategy = tfdist.Strategy(devices=devices(count), **config)
+    strategy = strategy_on_its_devices(**config)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),

@@ -9,8 +9,7 @@ draws its own masks, so no multi-device run could match one device's."""
 import keras
 import pytest
 
-import tfdist
-from helpers import assert_parity, devices, train, trained_reference
+from helpers import assert_parity, strategy_on_its_devices, train, trained_reference
 from test_tensor_blocks import MAKERS, lm_data
 from test_tied_embeddings import EXAMPLES, make_causal_lm
 
@@ -57,7 +56,5 @@ def test_matches_one_device(name, optimizer, config):
                    n=EXAMPLES if name == "causal_lm" else 192)
     make = maker(name, optimizer)
     reference = trained_reference(make=make, x=x, y=y, batch_size=16)
-    size = config.get("data", 1) * config.get("pipeline", 1) * config.get("tensor", 1)
-    result = train(tfdist.Strategy(devices=devices(size), **config), make=make, x=x, y=y,
-                   batch_size=16)
+    result = train(strategy_on_its_devices(**config), make=make, x=x, y=y, batch_size=16)
     assert_parity(result, reference, steps=12)

@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import assert_parity, devices, train, trained_reference
+from helpers import assert_parity, devices, strategy_on_its_devices, train, trained_reference
 
 STEPS, BATCH = 12, 16
 OPTIMIZERS = {"adam": lambda: keras.optimizers.Adam(1e-2),
@@ -230,9 +230,7 @@ def test_matches_one_device(name, optimizer, config):
                                       * config.get("microbatches", 1))
     else:
         reference = trained_reference(make=make, x=x, y=y, batch_size=BATCH)
-    size = config.get("data", 1) * config.get("pipeline", 1) * config.get("tensor", 1)
-    result = train(tfdist.Strategy(devices=devices(size), **config), make=make, x=x, y=y,
-                   batch_size=BATCH)
+    result = train(strategy_on_its_devices(**config), make=make, x=x, y=y, batch_size=BATCH)
     # The attention's key bias has no true gradient (softmax ignores a shift
     # shared by all keys): Adam turns its rounding noise into updates, so it
     # stays below 1e-6 and differs by reduction order (measured 1.02e-6 at

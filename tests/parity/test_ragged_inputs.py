@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import assert_parity, devices, train
+from helpers import assert_parity, devices, strategy_on_its_devices, train
 
 VOCABULARY, CLASSES = 50, 3
 EXAMPLES, BATCH = 61, 15  # 4 x 15, then 1
@@ -52,9 +52,8 @@ def reference():
 
 
 def train_ragged(**config):
-    used = config.get("data", 1) * config.get("pipeline", 1) * config.get("tensor", 1)
-    strategy = tfdist.Strategy(devices=devices(used), **config)
-    return train(strategy, make=make_ragged_model, x=X, y=Y, batch_size=BATCH)
+    return train(strategy_on_its_devices(**config), make=make_ragged_model, x=X, y=Y,
+                 batch_size=BATCH)
 
 
 def test_arrays_data2(reference):

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import StepLosses, assert_parity, data, devices, make_model
+from helpers import StepLosses, assert_parity, data, devices, make_model, strategy_on_its_devices
 from test_zero_checkpoints import _state
 from tfdist.checkpoint import ShardedCheckpoint
 
@@ -30,8 +30,7 @@ def _fresh(config, seed=1):
     other initial weights than the reference's, which a restore replaces."""
     if config is None:
         return make(seed)
-    size = config.get("data", 1) * config.get("tensor", 1) * config.get("pipeline", 1)
-    with tfdist.Strategy(devices=devices(size), **config).scope():
+    with strategy_on_its_devices(**config).scope():
         return make(seed)
 
 

@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tfdist
-from helpers import assert_parity, devices, train, trained_reference
+from helpers import assert_parity, strategy_on_its_devices, train, trained_reference
 
 VOCAB, DIM, SEQ, CLASSES = 50, 8, 6, 4
 STEPS, BATCH = 12, 16
@@ -63,9 +62,7 @@ RECIPES = {name: (lambda make=make: make_embedding_model(make()))
 def check(make=make_embedding_model, n=STEPS * BATCH, **config):
     x, y = sparse_data(n)
     reference = trained_reference(make=make, x=x, y=y, batch_size=BATCH)
-    used = config.get("data", 1) * config.get("pipeline", 1) * config.get("tensor", 1)
-    result = train(tfdist.Strategy(devices=devices(used), **config),
-                   make=make, x=x, y=y, batch_size=BATCH)
+    result = train(strategy_on_its_devices(**config), make=make, x=x, y=y, batch_size=BATCH)
     assert_parity(result, reference, steps=len(reference[0]))
 
 

@@ -16,7 +16,15 @@ import keras
 import pytest
 
 import tfdist
-from helpers import assert_parity, data, devices, make_model, train, trained_reference
+from helpers import (
+    assert_parity,
+    data,
+    devices,
+    make_model,
+    strategy_on_its_devices,
+    train,
+    trained_reference,
+)
 
 # name: (examples, batch size) -> the batch that does not split evenly
 CASES = {
@@ -41,9 +49,8 @@ def check(case, **config):
     n, batch = CASES[case]
     x, y = data(n)
     reference = trained_reference(make=make_adam_model, x=x, y=y, batch_size=batch)
-    used = config.get("data", 1) * config.get("pipeline", 1) * config.get("tensor", 1)
-    strategy = tfdist.Strategy(devices=devices(used), **config)
-    result = train(strategy, make=make_adam_model, x=x, y=y, batch_size=batch)
+    result = train(strategy_on_its_devices(**config), make=make_adam_model, x=x, y=y,
+                   batch_size=batch)
     assert len(result[0]) == -(-n // batch)
     assert_parity(result, reference, steps=len(result[0]))
 
