@@ -147,15 +147,27 @@ def _batches(x, y, batch_size, sample_weight=None):
 
 
 def executed_op_counts(model):
-    """Op types in the graph of the training function `fit` ran (with callees)."""
+    """Op types in the graph of the training function `fit` ran, with those
+    of the functions it calls at each call (replicas share some: one trace)."""
     cells = [c.cell_contents for c in model.train_function.__closure__]
     (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
     counts = collections.Counter()
     for concrete in traced._list_all_concrete_functions():
         graph_def = concrete.graph.as_graph_def()
-        counts.update(node.op for node in graph_def.node)
-        for function in graph_def.library.function:
-            counts.update(node.op for node in function.node_def)
+        library = {f.signature.name: f.node_def for f in graph_def.library.function}
+        counts.update(_op_counts(graph_def.node, library))
+    return counts
+
+
+def _op_counts(nodes, library):
+    """Op types of `nodes`, each function they call (or run as a loop's or a
+    branch's body) counted once per node that calls it."""
+    counts = collections.Counter(node.op for node in nodes)
+    for node in nodes:
+        for attr in node.attr.values():
+            for function in [attr.func, *attr.list.func]:
+                if function.name in library:
+                    counts.update(_op_counts(library[function.name], library))
     return counts
 
 

@@ -18,6 +18,7 @@ from helpers import (
     train,
     trained_reference,
 )
+from tfdist.engine.step import TrainStep
 
 
 def collective_ops(counts):
@@ -179,6 +180,10 @@ class _CountsTraces(keras.layers.Layer):
 
     calls = 0
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True  # passes a mask through too
+
     def call(self, x):
         _CountsTraces.calls += 1
         return x
@@ -186,9 +191,10 @@ class _CountsTraces(keras.layers.Layer):
 
 def _traced_model_calls(config, run="fit"):
     """How often the first `run` ("fit", "evaluate" or "predict") under
-    `config` called the model's layers' Python code (its step's traces, on
-    every replica)."""
-    strategy = strategy_on_its_devices(**config)
+    `config` (or a strategy) called the model's layers' Python code (its
+    step's traces, on every replica)."""
+    strategy = config if isinstance(config, tf.distribute.Strategy) else (
+        strategy_on_its_devices(**config))
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
@@ -202,13 +208,63 @@ def _traced_model_calls(config, run="fit"):
 
 @pytest.mark.parametrize("config", [dict(tensor=2), dict(data=2, zero=1), dict(data=2, zero=2),
                                     dict(pipeline=2, microbatches=2)], ids=str)
-def test_the_step_is_traced_once(config):
+def test_the_step_is_traced_once(config, monkeypatch):
     # Preparing the step (splitting layers over the tensor group, the
     # optimizer's state into shards, the stages onto their devices) creates
     # variables when the first trace reaches it: TensorFlow then traced the
     # whole step a second time (tensor=2 called the model 2x as often as
     # data=2, its first step cost 1.8x data=4's: docs/benchmarks.md).
-    assert _traced_model_calls(config) == _traced_model_calls(dict(data=2))
+    calls = []
+    step = TrainStep.__call__
+    monkeypatch.setattr(TrainStep, "__call__",
+                        lambda self, data: calls.append(1) or step(self, data))
+    strategy = strategy_on_its_devices(**config)
+    _traced_model_calls(strategy)
+    assert len(calls) == strategy.num_replicas_in_sync  # one trace on each replica
+
+
+def _masked_tagger(seed=0):
+    """Tags each token of a padded sequence: its predictions carry the
+    padding mask, which its accuracy metric reads."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(12, 8, mask_zero=True)(tokens)
+    hidden = _CountsTraces()(keras.layers.Dense(8, activation="relu")(hidden))
+    model = keras.Model(tokens, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer="adam", metrics=["sparse_categorical_accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_replicas_share_one_trace_of_their_forward_backward_and_updates(monkeypatch):
+    # Each replica traced the same forward and backward, and each device the
+    # same optimizer update of its copy of each variable: 4 traces of one
+    # Python function at data=4. Now the first replica's trace serves all,
+    # each calling it with its own copies of the variables, and the
+    # predictions keep their Keras mask out of the shared function.
+    updates = []
+    update_step = keras.optimizers.Adam.update_step
+    monkeypatch.setattr(keras.optimizers.Adam, "update_step",
+                        lambda *args: updates.append(1) or update_step(*args))
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 12, (160, 6)).astype("int32")
+    x[::2, 3:] = 0  # padding
+    y = rng.integers(0, 3, (160, 6)).astype("int32")
+    before = _CountsTraces.calls
+    reference = train(make=_masked_tagger, x=x, y=y, batch_size=16, epochs=2)
+    one_device_calls, before, updates[:] = _CountsTraces.calls - before, _CountsTraces.calls, []
+    result = train(tfdist.Strategy(data=4, devices=devices(4)), make=_masked_tagger,
+                   x=x, y=y, batch_size=16, epochs=2)
+    model = result[2]
+    assert _CountsTraces.calls - before == one_device_calls  # not + 3 replicas
+    assert len(updates) == len(model.trainable_variables)  # each once, not once per device
+    assert_parity(result, reference)
+    accuracy = model.get_metrics_result()["sparse_categorical_accuracy"]
+    np.testing.assert_allclose(
+        accuracy, reference[2].get_metrics_result()["sparse_categorical_accuracy"], rtol=1e-6)
+    for variable in model.variables + model.optimizer.variables:  # every copy alike
+        for copy in variable.value.values[1:]:
+            np.testing.assert_array_equal(copy.numpy(), variable.value.values[0].numpy())
 
 
 def _autograph_converted_tfdist_code():

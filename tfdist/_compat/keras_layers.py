@@ -6,6 +6,7 @@ in a private attribute (`Dense._kernel`, `Embedding._embeddings`), and
 exactly those variables and changes how one built layer computes.
 """
 
+import tensorflow as tf
 from keras.src import backend
 
 
@@ -110,6 +111,32 @@ def set_keras_mask(target, mask):
     """
     if mask is not None:
         backend.set_keras_mask(target, mask)
+
+
+def keras_masks(outputs):
+    """The Keras masks of a nest of tensors (None where a tensor has none), to
+    carry them out of a `tf.function`, which returns new tensors without them.
+
+    Example:
+
+    ```python
+    masks = keras_masks(y_pred)   # inside the function; returned beside y_pred
+    ```
+    """
+    return tf.nest.map_structure(backend.get_keras_mask, outputs)
+
+
+def set_keras_masks(outputs, masks):
+    """Gives each tensor of `outputs` its mask in `masks` (`keras_masks`'s).
+
+    Example:
+
+    ```python
+    set_keras_masks(y_pred, masks)   # after the function returned both
+    ```
+    """
+    for target, mask in zip(tf.nest.flatten(outputs), tf.nest.flatten(masks)):
+        set_keras_mask(target, mask)
 
 
 def use_call(layer, call):

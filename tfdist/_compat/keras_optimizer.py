@@ -9,6 +9,10 @@ by the last to leave (`_shared_change`).
 import contextlib
 import threading
 
+import tensorflow as tf
+
+from tfdist._compat.tf_function import ReplicaSharedFunction
+
 _lock = threading.Lock()
 _depth = {}
 
@@ -57,6 +61,60 @@ def gradients_already_reduced(optimizer):
         del target._all_reduce_sum_gradients
 
     return _shared_change(("reduced", id(target)), install, uninstall)
+
+
+def update_steps_traced_once(optimizer):
+    """Makes a Keras optimizer trace each variable's update once for all its
+    copies while in effect, not once per device.
+
+    Under a `MirroredStrategy` Keras's TensorFlow optimizer runs
+    `update_step(gradient, variable, learning_rate)` for each copy of each
+    variable, each on its device (`extended.update`): Adam's update of a
+    variable traced 4 times on 4 devices. Here each variable's update is a
+    `ReplicaSharedFunction`: traced for its first copy, called for every copy
+    with that copy's variables (for a `LossScaleOptimizer`, on its inner
+    optimizer).
+
+    Example:
+
+    ```python
+    with update_steps_traced_once(model.optimizer):
+        model.optimizer.apply_gradients(zip(reduced, model.trainable_weights))
+    ```
+    """
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    shared = target.__dict__.setdefault("_tfdist_update_steps", {})
+
+    def traced_once(gradient, variable, learning_rate):
+        key = target._var_key(variable)
+        if key not in shared:  # traced on the first copy; each copy's own swapped in
+            shared[key] = ReplicaSharedFunction(update_function(target, variable))
+        return shared[key](gradient, tf.convert_to_tensor(learning_rate))
+
+    def install():
+        target.update_step = traced_once
+
+    def uninstall():
+        del target.update_step
+
+    return _shared_change(("update_step", id(target)), install, uninstall)
+
+
+def update_function(optimizer, variable):
+    """The optimizer's own `update_step` of `variable` (its class's, whatever
+    is installed on the instance), as a function of the gradient and the
+    learning rate.
+
+    Example:
+
+    ```python
+    update = update_function(optimizer, variable)
+    update(gradient, learning_rate)   # optimizer.update_step(gradient, variable, lr)
+    ```
+    """
+    update_step = type(optimizer).update_step
+    return lambda gradient, learning_rate: update_step(
+        optimizer, gradient, variable, learning_rate)
 
 
 def slots_found_by(optimizer, buffers, indices):

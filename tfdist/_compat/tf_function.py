@@ -15,6 +15,10 @@ there, so the function keeps its one trace.
 import contextlib
 
 import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, values_util
+from tensorflow.python.eager import context as eager_context
+from tensorflow.python.eager.polymorphic_function import function_type_utils
+from tensorflow.python.framework import ops
 
 # The name of the creator a tf.function's first trace installs.
 _CAPTURING_CREATOR = "variable_capturing_scope"
@@ -41,3 +45,131 @@ def eagerly_outside_the_trace():
             yield
     finally:
         graph._variable_creator_stack = stack
+
+
+class ReplicaSharedFunction:
+    """A function traced once for all the local copies of a `tf.distribute`
+    strategy's variables: its replicas, or the devices of an update.
+
+    Under a `MirroredStrategy` every replica traces its step on its own (a
+    `tf.function` of the step's traces again for each device: its cache is
+    keyed by the device), reading its own copy of each variable; with 4
+    replicas, 4 traces of the same Python. Here the first caller traces `fn`
+    into a function (its ops have no device: they run on the device of each
+    call) and every caller, in replica context or in a variable update on one
+    device, calls that trace with its captured inputs swapped for its own:
+    each variable's copy for the caller's. A trace that is not the same for
+    every caller (one with collectives, one that reads the replica's id or two
+    copies of one variable, one that captures a tensor of the caller's own
+    graph, one whose variables' copies differ in shape), or that cannot be
+    traced on its own (a `merge_call`, as tf_keras's BatchNormalization makes,
+    is refused inside a function), is not shared: each caller then runs `fn`
+    as it would without this class. Outside a traced function, or with one
+    local copy, `fn` is just called (compiled with XLA when `jit_compile`).
+
+    Args:
+        fn: the Python function, called with tensors (nests of them) and None.
+        jit_compile: compile the function with XLA.
+
+    Example:
+
+    ```python
+    forward_backward = ReplicaSharedFunction(forward_backward)
+    strategy.run(forward_backward, args=(batch,))   # one trace, not one per replica
+    ```
+    """
+
+    def __init__(self, fn, jit_compile=False):
+        self._fn = fn
+        self._function = tf.function(fn, autograph=False, jit_compile=jit_compile or None,
+                                     reduce_retracing=jit_compile)
+        self._jit_compile = jit_compile
+        self._shared = {}  # id(concrete function) -> whether its callers may share it
+        self._tracer = {}  # id(concrete function) -> the caller that traced it
+        self._unshared = False  # set once `fn` could not be traced on its own
+
+    def _own(self, *args):
+        """`fn` in the caller's own trace."""
+        return self._function(*args) if self._jit_compile else self._fn(*args)
+
+    def __call__(self, *args):
+        if self._unshared or not _several_local_copies():
+            return self._own(*args)
+        traces = self._function.experimental_get_tracing_count()
+        try:
+            with eager_context.context().device(None):  # the cache key's device: none
+                concrete = self._function.get_concrete_function(*args)
+        except Exception:  # e.g. a `merge_call` (not allowed in a function): as before
+            self._unshared = True
+            return self._own(*args)
+        caller = values_util.get_current_replica_id_as_int()
+        if self._function.experimental_get_tracing_count() > traces:
+            self._tracer[id(concrete)] = caller
+        if not self._shareable(concrete):
+            if self._tracer[id(concrete)] == caller:  # its own trace: its collective keys taken
+                return concrete(*args)
+            return self._own(*args)
+        captures = _local_captures(concrete)
+        if captures is None:
+            return self._own(*args)
+        bound = function_type_utils.canonicalize_function_inputs(
+            args, {}, concrete.function_type)
+        return concrete._call_flat(concrete.function_type.unpack_inputs(bound),
+                                   captured_inputs=captures)
+
+    def _shareable(self, concrete):
+        key = id(concrete)
+        if key not in self._shared:
+            self._shared[key] = _replica_independent(concrete)
+        return self._shared[key]
+
+
+def _several_local_copies() -> bool:
+    """In a traced function, in replica context or a variable update, of a
+    strategy with more than one local device."""
+    if not tf.compat.v1.get_default_graph().building_function:
+        return False
+    in_update = distribute_lib.get_update_replica_id() is not None
+    if tf.distribute.get_replica_context() is None and not in_update:
+        return False
+    return len(tf.distribute.get_strategy().extended.worker_devices) > 1
+
+
+def _replica_independent(concrete) -> bool:
+    """Whether a trace made on one replica serves every replica: no
+    collective, no replica id, no tensor captured from the caller's graph."""
+    captures = concrete.captured_inputs
+    if any(not isinstance(t, ops.EagerTensor) for t in captures):
+        return False
+    containers = [id(c()) for t in captures
+                  if (c := getattr(t, "_distributed_container", None)) is not None]
+    if len(set(containers)) < len(containers):  # two copies of one variable: not the replica's own
+        return False
+    graph_def = concrete.graph.as_graph_def()
+    nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
+    return not any(
+        n.op.startswith(_COLLECTIVE_OPS)
+        or (n.op == "Const" and n.name.rsplit("/", 1)[-1].startswith("replica_id_in_sync_group"))
+        for n in nodes)
+
+
+# Op types that exchange tensors between replicas.
+_COLLECTIVE_OPS = ("Collective", "Nccl")
+
+
+def _local_captures(concrete):
+    """The function's captured inputs, each distributed variable's copy
+    replaced by the calling replica's; None if a copy of the caller's has
+    another shape than the one traced (a variable split unevenly)."""
+    captures = []
+    for t in concrete.captured_inputs:
+        container = getattr(t, "_distributed_container", None)  # set on a copy's handle
+        if container is None:
+            captures.append(t)
+            continue
+        copies = container()
+        local = copies._get_on_device_or_primary()
+        if local.shape != next(c for c in copies._values if c.handle is t).shape:
+            return None
+        captures.append(local.handle)
+    return captures

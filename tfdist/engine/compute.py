@@ -23,7 +23,9 @@ import keras
 import tensorflow as tf
 
 from tfdist import sparse_gradients
+from tfdist._compat.keras_layers import keras_masks, set_keras_masks
 from tfdist._compat.keras_trainer import call_has_training_arg
+from tfdist._compat.tf_function import ReplicaSharedFunction
 from tfdist.engine import microbatch
 from tfdist.engine.moving_statistics import MovingStatistics
 
@@ -103,11 +105,16 @@ class LocalCompute(Compute):
         super().__init__(model, microbatches, mesh, loss)
         self.moving = MovingStatistics([model])
         self._runs = [self._forward_backward] * microbatches
-        if xla:
+        if mesh.tensor == 1:
+            # No collective in a replica's forward and backward: every replica
+            # calls the first one's trace with its own variables.
+            self._runs = [ReplicaSharedFunction(
+                self._forward_backward, jit_compile=xla)] * microbatches
+        elif xla:
             self._runs = [tf.function(
                 self._forward_backward, jit_compile=True, reduce_retracing=True,
                 autograph=False)] * microbatches
-        elif mesh.tensor > 1 and microbatches > 1:
+        elif microbatches > 1:
             # The replicas are traced into one graph, in which TensorFlow
             # chains every stateful op without a resource (the loss's shape
             # asserts) in program order: replica 0's microbatch 1, which waits
@@ -132,8 +139,9 @@ class LocalCompute(Compute):
             with tf.name_scope(f"microbatch{i}"), \
                     tf.control_dependencies(_tensors(total)):
                 self.moving.reset(start)
-                loss, y_pred, grads = self._runs[i](
+                loss, y_pred, masks, grads = self._runs[i](
                     part.x, part.y, part.sample_weight, part.share)
+                set_keras_masks(y_pred, masks)
                 metrics = self.loss.record(part, loss, y_pred)
                 total = microbatch.add_gradients(total, grads)
                 moved = self.moving.add(moved, part.size)
@@ -142,8 +150,9 @@ class LocalCompute(Compute):
         return total, metrics
 
     def _forward_backward(self, x, y, sample_weight, share):
-        """Forward, loss and gradients of one microbatch: those of `share *
-        loss`, its part of the batch loss (the whole loss when `share` is None)."""
+        """Forward, loss, the predictions' Keras masks and gradients of one
+        microbatch: those of `share * loss`, its part of the batch loss (the
+        whole loss when `share` is None)."""
         model = self.model
         part = microbatch.Microbatch(x, y, sample_weight, share, None)
         with tf.GradientTape() as tape, self.loss.logits():
@@ -153,7 +162,8 @@ class LocalCompute(Compute):
                 y_pred = model(x)
             loss = self.loss.loss(part, y_pred)
             target = self.loss.target(loss, share)
-        return loss, y_pred, _gradients(tape, target, model.trainable_weights)
+        grads = _gradients(tape, target, model.trainable_weights)
+        return loss, y_pred, keras_masks(y_pred), grads
 
 
 class PipelinedCompute(Compute):

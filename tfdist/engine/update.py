@@ -15,7 +15,7 @@ Ops are named `tfdist/apply/...` (and ZeRO's gather `tfdist/gather/...`).
 
 import tensorflow as tf
 
-from tfdist._compat.keras_optimizer import gradients_already_reduced
+from tfdist._compat.keras_optimizer import gradients_already_reduced, update_steps_traced_once
 
 
 class KerasApply:
@@ -33,5 +33,6 @@ class KerasApply:
 
     def __call__(self, grads):
         optimizer = self.model.optimizer
-        with tf.name_scope("apply"), gradients_already_reduced(optimizer):
+        with tf.name_scope("apply"), gradients_already_reduced(optimizer), \
+                update_steps_traced_once(optimizer):
             optimizer.apply_gradients(zip(grads, self.model.trainable_weights))

@@ -49,6 +49,7 @@ from tfdist import sparse_gradients
 from tfdist._compat import keras_optimizer
 from tfdist._compat.keras_optimizer import slots_found_by
 from tfdist._compat.tf_distribute import summed_across_replicas
+from tfdist._compat.tf_function import ReplicaSharedFunction
 from tfdist._compat.tf_variables import storage_of
 from tfdist.optim import adafactor
 from tfdist.sharding.collectives import non_finite_count, packed_all_gather
@@ -187,6 +188,7 @@ class ShardedUpdate:
         # of every weight (a slice if the weight is split, else all of it),
         # sharded across the replicas of its data group.
         self.mesh = mesh
+        self._update_step_of = {}  # optimizer index -> its buffer's shared update
         tensor = mesh.tensor
         self.num_shards = strategy.num_replicas_in_sync // tensor
         self.variables = self._optimizer_variables()
@@ -235,10 +237,15 @@ class ShardedUpdate:
 
     def _update_steps(self, shards, buffers, indices, learning_rate):
         """The optimizer's own `update_step` on each buffer (a shard of
-        variable `indices[k]`), finding that variable's slots."""
+        variable `indices[k]`), finding that variable's slots; each buffer's
+        traced once for every replica (`ReplicaSharedFunction`)."""
+        learning_rate = tf.convert_to_tensor(learning_rate)
         with slots_found_by(self.inner, buffers, indices):
-            for gradient, buffer in zip(shards, buffers):
-                self.inner.update_step(gradient, buffer, learning_rate)
+            for gradient, buffer, index in zip(shards, buffers, indices):
+                if index not in self._update_step_of:
+                    self._update_step_of[index] = ReplicaSharedFunction(
+                        keras_optimizer.update_function(self.inner, buffer))
+                self._update_step_of[index](gradient, learning_rate)
 
     def _count_step(self, applied):
         """Advances the optimizer's counter by `applied` (0 or 1)."""
@@ -371,3 +378,4 @@ def _flat_name(variable):
     """A variable's path (Keras 3) or name (tf_keras), as one name."""
     name = getattr(variable, "path", None) or variable.name.split(":")[0]
     return name.replace("/", "_")
+

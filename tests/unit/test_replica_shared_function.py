@@ -1,0 +1,60 @@
+"""`ReplicaSharedFunction`: one trace for every replica of a `MirroredStrategy`,
+each replica reading and writing its own copies of the variables; traces that
+are not the same on every replica are each replica's own."""
+
+import numpy as np
+import tensorflow as tf
+
+from helpers import devices
+from tfdist._compat.tf_function import ReplicaSharedFunction
+
+
+def _on_replicas(fn, strategy):
+    """`fn(replica id as a float)` run on the strategy's replicas in one
+    traced function; its local results."""
+    ids = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(float(context.replica_id_in_sync_group)))
+    step = tf.function(lambda: strategy.run(fn, args=(ids,)))
+    return [float(t) for t in strategy.experimental_local_results(step())]
+
+
+def test_one_trace_serves_every_replica_with_its_own_variables():
+    traces = []
+    with tf.distribute.MirroredStrategy(devices(4)).scope():
+        counter = tf.Variable(1.0, synchronization=tf.VariableSynchronization.ON_READ,
+                              aggregation=tf.VariableAggregation.SUM)
+
+    def add(x):  # writes the replica's copy, then reads it
+        traces.append(1)
+        counter.assign_add(x)
+        return counter.read_value() * 10.0
+
+    results = _on_replicas(ReplicaSharedFunction(add), counter.distribute_strategy)
+    assert len(traces) == 1
+    assert results == [10.0, 20.0, 30.0, 40.0]
+    np.testing.assert_array_equal([float(c) for c in counter.values], [1.0, 2.0, 3.0, 4.0])
+
+
+def test_a_trace_that_reads_the_replica_id_is_each_replicas_own():
+    traces = []
+
+    def plus_id(x):
+        traces.append(1)
+        context = tf.distribute.get_replica_context()
+        return x + tf.cast(context.replica_id_in_sync_group, tf.float32)
+
+    results = _on_replicas(ReplicaSharedFunction(plus_id),
+                           tf.distribute.MirroredStrategy(devices(4)))
+    assert results == [0.0, 2.0, 4.0, 6.0]
+    assert len(traces) == 4  # the first replica's trace, then one for each other
+
+
+def test_a_function_that_synchronises_the_replicas_runs_in_their_own_traces():
+    # A merge_call (here an all-reduce) is refused in a nested function:
+    # each replica then runs the function in its own trace, as without the class.
+    def total(x):
+        return tf.distribute.get_replica_context().all_reduce("sum", x)
+
+    results = _on_replicas(ReplicaSharedFunction(total),
+                           tf.distribute.MirroredStrategy(devices(4)))
+    assert results == [6.0] * 4
