@@ -36,6 +36,13 @@ def _shared_change(key, install, uninstall):
                 uninstall()
 
 
+def _attribute_while_in_effect(target, name, value):
+    """`target.name = value` (an instance attribute over its class's) while
+    any holder is in the returned context (`_shared_change`)."""
+    return _shared_change((name, id(target)), lambda: setattr(target, name, value),
+                          lambda: delattr(target, name))
+
+
 def gradients_already_reduced(optimizer):
     """Turns off a Keras optimizer's own gradient all-reduce while in effect.
 
@@ -53,14 +60,7 @@ def gradients_already_reduced(optimizer):
     ```
     """
     target = getattr(optimizer, "inner_optimizer", optimizer)
-
-    def install():
-        target._all_reduce_sum_gradients = list
-
-    def uninstall():
-        del target._all_reduce_sum_gradients
-
-    return _shared_change(("reduced", id(target)), install, uninstall)
+    return _attribute_while_in_effect(target, "_all_reduce_sum_gradients", list)
 
 
 def update_steps_traced_once(optimizer):
@@ -91,13 +91,7 @@ def update_steps_traced_once(optimizer):
             shared[key] = ReplicaSharedFunction(update_function(target, variable))
         return shared[key](gradient, tf.convert_to_tensor(learning_rate))
 
-    def install():
-        target.update_step = traced_once
-
-    def uninstall():
-        del target.update_step
-
-    return _shared_change(("update_step", id(target)), install, uninstall)
+    return _attribute_while_in_effect(target, "update_step", traced_once)
 
 
 def update_function(optimizer, variable):
