@@ -132,7 +132,10 @@ def _several_local_copies() -> bool:
     in_update = distribute_lib.get_update_replica_id() is not None
     if tf.distribute.get_replica_context() is None and not in_update:
         return False
-    return len(tf.distribute.get_strategy().extended.worker_devices) > 1
+    try:
+        return len(tf.distribute.get_strategy().extended.worker_devices) > 1
+    except NotImplementedError:  # a strategy that does not say: not shared
+        return False
 
 
 def _replica_independent(concrete) -> bool:
