@@ -58,3 +58,23 @@ def test_a_function_that_synchronises_the_replicas_runs_in_their_own_traces():
     results = _on_replicas(ReplicaSharedFunction(total),
                            tf.distribute.MirroredStrategy(devices(4)))
     assert results == [6.0] * 4
+
+
+def test_a_tape_outside_the_function_differentiates_each_replicas_own_copy():
+    traces = []
+    with tf.distribute.MirroredStrategy(devices(4)).scope():
+        weight = tf.Variable(2.0)
+
+    def scaled(x):
+        traces.append(1)
+        return weight * x
+
+    shared = ReplicaSharedFunction(scaled)
+
+    def gradient(x):  # d(weight * x^2)/d weight on each replica: its x^2
+        with tf.GradientTape() as tape:
+            y = shared(x) * x
+        return tape.gradient(y, weight)
+
+    assert _on_replicas(gradient, weight.distribute_strategy) == [0.0, 1.0, 4.0, 9.0]
+    assert len(traces) == 1

@@ -106,9 +106,12 @@ class ReplicaSharedFunction:
         if self._function.experimental_get_tracing_count() > traces:
             self._tracer[id(concrete)] = caller
         if not self._shareable(concrete):
-            if self._tracer[id(concrete)] == caller:  # its own trace: its collective keys taken
+            # Each caller keeps a trace of its own, called again on each
+            # later call, as a per-device `tf.function`: its collectives'
+            # keys then stay those every other caller's trace took.
+            if self._tracer[id(concrete)] == caller:
                 return concrete(*args)
-            return self._own(*args)
+            return self._function(*args)
         captures = _local_captures(concrete)
         if captures is None:
             return self._own(*args)
@@ -170,9 +173,9 @@ def _local_captures(concrete):
         if container is None:
             captures.append(t)
             continue
-        copies = container()
-        local = copies._get_on_device_or_primary()
-        if local.shape != next(c for c in copies._values if c.handle is t).shape:
+        variable = container()
+        local = variable._get_on_device_or_primary()
+        if local.shape != next(c for c in variable._values if c.handle is t).shape:
             return None
         captures.append(local.handle)
     return captures

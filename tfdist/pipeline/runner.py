@@ -20,6 +20,7 @@ from keras import tree
 
 from tfdist import sparse_gradients
 from tfdist._compat.keras_functional import node_call
+from tfdist._compat.tf_function import ReplicaSharedFunction
 from tfdist._compat.tf_graph import run_after
 from tfdist._compat.tf_variables import set_storage, storage_of
 from tfdist.engine.moving_statistics import MovingStatistics
@@ -220,11 +221,19 @@ class StageRunner:
         self._own = list(own.values())
         self.copies = [(v, copies[id(v)]) for layer in stage.tied for v in layer.trainable_weights]
 
-        def stage_layers(sources):  # XLA's modules: a_forward_stage_layers_*, *backward*
-            return _call_layers(stage, self.copies, sources)
+        def stage_layers(sources, full):  # XLA's modules: a_forward_stage_layers_*, *backward*
+            """The layer calls, with `full` values of the weights if given."""
+            variables = [v for _, v in self.weights] if full is not None else []
+            with substituted(zip(variables, full or [])):
+                return _call_layers(stage, self.copies, sources)
 
         self._call = stage_layers
-        if xla:
+        if gather is not None:
+            # The gathered values are arguments: the replicas (and a unit's
+            # forward and replay) share one trace of the layers (and of their
+            # gradient), when nothing in it is the replica's own.
+            self._call = ReplicaSharedFunction(stage_layers, jit_compile=xla)
+        elif xla:
             self._call = tf.function(stage_layers, jit_compile=True, reduce_retracing=True,
                                      autograph=False)
 
@@ -338,13 +347,11 @@ class StageRunner:
         inputs = {id(sym): values[id(sym)] for sym in self.stage.inputs}
         sources = [inputs[id(sym)] for sym in self.stage.inputs]
         tape = tf.GradientTape() if record else None
-        variables = [v for _, v in self.weights]
-        full = None if self.gather is None else self.gather(variables)
+        full = None if self.gather is None else self.gather([v for _, v in self.weights])
         with tape if record else contextlib.nullcontext():
             if record:
                 tape.watch([t for t in sources if t.dtype.is_floating] + (full or []))
-            with contextlib.nullcontext() if full is None else substituted(zip(variables, full)):
-                outputs = self._call(sources)
+            outputs = self._call(sources, full)
             activations = Activations(inputs, sources, outputs, tape, weights=full)
             if head is not None:
                 seen = dict(inputs)
