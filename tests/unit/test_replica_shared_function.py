@@ -5,7 +5,10 @@ are not the same on every replica are each replica's own."""
 import numpy as np
 import tensorflow as tf
 
+import tfdist
 from helpers import devices
+from tfdist._compat import tf_collectives
+from tfdist._compat.tf_distribute import current_local_replica_id
 from tfdist._compat.tf_function import ReplicaSharedFunction
 
 
@@ -46,7 +49,22 @@ def test_a_trace_that_reads_the_replica_id_is_each_replicas_own():
     results = _on_replicas(ReplicaSharedFunction(plus_id),
                            tf.distribute.MirroredStrategy(devices(4)))
     assert results == [0.0, 2.0, 4.0, 6.0]
-    assert len(traces) == 4  # the first replica's trace, then one for each other
+    assert len(traces) == 5  # the first replica's trial, then each replica's own
+
+
+def test_a_trace_with_collectives_gives_back_the_keys_it_took():
+    # The first replica's trial trace, not used when it holds collectives,
+    # must leave no collective key taken: every replica's collectives then
+    # take the same keys in the same order (else they wait on each other
+    # until the strategy's timeout).
+    strategy = tfdist.Strategy(data=4, devices=devices(4))
+
+    def summed(x):
+        return tf_collectives.strategy_launcher(
+            strategy.extended, current_local_replica_id()).all_reduce(x)
+
+    shared = ReplicaSharedFunction(summed)
+    assert _on_replicas(lambda x: summed(shared(x)), strategy) == [24.0] * 4
 
 
 def test_a_function_that_synchronises_the_replicas_runs_in_their_own_traces():

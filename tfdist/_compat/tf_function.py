@@ -15,7 +15,7 @@ there, so the function keeps its one trace.
 import contextlib
 
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib, values_util
+from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.eager.polymorphic_function import function_type_utils
 from tensorflow.python.framework import ops
@@ -85,7 +85,6 @@ class ReplicaSharedFunction:
                                      reduce_retracing=jit_compile)
         self._jit_compile = jit_compile
         self._shared = {}  # id(concrete function) -> whether its callers may share it
-        self._tracer = {}  # id(concrete function) -> the caller that traced it
         self._unshared = False  # set once `fn` could not be traced on its own
 
     def _own(self, *args):
@@ -95,23 +94,14 @@ class ReplicaSharedFunction:
     def __call__(self, *args):
         if self._unshared or not _several_local_copies():
             return self._own(*args)
-        traces = self._function.experimental_get_tracing_count()
         try:
             with eager_context.context().device(None):  # the cache key's device: none
                 concrete = self._function.get_concrete_function(*args)
         except Exception:  # e.g. a `merge_call` (not allowed in a function): as before
             self._unshared = True
             return self._own(*args)
-        caller = values_util.get_current_replica_id_as_int()
-        if self._function.experimental_get_tracing_count() > traces:
-            self._tracer[id(concrete)] = caller
         if not self._shareable(concrete):
-            # Each caller keeps a trace of its own, called again on each
-            # later call, as a per-device `tf.function`: its collectives'
-            # keys then stay those every other caller's trace took.
-            if self._tracer[id(concrete)] == caller:
-                return concrete(*args)
-            return self._function(*args)
+            return self._own(*args)  # as without this class
         captures = _local_captures(concrete)
         if captures is None:
             return self._own(*args)
@@ -143,8 +133,16 @@ def _several_local_copies() -> bool:
 
 def _replica_independent(concrete) -> bool:
     """Whether a trace made on one replica serves every replica: no
-    collective, no replica id, no tensor captured from the caller's graph."""
-    captures = concrete.captured_inputs
+    collective, no replica id, no tensor captured from the caller's graph.
+
+    Read without `concrete.captured_inputs`, which evaluates the captures
+    taken at each call (a collective's instance key): in the caller's graph
+    that takes one more key for the caller's device, which its peers'
+    collectives would then never meet."""
+    captures = concrete.graph.function_captures
+    if captures.by_ref_external:  # values taken at each call: collective keys
+        return False
+    captures = list(captures.by_val_external.values())
     if any(not isinstance(t, ops.EagerTensor) for t in captures):
         return False
     containers = [id(c()) for t in captures

@@ -353,7 +353,8 @@ class GatheredUnits(StagedCompute):
         self.whole = whole
         gather_unit = _gathering(model, layouts, mesh)
         super().__init__(model, units, devices, [0] * len(units),
-                         [StageRunner(unit, model.trainable_weights, gather=gather_unit)
+                         [StageRunner(unit, model.trainable_weights, gather=gather_unit,
+                                      shared=mesh.tensor == 1)  # (tensor layers: collectives)
                           for unit in units], mesh)
 
     def _run_actions(self, slices, local, mesh):

@@ -190,6 +190,9 @@ class StageRunner:
             stage's weights to their full values: called by every forward
             and replay, whose layers compute with those values (nothing kept
             from one call to the next) and whose backward differentiates them.
+        shared: trace the stage's layer calls once for every replica, each
+            calling that trace with its own variables (`ReplicaSharedFunction`):
+            for layers without collectives of their own, given `gather`.
 
     Attributes:
         weights: (index in `trainable_weights`, variable) of each of the
@@ -208,7 +211,8 @@ class StageRunner:
     ```
     """
 
-    def __init__(self, stage, trainable_weights, xla=False, copies=None, gather=None):
+    def __init__(self, stage, trainable_weights, xla=False, copies=None, gather=None,
+                 shared=False):
         self.stage = stage
         self.gather = gather
         self.state = [v for layer in stage.layers
@@ -228,10 +232,10 @@ class StageRunner:
                 return _call_layers(stage, self.copies, sources)
 
         self._call = stage_layers
-        if gather is not None:
+        if shared:
             # The gathered values are arguments: the replicas (and a unit's
             # forward and replay) share one trace of the layers (and of their
-            # gradient), when nothing in it is the replica's own.
+            # gradient).
             self._call = ReplicaSharedFunction(stage_layers, jit_compile=xla)
         elif xla:
             self._call = tf.function(stage_layers, jit_compile=True, reduce_retracing=True,
