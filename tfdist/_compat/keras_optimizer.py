@@ -1,9 +1,10 @@
 """Keras optimizer internals: variables, slots, keys, and the per-call changes.
 
-The gradient all-reduce and the slot lookup are changed for the duration of
-one `apply` call, which the replicas of one step trace together (in several
-threads): the change is installed by the first replica to enter and removed
-by the last to leave (`_shared_change`).
+The gradient all-reduce, the slot lookup and `update_step` (traced once for
+all of a variable's copies) are changed for the duration of one `apply`
+call, which the replicas of one step trace together (in several threads):
+the change is installed by the first replica to enter and removed by the
+last to leave (`_shared_change`).
 """
 
 import contextlib
@@ -88,27 +89,28 @@ def update_steps_traced_once(optimizer):
     def traced_once(gradient, variable, learning_rate):
         key = target._var_key(variable)
         if key not in shared:  # traced on the first copy; each copy's own swapped in
-            shared[key] = ReplicaSharedFunction(update_function(target, variable))
+            shared[key] = shared_update_step(target, variable)
         return shared[key](gradient, tf.convert_to_tensor(learning_rate))
 
     return _attribute_while_in_effect(target, "update_step", traced_once)
 
 
-def update_function(optimizer, variable):
+def shared_update_step(optimizer, variable):
     """The optimizer's own `update_step` of `variable` (its class's, whatever
-    is installed on the instance), as a function of the gradient and the
-    learning rate.
+    is installed on the instance) as a function of the gradient and the
+    learning rate, traced once for all of `variable`'s copies
+    (`ReplicaSharedFunction`): `variable` is the copy it is traced on.
 
     Example:
 
     ```python
-    update = update_function(optimizer, variable)
-    update(gradient, learning_rate)   # optimizer.update_step(gradient, variable, lr)
+    update = shared_update_step(optimizer, variable)
+    update(gradient, learning_rate)   # optimizer.update_step(gradient, copy, lr)
     ```
     """
     update_step = type(optimizer).update_step
-    return lambda gradient, learning_rate: update_step(
-        optimizer, gradient, variable, learning_rate)
+    return ReplicaSharedFunction(lambda gradient, learning_rate: update_step(
+        optimizer, gradient, variable, learning_rate))
 
 
 def slots_found_by(optimizer, buffers, indices):

@@ -49,7 +49,6 @@ from tfdist import sparse_gradients
 from tfdist._compat import keras_optimizer
 from tfdist._compat.keras_optimizer import slots_found_by
 from tfdist._compat.tf_distribute import summed_across_replicas
-from tfdist._compat.tf_function import ReplicaSharedFunction
 from tfdist._compat.tf_variables import storage_of
 from tfdist.optim import adafactor
 from tfdist.sharding.collectives import non_finite_count, packed_all_gather
@@ -243,8 +242,8 @@ class ShardedUpdate:
         with slots_found_by(self.inner, buffers, indices):
             for gradient, buffer, index in zip(shards, buffers, indices):
                 if index not in self._update_step_of:
-                    self._update_step_of[index] = ReplicaSharedFunction(
-                        keras_optimizer.update_function(self.inner, buffer))
+                    self._update_step_of[index] = keras_optimizer.shared_update_step(
+                        self.inner, buffer)
                 self._update_step_of[index](gradient, learning_rate)
 
     def _count_step(self, applied):
@@ -378,4 +377,3 @@ def _flat_name(variable):
     """A variable's path (Keras 3) or name (tf_keras), as one name."""
     name = getattr(variable, "path", None) or variable.name.split(":")[0]
     return name.replace("/", "_")
-
