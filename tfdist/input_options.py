@@ -12,6 +12,8 @@ at random. Without autotuning, `num_parallel_calls=tf.data.AUTOTUNE` runs as
 many calls in parallel as the machine has cores (up to 16) and
 `prefetch(AUTOTUNE)` grows its buffer by tf.data's own heuristic; a pipeline
 that needs the autotuner sets `options.autotune.enabled = True` and keeps it.
+The datasets TensorFlow makes for each device in front of the user's have
+no autotuning either way (`tfdist._compat.tf_data`).
 """
 
 import tensorflow as tf

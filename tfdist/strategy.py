@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import usage_checks, weight_files
+from tfdist._compat import tf_data
 from tfdist._compat.keras_trainer import uses_keras_train_step
 from tfdist._compat.tf_distribute import bound_task_registration
 from tfdist._compat.tf_function import eagerly_outside_the_trace
@@ -402,13 +403,16 @@ class _StepOwner:
     def experimental_distribute_dataset(self, dataset, options=None):
         """The parent's, after checking a static batch size against the config,
         with tf.data autotuning off unless the dataset's options set it
-        (`tfdist.input_options`: the autotuner can delay each epoch's start).
+        (`tfdist.input_options`: the autotuner can delay each epoch's start),
+        and off in the datasets TensorFlow makes for each device
+        (`tfdist._compat.tf_data`).
 
         `model.fit` distributes its data through this, so a batch size that
         `microbatches` cannot divide is reported before the first step.
         """
         usage_checks.check_not_empty(dataset)
         self._check_static_batch(dataset)
+        tf_data.device_datasets_without_autotuning()
         return super().experimental_distribute_dataset(
             without_autotuning(dataset), options=options)
 
@@ -423,6 +427,7 @@ class _StepOwner:
             lambda context: tf.data.Dataset.range(64).batch(8))
         ```
         """
+        tf_data.device_datasets_without_autotuning()
         return super().distribute_datasets_from_function(
             lambda context: without_autotuning(dataset_fn(context)), options=options)
 

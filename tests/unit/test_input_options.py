@@ -54,3 +54,30 @@ def test_datasets_from_a_function_run_without_autotuning(handed_to_tensorflow):
         lambda context: tf.data.Dataset.range(8).batch(2).prefetch(tf.data.AUTOTUNE))
     assert next(iter(distributed)) is not None
     assert [d.options().autotune.enabled for d in handed_to_tensorflow] == [False]
+
+
+def _device_datasets(distributed_iterator):
+    """The datasets TensorFlow made for each device of `distributed_iterator`."""
+    return [device_iterator._dataset
+            for worker in distributed_iterator._iterators
+            for device_iterator in worker._iterator._device_iterators]
+
+
+@pytest.mark.parametrize("enabled", [True, None])
+def test_the_datasets_made_for_each_device_run_without_autotuning(enabled):
+    # Each device's own small dataset (a generator and a fixed prefetch
+    # buffer) kept an autotuning thread that could sleep through the
+    # iterator's destruction for up to a minute (tfdist/_compat/tf_data.py).
+    strategy = tfdist.Strategy(data=2, devices=devices(2))
+    dataset = tf.data.Dataset.range(8).batch(4)
+    if enabled is not None:
+        options = tf.data.Options()
+        options.autotune.enabled = enabled
+        dataset = dataset.with_options(options)
+    for distributed in (strategy.experimental_distribute_dataset(dataset),
+                        strategy.distribute_datasets_from_function(lambda context: dataset)):
+        iterator = iter(distributed)
+        next(iterator)
+        made = _device_datasets(iterator)
+        assert len(made) == 2
+        assert [d.options().autotune.enabled for d in made] == [False, False]

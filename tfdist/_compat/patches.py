@@ -1,10 +1,10 @@
 """Every change tfdist makes to Keras and TensorFlow code it does not own.
 
-`PROCESS_WIDE` lists the class attributes tfdist replaces for the whole
-process; each is installed (once) with `install` and restored with
-`uninstall`, and nowhere else. `OPTIONAL` lists the functions of
-libraries tfdist does not require (keras-hub) that it replaces, installed
-alike once a model uses them. `PER_OBJECT` lists the attributes tfdist
+`PROCESS_WIDE` lists the class attributes (and one TensorFlow module
+function) tfdist replaces for the whole process; each is installed (once)
+with `install` and restored with `uninstall`, and nowhere else.
+`OPTIONAL` lists the functions of libraries tfdist does not require
+(keras-hub) that it replaces, installed alike once a model uses them. `PER_OBJECT` lists the attributes tfdist
 changes on single objects (one layer's `call`, one optimizer's gradient
 all-reduce, one variable's storage, ...), with the function that changes them.
 Each entry names the signature its target has in the pinned Keras 3.15 /
@@ -75,8 +75,9 @@ class Patch:
 
 @dataclasses.dataclass(frozen=True)
 class ModulePatch:
-    """One function of a module of a library tfdist does not require, which
-    it replaces process-wide when a model uses it (imported then).
+    """One function of a module that tfdist replaces process-wide: of a
+    library tfdist does not require, when a model uses it (imported then),
+    or of TensorFlow.
 
     Args:
         module: the module's name.
@@ -150,6 +151,12 @@ MODEL_LOAD_WEIGHTS = Patch(
     "tfdist/weight_files.py: name_unreadable_files, a truncated or corrupt weights file "
     "named under tfdist's strategies")
 
+DEVICE_DATASET = ModulePatch(
+    "tensorflow.python.data.ops.multi_device_iterator_ops", "_create_device_dataset",
+    "(prototype_ds, incarnation_id, prefetch_buffer_size, experimental_slack)",
+    "tfdist/_compat/tf_data.py: device_datasets_without_autotuning, a distributed "
+    "iterator's per-device datasets without a tf.data autotuning thread")
+
 PROCESS_WIDE = (
     MODEL_SUMMARY,
     TRAINER_FIT,
@@ -160,6 +167,7 @@ PROCESS_WIDE = (
     TRAINER_SYMBOLIC_BUILD,
     TRAINER_PREDICT,
     MODEL_LOAD_WEIGHTS,
+    DEVICE_DATASET,
 )
 
 # keras-hub's mixture-of-experts router loss, computed from the global batch's
