@@ -4,9 +4,10 @@
 function) tfdist replaces for the whole process; each is installed (once)
 with `install` and restored with `uninstall`, and nowhere else.
 `OPTIONAL` lists the functions of libraries tfdist does not require
-(keras-hub) that it replaces, installed alike once a model uses them. `PER_OBJECT` lists the attributes tfdist
-changes on single objects (one layer's `call`, one optimizer's gradient
-all-reduce, one variable's storage, ...), with the function that changes them.
+(keras-hub) that it replaces, installed alike once a model uses them.
+`PER_OBJECT` lists the attributes tfdist changes on single objects (one
+layer's `call`, one optimizer's gradient all-reduce, one variable's
+storage, ...), with the function that changes them.
 Each entry names the signature its target has in the pinned Keras 3.15 /
 TensorFlow 2.20 (None for a data attribute): `tests/unit/test_compat.py`
 checks that every target still exists with that signature.
