@@ -267,6 +267,19 @@ def test_replicas_share_one_trace_of_their_forward_backward_and_updates(monkeypa
             np.testing.assert_array_equal(copy.numpy(), variable.value.values[0].numpy())
 
 
+@pytest.mark.parametrize("config", [dict(pipeline=2, microbatches=2),
+                                    dict(data=2, pipeline=2, microbatches=2, remat=True)],
+                         ids=str)
+def test_pipeline_stages_trace_their_layers_once_for_every_replica_and_microbatch(config):
+    # Each replica traced each stage's layers for each microbatch, and again
+    # for remat's replay (9 calls of the model's Python at data 2 x pipeline 2
+    # x microbatches 2 with remat, 3 with one replica); now as often as
+    # data-parallel replicas, which share one trace. The counting layer's
+    # name ("_counts_traces") is not a valid first name scope of a function:
+    # the shared trace opens one of its own.
+    assert _traced_model_calls(config) == _traced_model_calls(dict(data=4))
+
+
 def _autograph_converted_tfdist_code():
     """The tfdist functions AutoGraph has converted so far in this process
     (the code objects in its transpiler's cache)."""

@@ -96,3 +96,36 @@ def test_a_tape_outside_the_function_differentiates_each_replicas_own_copy():
 
     assert _on_replicas(gradient, weight.distribute_strategy) == [0.0, 1.0, 4.0, 9.0]
     assert len(traces) == 1
+
+
+def test_with_one_copy_too_the_calls_of_one_replica_share_a_trace():
+    traces = []
+
+    def double(x):
+        traces.append(1)
+        return x * 2.0
+
+    for one_copy_too, expected in ((False, 2), (True, 1)):
+        traces.clear()
+        shared = ReplicaSharedFunction(double, one_copy_too=one_copy_too)
+        assert _on_replicas(lambda x: shared(shared(x) + 1.0),
+                            tf.distribute.MirroredStrategy(devices(1))) == [2.0]
+        assert len(traces) == expected
+
+
+def test_a_trace_that_looks_up_variable_rows_is_not_shared_with_no_lookups():
+    # A gradient taken outside the call gets a lookup's rows as IndexedSlices
+    # whose indices cannot be traced to a fixed lookup (a position embedding).
+    traces = []
+    with tf.distribute.MirroredStrategy(devices(2)).scope():
+        table = tf.Variable(tf.ones((4, 3)))
+
+    def rows(x):
+        traces.append(1)
+        return tf.gather(table, tf.range(2)) * x
+
+    for no_lookups, expected in ((False, 1), (True, 3)):
+        traces.clear()
+        shared = ReplicaSharedFunction(rows, no_lookups=no_lookups)
+        _on_replicas(lambda x: tf.reduce_sum(shared(x)), table.distribute_strategy)
+        assert len(traces) == expected  # shared; or the trial, then each replica's own

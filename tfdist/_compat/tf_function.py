@@ -13,6 +13,7 @@ there, so the function keeps its one trace.
 """
 
 import contextlib
+import functools
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
@@ -65,11 +66,20 @@ class ReplicaSharedFunction:
     traced on its own (a `merge_call`, as tf_keras's BatchNormalization makes,
     is refused inside a function), is not shared: each caller then runs `fn`
     as it would without this class. Outside a traced function, or with one
-    local copy, `fn` is just called (compiled with XLA when `jit_compile`).
+    local copy (unless `one_copy_too`), `fn` is just called (compiled with
+    XLA when `jit_compile`).
 
     Args:
         fn: the Python function, called with tensors (nests of them) and None.
         jit_compile: compile the function with XLA.
+        one_copy_too: share the trace among the calls of a strategy with one
+            local copy too (a pipeline's microbatches and remat replays).
+        no_lookups: do not share a trace that looks up rows of a variable
+            (an embedding), for a caller that differentiates the call: the
+            rows' `IndexedSlices` then come out of the call with indices that
+            `sparse_gradients.sum_fixed_lookups` cannot trace back to a
+            fixed lookup (a position embedding's), and Adam would update its
+            duplicate rows one by one, not summed as on one device.
 
     Example:
 
@@ -79,20 +89,36 @@ class ReplicaSharedFunction:
     ```
     """
 
-    def __init__(self, fn, jit_compile=False):
+    def __init__(self, fn, jit_compile=False, one_copy_too=False, no_lookups=False):
         self._fn = fn
-        self._function = tf.function(fn, autograph=False, jit_compile=jit_compile or None,
-                                     reduce_retracing=jit_compile)
+        self._no_lookups = no_lookups
+        self._copies_needed = 1 if one_copy_too else 2
         self._jit_compile = jit_compile
+
+        @functools.wraps(fn)
+        def in_a_root_scope(*args):
+            # A function's graph starts with no name scope, and a first scope
+            # must match ^[A-Za-z0-9.]: a Keras layer named "_x" called first
+            # (a pipeline stage's) would fail to trace.
+            with tf.name_scope("replica"):
+                return fn(*args)
+
+        self._function = tf.function(in_a_root_scope, autograph=False,
+                                     jit_compile=jit_compile or None, reduce_retracing=jit_compile)
         self._shared = {}  # id(concrete function) -> whether its callers may share it
         self._unshared = False  # set once `fn` could not be traced on its own
+
+    def experimental_get_tracing_count(self) -> int:
+        """How many times `fn` was traced as a function (the shared traces,
+        and each caller's own under `jit_compile`), as `tf.function` says."""
+        return self._function.experimental_get_tracing_count()
 
     def _own(self, *args):
         """`fn` in the caller's own trace."""
         return self._function(*args) if self._jit_compile else self._fn(*args)
 
     def __call__(self, *args):
-        if self._unshared or not _several_local_copies():
+        if self._unshared or not _local_copies_at_least(self._copies_needed):
             return self._own(*args)
         try:
             with eager_context.context().device(None):  # the cache key's device: none
@@ -113,25 +139,25 @@ class ReplicaSharedFunction:
     def _shareable(self, concrete):
         key = id(concrete)
         if key not in self._shared:
-            self._shared[key] = _replica_independent(concrete)
+            self._shared[key] = _replica_independent(concrete, self._no_lookups)
         return self._shared[key]
 
 
-def _several_local_copies() -> bool:
+def _local_copies_at_least(count: int) -> bool:
     """In a traced function, in replica context or a variable update, of a
-    strategy with more than one local device."""
+    strategy with at least `count` local devices."""
     if not tf.compat.v1.get_default_graph().building_function:
         return False
     in_update = distribute_lib.get_update_replica_id() is not None
     if tf.distribute.get_replica_context() is None and not in_update:
         return False
     try:
-        return len(tf.distribute.get_strategy().extended.worker_devices) > 1
+        return len(tf.distribute.get_strategy().extended.worker_devices) >= count
     except NotImplementedError:  # a strategy that does not say: not shared
         return False
 
 
-def _replica_independent(concrete) -> bool:
+def _replica_independent(concrete, no_lookups=False) -> bool:
     """Whether a trace made on one replica serves every replica: no
     collective, no replica id, no tensor captured from the caller's graph.
 
@@ -151,10 +177,27 @@ def _replica_independent(concrete) -> bool:
         return False
     graph_def = concrete.graph.as_graph_def()
     nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
+    if no_lookups and _looks_up_variable_rows(concrete.graph):
+        return False
     return not any(
         n.op.startswith(_COLLECTIVE_OPS)
         or (n.op == "Const" and n.name.rsplit("/", 1)[-1].startswith("replica_id_in_sync_group"))
         for n in nodes)
+
+
+def _looks_up_variable_rows(graph) -> bool:
+    """Whether `graph` gathers rows of a variable's value (an embedding's
+    lookup, reading the variable directly or through casts)."""
+    for op in graph.get_operations():
+        if op.type == "ResourceGather":
+            return True
+        if op.type == "GatherV2":
+            params = op.inputs[0].op
+            while params.type in ("Identity", "Cast") and params.inputs:
+                params = params.inputs[0].op
+            if params.type == "ReadVariableOp":
+                return True
+    return False
 
 
 # Op types that exchange tensors between replicas.

@@ -201,14 +201,18 @@ class PipelineCompute(StagedCompute):
     def __init__(self, model, stages, devices, microbatches, mesh, kind, remat=False,
                  xla=False, copies=None, virtual_stages=1):
         self.pipeline = len(stages) // virtual_stages
-        super().__init__(
-            model, stages, devices,
-            [stage_device(kind, s, self.pipeline) for s in range(len(stages))],
-            [StageRunner(stage, model.trainable_weights, xla=xla, copies=copies)
-             for stage in stages], mesh)
         self.order = emission_order(stage_orders(kind, self.pipeline, microbatches,
                                                  virtual_stages))
         self.split_backward = any(action.kind == WEIGHTS for action in self.order)
+        # The replicas share one trace of each stage's layers, unless its
+        # layers have collectives (tensor) or its backward is split in two
+        # (zero-bubble "B" and "W": a function's gradient is one call).
+        shared = mesh.tensor == 1 and not self.split_backward
+        super().__init__(
+            model, stages, devices,
+            [stage_device(kind, s, self.pipeline) for s in range(len(stages))],
+            [StageRunner(stage, model.trainable_weights, xla=xla, copies=copies, shared=shared)
+             for stage in stages], mesh)
         # The stages' gradient totals -> each weight's (`meet_on_replica_device`).
         self.gradients_out = meet_on_replica_device
         self.remat = remat

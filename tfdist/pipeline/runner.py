@@ -190,9 +190,10 @@ class StageRunner:
             stage's weights to their full values: called by every forward
             and replay, whose layers compute with those values (nothing kept
             from one call to the next) and whose backward differentiates them.
-        shared: trace the stage's layer calls once for every replica, each
-            calling that trace with its own variables (`ReplicaSharedFunction`):
-            for layers without collectives of their own, given `gather`.
+        shared: trace the stage's layer calls once for every replica,
+            microbatch and replay, each calling that trace with its own
+            variables (`ReplicaSharedFunction`): for layers without
+            collectives of their own.
 
     Attributes:
         weights: (index in `trainable_weights`, variable) of each of the
@@ -233,10 +234,11 @@ class StageRunner:
 
         self._call = stage_layers
         if shared:
-            # The gathered values are arguments: the replicas (and a unit's
-            # forward and replay) share one trace of the layers (and of their
-            # gradient).
-            self._call = ReplicaSharedFunction(stage_layers, jit_compile=xla)
+            # One trace of the layers (and one of their gradient) for every
+            # replica, microbatch and replay: each call swaps in its replica's
+            # variables; ZeRO-3's gathered values are arguments.
+            self._call = ReplicaSharedFunction(stage_layers, jit_compile=xla, one_copy_too=True,
+                                               no_lookups=True)
         elif xla:
             self._call = tf.function(stage_layers, jit_compile=True, reduce_retracing=True,
                                      autograph=False)
