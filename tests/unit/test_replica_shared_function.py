@@ -108,7 +108,7 @@ def test_with_one_copy_too_the_calls_of_one_replica_share_a_trace():
     for one_copy_too, expected in ((False, 2), (True, 1)):
         traces.clear()
         shared = ReplicaSharedFunction(double, one_copy_too=one_copy_too)
-        assert _on_replicas(lambda x: shared(shared(x) + 1.0),
+        assert _on_replicas(lambda x, shared=shared: shared(shared(x) + 1.0),
                             tf.distribute.MirroredStrategy(devices(1))) == [2.0]
         assert len(traces) == expected
 
@@ -127,5 +127,5 @@ def test_a_trace_that_looks_up_variable_rows_is_not_shared_with_no_lookups():
     for no_lookups, expected in ((False, 1), (True, 3)):
         traces.clear()
         shared = ReplicaSharedFunction(rows, no_lookups=no_lookups)
-        _on_replicas(lambda x: tf.reduce_sum(shared(x)), table.distribute_strategy)
+        _on_replicas(lambda x, shared=shared: tf.reduce_sum(shared(x)), table.distribute_strategy)
         assert len(traces) == expected  # shared; or the trial, then each replica's own
