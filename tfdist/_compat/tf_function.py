@@ -175,10 +175,10 @@ def _replica_independent(concrete, no_lookups=False) -> bool:
                   if (c := getattr(t, "_distributed_container", None)) is not None]
     if len(set(containers)) < len(containers):  # two copies of one variable: not the replica's own
         return False
-    graph_def = concrete.graph.as_graph_def()
-    nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
     if no_lookups and _looks_up_variable_rows(concrete.graph):
         return False
+    graph_def = concrete.graph.as_graph_def()
+    nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
     return not any(
         n.op.startswith(_COLLECTIVE_OPS)
         or (n.op == "Const" and n.name.rsplit("/", 1)[-1].startswith("replica_id_in_sync_group"))
