@@ -280,6 +280,16 @@ def test_pipeline_stages_trace_their_layers_once_for_every_replica_and_microbatc
     assert _traced_model_calls(config) == _traced_model_calls(dict(data=4))
 
 
+@pytest.mark.parametrize("config", [dict(tensor=4), dict(data=2, tensor=2, microbatches=2)],
+                         ids=str)
+def test_tensor_groups_trace_their_forward_and_backward_once_for_every_replica(config):
+    # Each replica traced its forward and backward on its own (its tensor
+    # group's collectives were its own), and with microbatches once per
+    # microbatch: now one trace serves every replica and microbatch, each
+    # call giving its own group's collective keys and rank.
+    assert _traced_model_calls(config) == _traced_model_calls(dict(data=4))
+
+
 def _autograph_converted_tfdist_code():
     """The tfdist functions AutoGraph has converted so far in this process
     (the code objects in its transpiler's cache)."""

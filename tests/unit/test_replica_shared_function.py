@@ -67,6 +67,35 @@ def test_a_trace_with_collectives_gives_back_the_keys_it_took():
     assert _on_replicas(lambda x: summed(shared(x)), strategy) == [24.0] * 4
 
 
+def test_tensor_group_collectives_take_each_callers_keys_in_one_trace():
+    # Replicas 0, 1 and 2, 3 are two tensor groups. One trace serves all four:
+    # its collectives' group key, instance keys and ordering token and the
+    # tensor rank are inputs each replica's call gives (its own group's), so
+    # each group sums its own values, each rank keeps its own slice, and a
+    # second step takes fresh instance keys.
+    strategy = tfdist.Strategy(data=2, tensor=2, devices=devices(4))
+    mesh = strategy.tensor_mesh
+    traces = []
+
+    def in_groups(x):
+        traces.append(1)
+        weighted = x * tf.cast(mesh.rank() + 1, tf.float32)  # rank 0: x, rank 1: 2x
+        halves = mesh.take_slice(tf.stack([x, 10.0 * x]), 0)  # the rank's own row
+        return mesh.reduce(weighted) + mesh.gather_last(halves)[1]
+
+    shared = ReplicaSharedFunction(in_groups)
+    ids = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(float(context.replica_id_in_sync_group)))
+    step = tf.function(lambda: strategy.run(shared, args=(ids,)))
+    for _ in range(2):
+        results = [float(t) for t in strategy.experimental_local_results(step())]
+        # Group (0, 1): 0 + 2 * 1 = 2, plus rank 1's row 10 * 1; group (2, 3): 2 + 6 = 8, plus 30.
+        assert results == [12.0, 12.0, 38.0, 38.0]
+    assert len(traces) == 1
+    graph = step.get_concrete_function().graph
+    assert sum(op.type == "CollectiveReduceV2" for op in graph.get_operations()) == 0  # in the call
+
+
 def test_a_function_that_synchronises_the_replicas_runs_in_their_own_traces():
     # A merge_call (here an all-reduce) is refused in a nested function:
     # each replica then runs the function in its own trace, as without the class.

@@ -7,11 +7,15 @@ its own collectives (all-to-all, subgroup all-gathers) through launchers so
 that they order with the strategy's.
 """
 
+import itertools
+
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops, cross_device_utils
 from tensorflow.python.eager import context
 from tensorflow.python.framework import errors
 from tensorflow.python.ops import gen_collective_ops
+
+from tfdist._compat.tf_function import caller_value
 
 
 def abort_collectives(message: str):
@@ -80,6 +84,47 @@ def group_launcher(keys, group, device, own=None, options=None):
     if own is not None:
         launcher._ordering_token = own._ordering_token
     return launcher
+
+
+class CallerLauncher(cross_device_utils.CollectiveReplicaLauncher):
+    """The launcher of a trace every replica shares (`ReplicaSharedFunction`):
+    its collectives take the calling replica's launcher's group key, instance
+    keys and ordering token (`resolve()`, evaluated in the caller's trace at
+    each call) as inputs of the call, and run on the call's device.
+
+    Only inside a shared trace (`caller_value`); launchers of different
+    `name`s must not share one ordering token.
+
+    Example:
+
+    ```python
+    launcher = CallerLauncher("tensor", lambda: launchers[mesh.replica()])
+    launcher.all_reduce(x)   # each caller's own group and keys
+    ```
+    """
+
+    def __init__(self, name: str, resolve):
+        # Not the base class's __init__, which makes an ordering token.
+        traced = resolve()
+        self._group_size = traced._group_size
+        self._options = traced._options
+        self._collective_keys = None
+        self._device = None  # the call's
+        self._resolve = resolve
+        self._group_key = caller_value(
+            f"{name}/group_key", lambda: tf.constant(resolve()._group_key, tf.int32), tf.int32)
+        self._token = caller_value(
+            f"{name}/ordering_token", lambda: resolve()._get_ordering_token(), tf.resource)
+
+    def _next_instance_key(self):  # one input per collective
+        return caller_value(f"instance_key/{next(_INSTANCE_KEYS)}",
+                            lambda: self._resolve()._next_instance_key(), tf.int32)
+
+    def _get_ordering_token(self):
+        return self._token
+
+
+_INSTANCE_KEYS = itertools.count()  # names of a shared trace's instance-key inputs
 
 
 def launcher_device(launcher) -> str:

@@ -13,7 +13,9 @@ there, so the function keeps its one trace.
 """
 
 import contextlib
+import copy
 import functools
+import threading
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
@@ -48,6 +50,75 @@ def eagerly_outside_the_trace():
         graph._variable_creator_stack = stack
 
 
+class _CallerValue:
+    """The key of an input of a shared trace that each caller gives: `resolve()`
+    evaluated in the caller's own trace. Keys of one name are one input."""
+
+    def __init__(self, name, resolve):
+        self.name = name
+        self.resolve = resolve
+
+    def __hash__(self):
+        return hash((_CallerValue, self.name))
+
+    def __eq__(self, other):
+        return isinstance(other, _CallerValue) and other.name == self.name
+
+
+_sharing = threading.local()  # .depth: shared traces this thread is tracing
+
+
+def caller_value(name: str, resolve, dtype):
+    """Inside a trace that `ReplicaSharedFunction` shares among replicas, an
+    input of that trace (a scalar of `dtype`) whose value each caller gives:
+    `resolve()`, evaluated in the caller's own trace, in its replica context
+    (its collectives' keys and ordering token, its tensor rank). The inputs of
+    one `name` in one trace are one input. None outside such traces: there,
+    the caller's own value is used directly.
+
+    Example:
+
+    ```python
+    rank = caller_value("tensor_rank", lambda: tf.constant(own_rank()), tf.int32)
+    if rank is None:
+        rank = own_rank()
+    ```
+    """
+    if not sharing_a_trace():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):  # as TensorFlow's launchers
+        graph = graph.outer_graph
+    return graph.capture_call_time_value(_given_by_the_caller, tf.TensorSpec([], dtype),
+                                         key=_CallerValue(name, resolve))
+
+
+def sharing_a_trace() -> bool:
+    """Whether this thread is tracing a function `ReplicaSharedFunction`
+    shares among replicas (where `caller_value` gives inputs).
+
+    Example:
+
+    ```python
+    launcher = CallerLauncher("tensor", own) if sharing_a_trace() else own()
+    ```
+    """
+    return bool(getattr(_sharing, "depth", 0))
+
+
+def _given_by_the_caller():
+    raise AssertionError("a shared trace's caller gives this input itself")
+
+
+@contextlib.contextmanager
+def _tracing_shared():
+    _sharing.depth = getattr(_sharing, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _sharing.depth -= 1
+
+
 class ReplicaSharedFunction:
     """A function traced once for all the local copies of a `tf.distribute`
     strategy's variables: its replicas, or the devices of an update.
@@ -59,13 +130,15 @@ class ReplicaSharedFunction:
     into a function (its ops have no device: they run on the device of each
     call) and every caller, in replica context or in a variable update on one
     device, calls that trace with its captured inputs swapped for its own:
-    each variable's copy for the caller's. A trace that is not the same for
-    every caller (one with collectives, one that reads the replica's id or two
+    each variable's copy for the caller's, and the inputs each caller gives
+    (`caller_value`: a tensor group's collective keys, ordering token and
+    rank) its own. A trace that is not the same for every caller (one with
+    other collectives, one that reads the replica's id or two
     copies of one variable, one that captures a tensor of the caller's own
     graph, one whose variables' copies differ in shape), or that cannot be
     traced on its own (a `merge_call`, as tf_keras's BatchNormalization makes,
     is refused inside a function), is not shared: each caller then runs `fn`
-    as it would without this class. Outside a traced function, or with one
+    as it would without this class (or `unshared`). Outside a traced function, or with one
     local copy (unless `one_copy_too`), `fn` is just called (compiled with
     XLA when `jit_compile`).
 
@@ -80,6 +153,9 @@ class ReplicaSharedFunction:
             `sparse_gradients.sum_fixed_lookups` cannot trace back to a
             fixed lookup (a position embedding's), and Adam would update its
             duplicate rows one by one, not summed as on one device.
+        unshared: what a caller that cannot share the trace calls instead
+            (default: `fn` in the caller's own trace, compiled with XLA under
+            `jit_compile`).
 
     Example:
 
@@ -89,11 +165,11 @@ class ReplicaSharedFunction:
     ```
     """
 
-    def __init__(self, fn, jit_compile=False, one_copy_too=False, no_lookups=False):
+    def __init__(self, fn, jit_compile=False, one_copy_too=False, no_lookups=False,
+                 unshared=None):
         self._fn = fn
         self._no_lookups = no_lookups
         self._copies_needed = 1 if one_copy_too else 2
-        self._jit_compile = jit_compile
 
         @functools.wraps(fn)
         def in_a_root_scope(*args):
@@ -105,6 +181,7 @@ class ReplicaSharedFunction:
 
         self._function = tf.function(in_a_root_scope, autograph=False,
                                      jit_compile=jit_compile or None, reduce_retracing=jit_compile)
+        self._unshared_fn = unshared or (self._function if jit_compile else fn)
         self._shared = {}  # id(concrete function) -> whether its callers may share it
         self._unshared = False  # set once `fn` could not be traced on its own
 
@@ -113,15 +190,34 @@ class ReplicaSharedFunction:
         and each caller's own under `jit_compile`), as `tf.function` says."""
         return self._function.experimental_get_tracing_count()
 
+    @property
+    def python_function(self):
+        """The Python function it traces (as `tf.function`'s)."""
+        return self._fn
+
+    def with_unshared(self, unshared):
+        """This function, its traces shared with it, for callers that call
+        `unshared` where they cannot share them.
+
+        Example:
+
+        ```python
+        runs = [shared.with_unshared(tf.function(step)) for _ in range(2)]
+        ```
+        """
+        other = copy.copy(self)
+        other._unshared_fn = unshared
+        return other
+
     def _own(self, *args):
-        """`fn` in the caller's own trace."""
-        return self._function(*args) if self._jit_compile else self._fn(*args)
+        """What a caller that does not share the trace calls."""
+        return self._unshared_fn(*args)
 
     def __call__(self, *args):
         if self._unshared or not _local_copies_at_least(self._copies_needed):
             return self._own(*args)
         try:
-            with eager_context.context().device(None):  # the cache key's device: none
+            with eager_context.context().device(None), _tracing_shared():  # no device in the key
                 concrete = self._function.get_concrete_function(*args)
         except Exception:  # e.g. a `merge_call` (not allowed in a function): as before
             self._unshared = True
@@ -158,31 +254,45 @@ def _local_copies_at_least(count: int) -> bool:
 
 
 def _replica_independent(concrete, no_lookups=False) -> bool:
-    """Whether a trace made on one replica serves every replica: no
-    collective, no replica id, no tensor captured from the caller's graph.
+    """Whether a trace made on one replica serves every replica: no tensor
+    captured from the caller's graph, no replica id, and no collective but
+    those whose keys are inputs each caller gives (`caller_value`).
 
     Read without `concrete.captured_inputs`, which evaluates the captures
     taken at each call (a collective's instance key): in the caller's graph
     that takes one more key for the caller's device, which its peers'
     collectives would then never meet."""
     captures = concrete.graph.function_captures
-    if captures.by_ref_external:  # values taken at each call: collective keys
+    if not all(isinstance(key, _CallerValue) for key in captures.by_ref_external):
+        return False  # values taken at each call that the caller cannot give: TensorFlow's keys
+    given = {t.op.name for t in captures.by_ref_internal.values()}
+    by_value = list(captures.by_val_external.values())
+    if any(not isinstance(t, ops.EagerTensor) for t in by_value):
         return False
-    captures = list(captures.by_val_external.values())
-    if any(not isinstance(t, ops.EagerTensor) for t in captures):
-        return False
-    containers = [id(c()) for t in captures
+    containers = [id(c()) for t in by_value
                   if (c := getattr(t, "_distributed_container", None)) is not None]
     if len(set(containers)) < len(containers):  # two copies of one variable: not the replica's own
         return False
     if no_lookups and _looks_up_variable_rows(concrete.graph):
         return False
+    if not all(_keys_given(op, given) for op in concrete.graph.get_operations()
+               if op.type.startswith(_COLLECTIVE_OPS)):
+        return False
     graph_def = concrete.graph.as_graph_def()
-    nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
+    nested = [n for f in graph_def.library.function for n in f.node_def]
+    if any(n.op.startswith(_COLLECTIVE_OPS) for n in nested):  # keys not checked there
+        return False
     return not any(
-        n.op.startswith(_COLLECTIVE_OPS)
-        or (n.op == "Const" and n.name.rsplit("/", 1)[-1].startswith("replica_id_in_sync_group"))
-        for n in nodes)
+        n.op == "Const" and n.name.rsplit("/", 1)[-1].startswith("replica_id_in_sync_group")
+        for n in [*graph_def.node, *nested])
+
+
+def _keys_given(op, given) -> bool:
+    """Whether collective `op` takes its group and instance keys from inputs
+    its callers give."""
+    names = [arg.name for arg in op.op_def.input_arg]
+    return all(key in names and op.inputs[names.index(key)].op.name in given
+               for key in ("group_key", "instance_key"))
 
 
 def _looks_up_variable_rows(graph) -> bool:
@@ -205,11 +315,14 @@ _COLLECTIVE_OPS = ("Collective", "Nccl")
 
 
 def _local_captures(concrete):
-    """The function's captured inputs, each distributed variable's copy
-    replaced by the calling replica's; None if a copy of the caller's has
-    another shape than the one traced (a variable split unevenly)."""
+    """The function's captured inputs for the calling replica: each
+    distributed variable's copy replaced by the caller's, each input the
+    caller gives (`caller_value`) resolved in the caller's trace; None if a
+    copy of the caller's has another shape than the one traced (a variable
+    split unevenly)."""
     captures = []
-    for t in concrete.captured_inputs:
+    function_captures = concrete.graph.function_captures
+    for t in function_captures.by_val_external.values():
         container = getattr(t, "_distributed_container", None)  # set on a copy's handle
         if container is None:
             captures.append(t)
@@ -219,4 +332,4 @@ def _local_captures(concrete):
         if local.shape != next(c for c in variable._values if c.handle is t).shape:
             return None
         captures.append(local.handle)
-    return captures
+    return captures + [key.resolve() for key in function_captures.by_ref_external]

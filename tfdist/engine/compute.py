@@ -104,31 +104,11 @@ class LocalCompute(Compute):
     def __init__(self, model, microbatches: int, mesh, xla=False, loss=None):
         super().__init__(model, microbatches, mesh, loss)
         self.moving = MovingStatistics([model])
-        self._runs = [self._forward_backward] * microbatches
-        if mesh.tensor == 1:
-            # No collective in a replica's forward and backward: every replica
-            # calls the first one's trace with its own variables.
-            self._runs = [ReplicaSharedFunction(
-                self._forward_backward, jit_compile=xla)] * microbatches
-        elif xla:
-            self._runs = [tf.function(
-                self._forward_backward, jit_compile=True, reduce_retracing=True,
-                autograph=False)] * microbatches
-        elif microbatches > 1:
-            # The replicas are traced into one graph, in which TensorFlow
-            # chains every stateful op without a resource (the loss's shape
-            # asserts) in program order: replica 0's microbatch 1, which waits
-            # for its microbatch 0's gradient all-reduce, would come before
-            # replica 1's microbatch 0 and that all-reduce would never meet
-            # its peer. One function call per microbatch keeps each replica's
-            # chain inside its own calls; one function per microbatch gives
-            # each microbatch's tensor-group collectives their own keys, so
-            # that they meet their peers whatever order the ranks run the
-            # microbatches in (with microbatches of unequal sizes, a shared
-            # function's collectives met another microbatch's).
-            self._runs = [tf.function(self._forward_backward, reduce_retracing=True,
-                                      autograph=False)
-                          for _ in range(microbatches)]
+        # Every replica calls the first one's trace with its own variables
+        # (and, with tensor parallelism, its own group's collective keys).
+        self._runs = [ReplicaSharedFunction(self._forward_backward, jit_compile=xla)] * microbatches
+        if mesh.tensor > 1:
+            self._runs = _tensor_group_runs(self._runs[0], microbatches, xla)
 
     def gradients(self, x, y, sample_weight):
         total = metrics = moved = None
@@ -193,6 +173,32 @@ class PipelinedCompute(Compute):
         with tf.name_scope("split"):
             parts = self.split(x, y, sample_weight)
         return self.pipeline([(p.x, p.y, p.sample_weight, p.share, p.size) for p in parts])
+
+
+def _tensor_group_runs(shared, microbatches: int, xla: bool):
+    """What runs each microbatch's forward and backward with tensor
+    parallelism: the trace the replicas share, or, under XLA (which compiles
+    a collective with its keys), each replica's own compiled function."""
+    forward_backward = shared.python_function
+    if xla:
+        return [tf.function(forward_backward, jit_compile=True, reduce_retracing=True,
+                            autograph=False)] * microbatches
+    if microbatches == 1:
+        return [shared]
+    # Where the trace cannot be shared (a layer's collectives of its own),
+    # the replicas are traced into one graph, in which TensorFlow chains
+    # every stateful op without a resource (the loss's shape asserts) in
+    # program order: replica 0's microbatch 1, which waits for its microbatch
+    # 0's gradient all-reduce, would come before replica 1's microbatch 0 and
+    # that all-reduce would never meet its peer. One function call per
+    # microbatch keeps each replica's chain inside its own calls; one
+    # function per microbatch gives each microbatch's tensor-group
+    # collectives their own keys, so that they meet their peers whatever
+    # order the ranks run the microbatches in (with microbatches of unequal
+    # sizes, a shared function's collectives met another microbatch's).
+    return [shared.with_unshared(tf.function(forward_backward, reduce_retracing=True,
+                                             autograph=False))
+            for _ in range(microbatches)]
 
 
 def _gradients(tape, target, variables):

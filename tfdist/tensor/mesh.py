@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from tfdist._compat import tf_collectives, tf_distribute
 from tfdist._compat.tf_collectives import group_launcher
+from tfdist._compat.tf_function import caller_value, sharing_a_trace
 
 
 class _ReplicaMesh:
@@ -137,12 +138,23 @@ class TensorMesh(_ReplicaMesh):
 
     def rank(self):
         """The current replica's tensor rank (its shard index), or None outside
-        this mesh's replicas (then layers compute with full weights)."""
+        this mesh's replicas (then layers compute with full weights); in a
+        trace the replicas share, a scalar int32 tensor each caller gives."""
         replica = self.replica()
-        return None if replica is None else replica % self.tensor
+        if replica is None:
+            return None
+        shared = caller_value("tensor_rank",
+                              lambda: tf.constant(self.replica() % self.tensor, tf.int32),
+                              tf.int32)
+        return replica % self.tensor if shared is None else shared
 
     def _tensor_launcher(self):
-        return self._tensor_launchers[self._stage_index()][self.replica()]
+        def own():
+            return self._tensor_launchers[self._stage_index()][self.replica()]
+
+        if sharing_a_trace():  # each caller's own group and keys
+            return tf_collectives.CallerLauncher(f"tensor/stage{self._stage_index()}", own)
+        return own()
 
     def data_launcher(self):
         """The current replica's launcher of collectives over its data group
@@ -178,8 +190,7 @@ class TensorMesh(_ReplicaMesh):
         @tf.custom_gradient
         def gather(x):
             def grad(dy):
-                width = tf.shape(x)[-1]
-                return dy[..., rank * width:(rank + 1) * width]
+                return _part(dy, self.tensor, -1, rank)
 
             return _concatenated(launcher, x, -1), grad
 
@@ -198,7 +209,7 @@ class TensorMesh(_ReplicaMesh):
             def grad(dy):
                 return _concatenated(launcher, dy, axis)
 
-            return tf.split(x, self.tensor, axis=axis)[rank], grad
+            return _part(x, self.tensor, axis, rank), grad
 
         return take(x)
 
@@ -346,6 +357,23 @@ class DataOnlyMesh(_ReplicaMesh):
         """`(data, (0, its rows))`: a replica's batch is its group's."""
         tensors = [t for t in tf.nest.flatten(data) if t is not None]
         return data, (0, tf.shape(tensors[0])[0])
+
+
+def _part(x, count: int, axis: int, index):
+    """Part `index` (an int, or a scalar int32 tensor) of `x` split into
+    `count` equal parts along `axis`."""
+    if isinstance(index, int):
+        return tf.split(x, count, axis=axis)[index]
+    axis %= x.shape.rank
+    shape = tf.shape(x)
+    width = shape[axis] // count
+    begin = tf.one_hot(axis, x.shape.rank, on_value=index * width, off_value=0, dtype=tf.int32)
+    size = tf.tensor_scatter_nd_update(shape, [[axis]], [width])
+    part = tf.slice(x, begin, size)
+    static = x.shape.as_list()
+    static[axis] = None if static[axis] is None else static[axis] // count
+    part.set_shape(static)
+    return part
 
 
 def _concatenated(launcher, x, axis):
