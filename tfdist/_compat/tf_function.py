@@ -190,11 +190,6 @@ class ReplicaSharedFunction:
         and each caller's own under `jit_compile`), as `tf.function` says."""
         return self._function.experimental_get_tracing_count()
 
-    @property
-    def python_function(self):
-        """The Python function it traces (as `tf.function`'s)."""
-        return self._fn
-
     def with_unshared(self, unshared):
         """This function, its traces shared with it, for callers that call
         `unshared` where they cannot share them.

@@ -106,9 +106,11 @@ class LocalCompute(Compute):
         self.moving = MovingStatistics([model])
         # Every replica calls the first one's trace with its own variables
         # (and, with tensor parallelism, its own group's collective keys).
-        self._runs = [ReplicaSharedFunction(self._forward_backward, jit_compile=xla)] * microbatches
         if mesh.tensor > 1:
-            self._runs = _tensor_group_runs(self._runs[0], microbatches, xla)
+            self._runs = _tensor_group_runs(self._forward_backward, microbatches, xla)
+        else:
+            self._runs = [ReplicaSharedFunction(self._forward_backward,
+                                                jit_compile=xla)] * microbatches
 
     def gradients(self, x, y, sample_weight):
         total = metrics = moved = None
@@ -175,14 +177,15 @@ class PipelinedCompute(Compute):
         return self.pipeline([(p.x, p.y, p.sample_weight, p.share, p.size) for p in parts])
 
 
-def _tensor_group_runs(shared, microbatches: int, xla: bool):
-    """What runs each microbatch's forward and backward with tensor
-    parallelism: the trace the replicas share, or, under XLA (which compiles
-    a collective with its keys), each replica's own compiled function."""
-    forward_backward = shared.python_function
+def _tensor_group_runs(forward_backward, microbatches: int, xla: bool):
+    """What runs each microbatch's `forward_backward` with tensor
+    parallelism: one trace the replicas and microbatches share, or, under XLA
+    (which compiles a collective with its keys), each replica's own compiled
+    function."""
     if xla:
         return [tf.function(forward_backward, jit_compile=True, reduce_retracing=True,
                             autograph=False)] * microbatches
+    shared = ReplicaSharedFunction(forward_backward)
     if microbatches == 1:
         return [shared]
     # Where the trace cannot be shared (a layer's collectives of its own),
