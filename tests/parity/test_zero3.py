@@ -72,14 +72,16 @@ def test_transformer_lm_matches_zero0_and_one_device(n, optimizer, microbatches,
         local = unsharded.value.values[0].shape.num_elements()  # a rank's slice
         assert len({c.device for c in components}) == n * tensor
         assert [c.shape for c in components] == [(-(-local // n),)] * (n * tensor)
-    if n == 4 or tensor > 1:  # evaluate and predict compute with the parameters gathered
-        sharded, unsharded = result[2], plain[2]
+    if n == 4 or tensor > 1:  # evaluate and predict compute with the parameters gathered:
+        # as one device holding the same weights
+        sharded, one_device = result[2], lm(optimizer)()
+        one_device.set_weights(result[1])
         x, y = x[:64], y[:64]
         np.testing.assert_allclose(sharded.evaluate(x, y, batch_size=16, verbose=0),
-                                   unsharded.evaluate(x, y, batch_size=16, verbose=0),
+                                   one_device.evaluate(x, y, batch_size=16, verbose=0),
                                    rtol=1e-5)
         np.testing.assert_allclose(sharded.predict(x, batch_size=16, verbose=0),
-                                   unsharded.predict(x, batch_size=16, verbose=0),
+                                   one_device.predict(x, batch_size=16, verbose=0),
                                    rtol=1e-5, atol=1e-6)
 
 
