@@ -146,28 +146,33 @@ def _batches(x, y, batch_size, sample_weight=None):
     return without_autotuning(tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size))
 
 
-def executed_op_counts(model):
+def executed_op_counts(model, by_device=False):
     """Op types in the graph of the training function `fit` ran, with those
-    of the functions it calls at each call (replicas share some: one trace)."""
+    of the functions it calls at each call (replicas share some: one trace).
+    With `by_device`, (op type, device) pairs: a function's op without a
+    device of its own runs on its caller's."""
     cells = [c.cell_contents for c in model.train_function.__closure__]
     (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
     counts = collections.Counter()
     for concrete in traced._list_all_concrete_functions():
         graph_def = concrete.graph.as_graph_def()
         library = {f.signature.name: f.node_def for f in graph_def.library.function}
-        counts.update(_op_counts(graph_def.node, library))
+        counts.update(_op_counts(graph_def.node, library, "" if by_device else None))
     return counts
 
 
-def _op_counts(nodes, library):
+def _op_counts(nodes, library, device=None):
     """Op types of `nodes`, each function they call (or run as a loop's or a
-    branch's body) counted once per node that calls it."""
-    counts = collections.Counter(node.op for node in nodes)
+    branch's body) counted once per node that calls it; with a `device` (not
+    None), (op type, device) pairs, `device` that of the ops without one."""
+    counts = collections.Counter()
     for node in nodes:
+        where = None if device is None else node.device or device
+        counts[node.op if where is None else (node.op, where)] += 1
         for attr in node.attr.values():
             for function in [attr.func, *attr.list.func]:
                 if function.name in library:
-                    counts.update(_op_counts(library[function.name], library))
+                    counts.update(_op_counts(library[function.name], library, where))
     return counts
 
 

@@ -25,7 +25,9 @@ devices, Keras's own step), and `tfdist.Strategy` with `data4` (data=4),
 `data2_zero1`, `data4_zero3`, `data2_tensor2`, `data2_tensor2_mb2` (with
 microbatches=2), `tensor4`, `pipeline2_mb2`
 (data=2, pipeline=2, microbatches=2), `pipeline4_mb4` (one replica, pipeline=4,
-microbatches=4) and `data2_mb2` (data=2, microbatches=2),
+microbatches=4), `data2_mb2` (data=2, microbatches=2), `data2_tensor2_zero3`
+(data=2, tensor=2, zero=3) and `pipeline2_tensor2_mb2` (pipeline=2, tensor=2,
+microbatches=2),
 each on the first data x pipeline x tensor devices. A case tfdist refuses for
 a model is recorded with tfdist's message and left empty in the table.
 
@@ -67,6 +69,8 @@ CASES = {
     "pipeline2_mb2": dict(data=2, pipeline=2, microbatches=2),
     "pipeline4_mb4": dict(pipeline=4, microbatches=4),
     "data2_mb2": dict(data=2, microbatches=2),
+    "data2_tensor2_zero3": dict(data=2, tensor=2, zero=3),
+    "pipeline2_tensor2_mb2": dict(pipeline=2, tensor=2, microbatches=2),
 }
 MODELS = ("gpt2", "llama")
 flags.DEFINE_list("models", list(MODELS), f"Models to measure: {', '.join(MODELS)}.")

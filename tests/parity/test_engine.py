@@ -268,15 +268,19 @@ def test_replicas_share_one_trace_of_their_forward_backward_and_updates(monkeypa
 
 
 @pytest.mark.parametrize("config", [dict(pipeline=2, microbatches=2),
-                                    dict(data=2, pipeline=2, microbatches=2, remat=True)],
+                                    dict(data=2, pipeline=2, microbatches=2, remat=True),
+                                    dict(tensor=2, pipeline=2, microbatches=2),
+                                    dict(data=2, tensor=2, zero=3)],
                          ids=str)
-def test_pipeline_stages_trace_their_layers_once_for_every_replica_and_microbatch(config):
+def test_pipeline_stages_and_zero3_units_trace_their_layers_once_for_every_replica(config):
     # Each replica traced each stage's layers for each microbatch, and again
     # for remat's replay (9 calls of the model's Python at data 2 x pipeline 2
     # x microbatches 2 with remat, 3 with one replica); now as often as
-    # data-parallel replicas, which share one trace. The counting layer's
-    # name ("_counts_traces") is not a valid first name scope of a function:
-    # the shared trace opens one of its own.
+    # data-parallel replicas, which share one trace. Under tensor too (they
+    # were traced per replica: their gradients' collectives would have been
+    # the first caller's; now each call gives its own keys to the backward
+    # too). The counting layer's name ("_counts_traces") is not a valid first
+    # name scope of a function: the shared trace opens one of its own.
     assert _traced_model_calls(config) == _traced_model_calls(dict(data=4))
 
 

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import assert_parity, devices, train, trained_reference
+from helpers import assert_parity, devices, executed_op_counts, train, trained_reference
 from test_pipeline import two_block_lm
 from test_tensor_transformer import lm_data
 from tfdist.sharding.storage import axis_layout
@@ -79,14 +79,10 @@ def test_each_shard_lives_on_its_stage_and_rank(one_f_one_b):
 
 def test_each_stage_all_reduces_megatrons_count_on_its_own_devices(one_f_one_b):
     strategy, (_, _, model) = one_f_one_b
-    cells = [c.cell_contents for c in model.train_function.__closure__]
-    (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
-    counts = collections.Counter()  # (op, device index) over the step and its callees
-    for concrete in traced._list_all_concrete_functions():
-        graph = concrete.graph.as_graph_def()
-        for node in [*graph.node, *(n for f in graph.library.function for n in f.node_def)]:
-            if node.op.startswith("Collective"):
-                counts[node.op, _short(node.device)] += 1
+    counts = collections.Counter()  # (op, device index) of each op the step runs
+    for (op, device), count in executed_op_counts(model, by_device=True).items():
+        if op.startswith("Collective"):
+            counts[op, _short(device)] += count
     microbatches = 2
     for replica in strategy.pipeline_devices:
         first, second = map(_short, replica)

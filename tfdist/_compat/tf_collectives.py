@@ -92,8 +92,10 @@ class CallerLauncher(cross_device_utils.CollectiveReplicaLauncher):
     keys and ordering token (`resolve()`, evaluated in the caller's trace at
     each call) as inputs of the call, and run on the call's device.
 
-    Only inside a shared trace (`caller_value`); launchers of different
-    `name`s must not share one ordering token.
+    Only inside a shared trace (`caller_value`), or the backward function
+    TensorFlow builds for it (a custom gradient's collectives): each graph
+    takes its own inputs. Launchers of different `name`s must not share one
+    ordering token.
 
     Example:
 
@@ -110,18 +112,21 @@ class CallerLauncher(cross_device_utils.CollectiveReplicaLauncher):
         self._options = traced._options
         self._collective_keys = None
         self._device = None  # the call's
+        self._name = name
         self._resolve = resolve
-        self._group_key = caller_value(
-            f"{name}/group_key", lambda: tf.constant(resolve()._group_key, tf.int32), tf.int32)
-        self._token = caller_value(
-            f"{name}/ordering_token", lambda: resolve()._get_ordering_token(), tf.resource)
+
+    @property
+    def _group_key(self):  # an input of the graph being built
+        return caller_value(f"{self._name}/group_key",
+                            lambda: tf.constant(self._resolve()._group_key, tf.int32), tf.int32)
 
     def _next_instance_key(self):  # one input per collective
         return caller_value(f"instance_key/{next(_INSTANCE_KEYS)}",
                             lambda: self._resolve()._next_instance_key(), tf.int32)
 
     def _get_ordering_token(self):
-        return self._token
+        return caller_value(f"{self._name}/ordering_token",
+                            lambda: self._resolve()._get_ordering_token(), tf.resource)
 
 
 _INSTANCE_KEYS = itertools.count()  # names of a shared trace's instance-key inputs

@@ -231,6 +231,8 @@ class ReplicaSharedFunction:
         key = id(concrete)
         if key not in self._shared:
             self._shared[key] = _replica_independent(concrete, self._no_lookups)
+            if self._shared[key]:
+                _callers_give_the_gradient_inputs(concrete)
         return self._shared[key]
 
 
@@ -280,6 +282,38 @@ def _replica_independent(concrete, no_lookups=False) -> bool:
     return not any(
         n.op == "Const" and n.name.rsplit("/", 1)[-1].startswith("replica_id_in_sync_group")
         for n in [*graph_def.node, *nested])
+
+
+def _callers_give_the_gradient_inputs(concrete):
+    """Makes the backward function TensorFlow builds for a shared trace (when
+    a tape outside it differentiates a call) take each caller's own inputs
+    too: it is built as a shared trace is (`caller_value` gives inputs: its
+    collectives' keys and ordering token), and at each call TensorFlow
+    evaluates its captured inputs in the calling replica's trace, where each
+    of those inputs is resolved as the caller's own."""
+    rewrites = concrete._delayed_rewrite_functions  # the gradient of a call in a graph
+    build = rewrites._construct_forward_backward
+
+    def construct_forward_backward(num_doutputs):
+        with _tracing_shared():
+            forward, backward = build(num_doutputs)
+        captures = backward.graph.function_captures
+        given = {t.op.name for key, t in captures.by_ref_internal.items()
+                 if isinstance(key, _CallerValue)}
+        fixed = [op.name for op in backward.graph.get_operations()
+                 if op.type.startswith(_COLLECTIVE_OPS) and not _keys_given(op, given)]
+        if fixed:
+            raise NotImplementedError(
+                f"The gradient of a trace the replicas share has collectives whose keys "
+                f"its callers do not give ({', '.join(fixed)}): they would all be the "
+                f"first caller's. Make them through the caller's launcher "
+                f"(tfdist._compat.tf_collectives.CallerLauncher).")
+        backward._captured_inputs = backward.graph.external_captures + [
+            key.resolve if isinstance(key, _CallerValue) else closure
+            for key, closure in captures.by_ref_external.items()]
+        return forward, backward
+
+    rewrites._construct_forward_backward = construct_forward_backward
 
 
 def _keys_given(op, given) -> bool:

@@ -354,8 +354,7 @@ class GatheredUnits(StagedCompute):
         gather_unit = _gathering(model, layouts, mesh)
         super().__init__(model, units, devices, [0] * len(units),
                          [StageRunner(unit, model.trainable_weights, gather=gather_unit,
-                                      shared=mesh.tensor == 1)  # (tensor layers: collectives)
-                          for unit in units], mesh)
+                                      shared=True) for unit in units], mesh)
 
     def _run_actions(self, slices, local, mesh):
         device = self.devices[local][0]

@@ -205,9 +205,10 @@ class PipelineCompute(StagedCompute):
                                                  virtual_stages))
         self.split_backward = any(action.kind == WEIGHTS for action in self.order)
         # The replicas share one trace of each stage's layers, unless its
-        # layers have collectives (tensor) or its backward is split in two
-        # (zero-bubble "B" and "W": a function's gradient is one call).
-        shared = mesh.tensor == 1 and not self.split_backward
+        # backward is split in two (zero-bubble "B" and "W": a function's
+        # gradient is one call) or XLA compiles its tensor layers' collectives
+        # (with their keys).
+        shared = not self.split_backward and not (xla and mesh.tensor > 1)
         super().__init__(
             model, stages, devices,
             [stage_device(kind, s, self.pipeline) for s in range(len(stages))],

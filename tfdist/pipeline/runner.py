@@ -192,8 +192,8 @@ class StageRunner:
             from one call to the next) and whose backward differentiates them.
         shared: trace the stage's layer calls once for every replica,
             microbatch and replay, each calling that trace with its own
-            variables (`ReplicaSharedFunction`): for layers without
-            collectives of their own.
+            variables and collective keys (`ReplicaSharedFunction`; tensor
+            layers' collectives, their gradients' too, take the caller's).
 
     Attributes:
         weights: (index in `trainable_weights`, variable) of each of the
