@@ -331,9 +331,11 @@ def test_remat_lowers_peak_memory():
             done.stderr[-3000:]
         peaks[flag] = int(re.search(r"peak_rss_mib (\d+)", done.stdout).group(1))
     # 8 microbatches x 16 MiB activations per layer: GPipe without remat keeps
-    # them all until the backward; measured 1,600-1,850 vs 1,240-1,490 MiB
+    # them all until the backward; measured 1,890-1,940 vs 1,410-1,490 MiB
     # (peak over training steps only: the first step's tracing is excluded).
-    assert peaks["--remat"] + 100 < peaks["--noremat"], peaks
+    # With 3 and 2 activation layers per stage the gap was 60-300 MiB: noise
+    # of the same order.
+    assert peaks["--remat"] + 200 < peaks["--noremat"], peaks
 
 
 @pytest.mark.parametrize("schedule, virtual", SCHEDULES[1:], ids=[s for s, _ in SCHEDULES[1:]])
