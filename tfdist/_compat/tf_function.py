@@ -262,7 +262,6 @@ def _replica_independent(concrete, no_lookups=False) -> bool:
     captures = concrete.graph.function_captures
     if not all(isinstance(key, _CallerValue) for key in captures.by_ref_external):
         return False  # values taken at each call that the caller cannot give: TensorFlow's keys
-    given = {t.op.name for t in captures.by_ref_internal.values()}
     by_value = list(captures.by_val_external.values())
     if any(not isinstance(t, ops.EagerTensor) for t in by_value):
         return False
@@ -272,8 +271,7 @@ def _replica_independent(concrete, no_lookups=False) -> bool:
         return False
     if no_lookups and _looks_up_variable_rows(concrete.graph):
         return False
-    if not all(_keys_given(op, given) for op in concrete.graph.get_operations()
-               if op.type.startswith(_COLLECTIVE_OPS)):
+    if _collectives_with_fixed_keys(concrete.graph):
         return False
     graph_def = concrete.graph.as_graph_def()
     nested = [n for f in graph_def.library.function for n in f.node_def]
@@ -297,11 +295,7 @@ def _callers_give_the_gradient_inputs(concrete):
     def construct_forward_backward(num_doutputs):
         with _tracing_shared():
             forward, backward = build(num_doutputs)
-        captures = backward.graph.function_captures
-        given = {t.op.name for key, t in captures.by_ref_internal.items()
-                 if isinstance(key, _CallerValue)}
-        fixed = [op.name for op in backward.graph.get_operations()
-                 if op.type.startswith(_COLLECTIVE_OPS) and not _keys_given(op, given)]
+        fixed = _collectives_with_fixed_keys(backward.graph)
         if fixed:
             raise NotImplementedError(
                 f"The gradient of a trace the replicas share has collectives whose keys "
@@ -310,10 +304,19 @@ def _callers_give_the_gradient_inputs(concrete):
                 f"(tfdist._compat.tf_collectives.CallerLauncher).")
         backward._captured_inputs = backward.graph.external_captures + [
             key.resolve if isinstance(key, _CallerValue) else closure
-            for key, closure in captures.by_ref_external.items()]
+            for key, closure in backward.graph.function_captures.by_ref_external.items()]
         return forward, backward
 
     rewrites._construct_forward_backward = construct_forward_backward
+
+
+def _collectives_with_fixed_keys(graph) -> list:
+    """The names of `graph`'s collectives whose group or instance key is not
+    an input its callers give (`caller_value`)."""
+    given = {t.op.name for key, t in graph.function_captures.by_ref_internal.items()
+             if isinstance(key, _CallerValue)}
+    return [op.name for op in graph.get_operations()
+            if op.type.startswith(_COLLECTIVE_OPS) and not _keys_given(op, given)]
 
 
 def _keys_given(op, given) -> bool:
