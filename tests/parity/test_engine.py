@@ -1,6 +1,7 @@
 """The step engine: one all-reduce per step, loss-scale skips, refusals."""
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -18,7 +19,10 @@ from helpers import (
     train,
     trained_reference,
 )
+from test_zero import _step_graph
 from tfdist.engine.step import TrainStep
+from tfdist.pipeline.compute import StagedCompute, _Run
+from tfdist.pipeline.program import FORWARD, OPS, REDUCE_SCATTER
 
 
 def collective_ops(counts):
@@ -282,6 +286,50 @@ def test_pipeline_stages_and_zero3_units_trace_their_layers_once_for_every_repli
     # too). The counting layer's name ("_counts_traces") is not a valid first
     # name scope of a function: the shared trace opens one of its own.
     assert _traced_model_calls(config) == _traced_model_calls(dict(data=4))
+
+
+@pytest.mark.parametrize("config", [dict(pipeline=2, microbatches=2),
+                                    dict(pipeline=2, microbatches=2, schedule="zb1"),
+                                    dict(data=2, zero=3, microbatches=2),
+                                    dict(data=2, pipeline=2, microbatches=2, remat=True, zero=3)],
+                         ids=str)
+def test_pipeline_schedules_and_zero3_units_are_programs_one_executor_runs(config, monkeypatch):
+    # Pipeline stages and ZeRO-3's units are both a `Program` (pure data)
+    # run by one executor (`StagedCompute`'s `_Run`): every instruction, in
+    # the program's order, for each replica; and the step's ops are built in
+    # that order (first appearance of each block's name scope in replica 0's
+    # ops; a block whose ops are all gradients named after the forward they
+    # differentiate names none of its own).
+    ran = []  # (local replica, instruction)
+
+    def recording(run):
+        def record(self, instruction):
+            ran.append((self.local, instruction))
+            return run(self, instruction)
+        return record
+
+    for op in OPS:
+        monkeypatch.setattr(_Run, op, recording(getattr(_Run, op)))
+    strategy = strategy_on_its_devices(**config)
+    x, y = data(64)
+    model = train(strategy, x=x, y=y)[2]
+    compute = strategy.train_step(model).compute.pipeline
+    assert isinstance(compute, StagedCompute)
+    program = compute.program(config["microbatches"])
+    for replica in range(config.get("data", 1)):
+        assert [i for local, i in ran if local == replica] == list(program.instructions)
+    scopes = [block[0].scope(program.name) for block in program.blocks()]
+    pattern = re.compile(rf"(?:^|/)({program.name}\d+/\w+(?:/mb\d+)?)(?:/|$)")
+    built = []
+    for op in _step_graph(model).get_operations():
+        found = pattern.search(op.name)
+        if found and not op.name.startswith("replica_") and found.group(1) not in built:
+            built.append(found.group(1))
+    assert built == [scope for scope in scopes if scope in built], (built, scopes)
+    forwards = [i.scope(program.name) for i in program.instructions if i.op == FORWARD]
+    assert set(forwards) <= set(built)
+    ops = {instruction.op for instruction in program.instructions}
+    assert (REDUCE_SCATTER in ops) == (config.get("zero") == 3)
 
 
 @pytest.mark.parametrize("config", [dict(tensor=4), dict(data=2, tensor=2, microbatches=2)],

@@ -46,7 +46,6 @@ Ops are named `tfdist/unit{u}/{fwd|bwd}/mb{i}/...`, the collectives
 `.../gather/...` and `.../reduce_scatter/...`.
 """
 
-import contextlib
 import functools
 
 import keras
@@ -58,6 +57,7 @@ from tfdist._compat.tf_variables import storage_of
 from tfdist.engine.reduce import ShardedReduce
 from tfdist.pipeline.compute import StagedCompute
 from tfdist.pipeline.graph import LayerGraph, graph_of
+from tfdist.pipeline.program import unit_program
 from tfdist.pipeline.runner import StageRunner, substituted
 from tfdist.pipeline.stages import Stage, connect
 from tfdist.sharding.collectives import packed_all_gather
@@ -260,21 +260,20 @@ def gather_stage_parameters(pipeline, layouts, whole):
     mesh = pipeline.mesh  # (its data launcher is the current stage's: `mesh.stage`)
     for runner in pipeline.runners:
         runner.gather = _gathering(model, layouts, mesh)
+    # (no weight is on two stages)
+    pipeline.reduce_scatter_stages(_scattering(layouts, mesh, whole))
 
-    def scattered(totals, devices):
-        shards = [None] * len(layouts)
-        for s, stage_totals in enumerate(totals):
-            if all(g is None for g in stage_totals):
-                continue
-            d = pipeline.device_of[s]
-            with tf.name_scope(f"stage{s}/reduce_scatter"), tf.device(devices[d]), \
-                    mesh.stage(d):
-                reduced = ShardedReduce(layouts, 2, mesh, whole)(stage_totals)
-            # (no weight is on two stages)
-            shards = [shard if mine is None else mine for shard, mine in zip(shards, reduced)]
-        return shards
 
-    pipeline.gradients_out = scattered
+def _scattering(layouts, mesh, whole):
+    """A staged compute's `scatter`: this replica's shards of the reduced
+    gradients of weights given by index (`layouts` aligned with the model's
+    trainable weights), reduce-scattered over the data group of `mesh` (the
+    current stage's)."""
+
+    def scatter(indices, grads):
+        return ShardedReduce([layouts[index] for index in indices], 2, mesh, whole)(grads)
+
+    return scatter
 
 
 def _gathering(model, layouts, mesh):
@@ -321,7 +320,8 @@ def with_gathered_parameters(fn, model):
 
 class GatheredUnits(StagedCompute):
     """A replica's gradient shards of its batch, unit by unit with gathered
-    parameters (the module's steps 1 and 2).
+    parameters (the module's steps 1 and 2): `unit_program` run by the
+    staged computes' executor.
 
     Args:
         model: the compiled Keras model, its trainable weights sharded.
@@ -349,73 +349,11 @@ class GatheredUnits(StagedCompute):
 
     def __init__(self, model, layouts, devices, mesh, whole, min_params=0):
         units = plan_units(model, min_params)
-        self.layouts = layouts
-        self.whole = whole
         gather_unit = _gathering(model, layouts, mesh)
         super().__init__(model, units, devices, [0] * len(units),
                          [StageRunner(unit, model.trainable_weights, gather=gather_unit,
                                       shared=True) for unit in units], mesh)
+        self.scatter = _scattering(layouts, mesh, whole)
 
-    def _run_actions(self, slices, local, mesh):
-        device = self.devices[local][0]
-        last = len(self.runners) - 1
-        totals = [None] * len(self.model.trainable_weights)
-        metrics, moved = None, [None] * len(self.runners)
-        with tf.device(device):
-            starts = [runner.moving.start() for runner in self.runners]
-        done = [[], []]  # the last ops of each unit's work so far
-        for i, microbatch in enumerate(slices):
-            env, out_grads, kept = self._inputs(microbatch[0]), {}, []
-            for u, runner in enumerate(self.runners):
-                head = functools.partial(self._last_stage_loss, microbatch, True)
-                with tf.name_scope(f"unit{u}/fwd/mb{i}"), tf.device(device), \
-                        tf.control_dependencies(done[-2]), _recording(done, device):
-                    runner.moving.reset(starts[u])
-                    # The last unit's backward follows at once: recorded, not replayed.
-                    activations = runner.forward(env, head if u == last else None,
-                                                 remat=u != last)
-                    moved[u] = runner.moving.add(moved[u], microbatch[4])
-                env.update((id(sym), value) for sym, value in
-                           zip(runner.stage.outputs, activations.outputs))
-                kept.append(activations)
-            metrics = kept[last].metrics
-            for u in reversed(range(len(self.runners))):
-                runner = self.runners[u]
-                head = functools.partial(self._last_stage_loss, microbatch, False)
-                with tf.name_scope(f"unit{u}/bwd/mb{i}"), tf.device(device), \
-                        tf.control_dependencies(done[-2]), _recording(done, device):
-                    replayed = kept[u] if u == last else runner.replay(kept[u])
-                    grads = runner.backward(replayed, out_grads)
-                    with tf.name_scope("reduce_scatter"):
-                        shards = self._reduce_scatter(runner, grads.weights)
-                    self._add(totals, runner, shards)
-        return totals, metrics, starts, moved
-
-    def _reduce_scatter(self, runner, grads):
-        """This replica's shard of each of a unit's reduced weight gradients."""
-        if all(g is None for g in grads):
-            return grads
-        return ShardedReduce([self.layouts[index] for index, _ in runner.weights], 2,
-                             self.mesh, self.whole)(grads)
-
-
-@contextlib.contextmanager
-def _recording(done, device):
-    """Appends to `done` the last ops of what the block builds on `device`
-    (those no other op of the block reads; its gradients included): once
-    they have run, the block's work is over and its gathered values released."""
-    graph = tf.compat.v1.get_default_graph()
-    built = len(graph.get_operations())
-    yield
-    # (Other replicas' ops, built in between at a merge call, are on their
-    # devices; this task's devices differ in type or index.)
-    here = _local_device(device)
-    ops = [op for op in graph.get_operations()[built:] if _local_device(op.device) == here]
-    read = {t.op for op in ops for t in op.inputs} | {c for op in ops for c in op.control_inputs}
-    done.append([op for op in ops if op not in read])
-
-
-@functools.cache  # a step's ops name a few devices, thousands of times
-def _local_device(name):
-    spec = tf.DeviceSpec.from_string(name)
-    return spec.device_type, spec.device_index
+    def program(self, microbatches):
+        return unit_program(len(self.runners), microbatches)

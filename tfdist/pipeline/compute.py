@@ -1,14 +1,17 @@
-"""`PipelineCompute`: phase 1 of the step with `pipeline` > 1.
+"""`StagedCompute`, the one executor of a replica's instructions
+(`tfdist.pipeline.program`: pipeline stages, ZeRO-3's units), and
+`PipelineCompute`, phase 1 of the step with `pipeline` > 1.
 
 Each replica's batch is split into `microbatches` slices that flow through the
 model's stages (`tfdist.pipeline.stages`), stage s computing on its own device.
 The step engine, not TensorFlow's executor, decides the order in which each
 device runs its actions (the forward or the backward of one microbatch on one
-stage): the schedule's emission order (`tfdist.pipeline.schedule`), every
-action of a device waiting (control dependencies) for that device's previous
-action. Each action is its stage's `StageRunner`'s (`tfdist.pipeline.runner`).
-The last stage's forward ends in the microbatch's loss, weighted by its share
-of the batch, so the summed gradients are the batch's.
+stage): the schedule's emission order (`tfdist.pipeline.schedule`), written
+as a program (`pipeline_program`), every action of a device waiting (control
+dependencies) for that device's previous action. Each action is its
+stage's `StageRunner`'s (`tfdist.pipeline.runner`). The last stage's
+forward ends in the microbatch's loss, weighted by its share of the batch, so
+the summed gradients are the batch's.
 
 A zero-bubble schedule ("zb1", "zbv") splits each backward: its "B" builds the
 whole backward pass of the stage, and the ops only the weight gradients need
@@ -27,6 +30,7 @@ for a "B" and a "W" alike; a "W"'s ops wait for its `bwd_weight/mb{i}/start`,
 and its gradients are added to the stage's totals under `bwd_weight/mb{i}`.
 """
 
+import contextlib
 import functools
 
 import tensorflow as tf
@@ -37,15 +41,9 @@ from tfdist._compat import keras_functional
 from tfdist._compat.tf_distribute import local_replica_id
 from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
 from tfdist.pipeline.placement import place_stages
+from tfdist.pipeline.program import WEIGHTS, Program, pipeline_program
 from tfdist.pipeline.runner import StageRunner
-from tfdist.pipeline.schedule import (
-    BACKWARD,
-    FORWARD,
-    WEIGHTS,
-    emission_order,
-    stage_device,
-    stage_orders,
-)
+from tfdist.pipeline.schedule import stage_device, stage_orders
 from tfdist.pipeline.stages import plan_stages, stage_devices
 
 
@@ -64,9 +62,12 @@ def _meet(per_stage):
 
 
 class StagedCompute:
-    """What computes a replica's gradients stage by stage shares: the
-    replica's stage runners, the last stage's loss, the BatchNormalization
-    statistics' step end. Subclasses implement `_run_actions`.
+    """The one executor of a replica's `Program` (`tfdist.pipeline.program`):
+    the forwards, backwards, deferred weight gradients and reduce-scatters
+    of pipeline stages or ZeRO-3 units, each block of instructions on its
+    device after the work its program says it waits for, and the
+    BatchNormalization statistics' step end. Subclasses give the program
+    (`program(microbatches)`) and, to reduce-scatter, `scatter`.
 
     Args:
         model: the compiled Keras model.
@@ -76,6 +77,13 @@ class StagedCompute:
         runners: each stage's `StageRunner`.
         mesh: the strategy's `replica_mesh` (tensor groups inside stages).
 
+    Attributes:
+        scatter: for `REDUCE_SCATTER`, a function from (indices in the
+            model's trainable weights, their gradients) to this replica's
+            shards of the reduced gradients.
+        peak_held: after a step is traced, the largest number of (stage,
+            microbatch) activations each device held at once.
+
     Example:
 
     ```python
@@ -83,6 +91,8 @@ class StagedCompute:
                                        # per microbatch
     ```
     """
+
+    scatter = None
 
     def __init__(self, model, stages, devices, device_of, runners, mesh):
         self.model = model
@@ -93,7 +103,12 @@ class StagedCompute:
         self.runners = runners
         self.mesh = mesh
         self.loss = MicrobatchLoss(model, mesh)
+        self.peak_held = [0] * (1 + max(device_of))
         self._per_replica = {}  # with tensor groups: local replica -> its tf.function
+
+    def program(self, microbatches: int) -> Program:
+        """The instructions of a replica's step of `microbatches` microbatches."""
+        raise NotImplementedError
 
     def __call__(self, slices):
         """(summed gradients aligned with `model.trainable_weights`, metrics).
@@ -133,19 +148,7 @@ class StagedCompute:
     def _replica_actions(self, slices, local, mesh):
         # A class-split classifier gives its logit slice to the sharded loss.
         with self.loss.logits():
-            return self._run_actions(slices, local, mesh)
-
-    def _run_actions(self, slices, local, mesh):
-        """(totals, metrics, each stage's statistics at the start, their
-        moves) of this replica's microbatches `slices`."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _add(totals, runner, weights):
-        """Adds a backward's weight gradients to the stage's totals; returns
-        their tensors."""
-        _accumulate(totals, runner.weights, weights)
-        return [g for g in tf.nest.flatten(weights, expand_composites=True) if g is not None]
+            return _Run(self, slices, self.devices[local], local, mesh).result()
 
     def _last_stage_loss(self, microbatch, track, values):
         """The last stage's loss of `microbatch` (its (x, y, sample_weight,
@@ -167,6 +170,156 @@ class StagedCompute:
         return {id(sym): value for sym, value in
                 zip(self.graph.inputs,
                     tree.flatten(keras_functional.standardize_inputs(self.graph.model, x)))}
+
+
+class _Run:
+    """One replica's run of its compute's `Program`: the values, activations
+    and gradients its instructions hand on, and each device's blocks' work.
+
+    Example:
+
+    ```python
+    totals, metrics, starts, moved = _Run(compute, slices, devices, local, mesh).result()
+    ```
+    """
+
+    def __init__(self, compute, slices, devices, local, mesh):
+        self.compute = compute
+        self.slices = slices
+        self.devices = devices
+        self.local = local
+        self.mesh = mesh
+        self.last = len(compute.stages) - 1
+        weights = len(compute.model.trainable_weights)
+        self.env = [compute._inputs(x_i) for x_i, *_ in slices]  # values by id(symbolic)
+        self.out_grads = [{} for _ in slices]                   # gradients by id(symbolic)
+        self.held = [{} for _ in devices]                       # (stage, mb) -> Activations
+        self.deferred = {}                                      # (stage, mb) -> StageGradients
+        self.totals = [[None] * weights for _ in compute.stages]  # whole, per stage
+        self.shards = [None] * weights                          # reduce-scattered
+        self.metrics = None
+        self.moved = [None] * len(compute.stages)               # BatchNormalization statistics
+        self.starts = []
+        self.done = [[] for _ in devices]                       # each device's blocks' work
+        refreshed = [[] for _ in devices]   # the tied weights' copies, before any block
+        for s, runner in enumerate(compute.runners):
+            with tf.device(devices[compute.device_of[s]]):
+                self.starts.append(runner.moving.start())
+                refreshed[compute.device_of[s]] += runner.refresh_copies(local)
+        for done, assigns in zip(self.done, refreshed):
+            if assigns:
+                done.append(assigns)
+
+    def result(self):
+        """(gradients, metrics, each stage's statistics at the start, their
+        moves) after running every block of the program."""
+        program = self.compute.program(len(self.slices))
+        for block in program.blocks():
+            self._run_block(program, block)
+        met = meet_on_replica_device(self.totals, self.devices)
+        grads = [shard if shard is not None else g for shard, g in zip(self.shards, met)]
+        return grads, self.metrics, self.starts, self.moved
+
+    def _run_block(self, program, block):
+        d = block[0].device
+        done = self.done[d]
+        waits = done[-program.window] if len(done) >= program.window else []
+        with tf.name_scope(block[0].scope(program.name)), tf.device(self.devices[d]), \
+                tf.control_dependencies(waits), self.mesh.stage(d), \
+                _recording(self.devices[d]) as built:
+            results = []
+            for instruction in block:
+                with tf.name_scope(instruction.scope(program.name)) if instruction.joins \
+                        else contextlib.nullcontext():
+                    results = getattr(self, instruction.op)(instruction) or results
+        if program.wait_for_all_ops:
+            done.append(built)
+        else:
+            done.append(results or (done[-1] if done else []))
+
+    def _head(self, s, i, track):
+        """The last stage's loss of microbatch i (`_last_stage_loss`); None elsewhere."""
+        if s != self.last:
+            return None
+        return functools.partial(self.compute._last_stage_loss, self.slices[i], track)
+
+    def forward(self, instruction):
+        s, i, d = instruction.stage, instruction.microbatch, instruction.device
+        runner = self.compute.runners[s]
+        runner.moving.reset(self.starts[s])  # every microbatch from the step's start
+        # The loss is tracked by the forward, not again by a remat replay.
+        kept = runner.forward(self.env[i], self._head(s, i, True), remat=instruction.remat)
+        self.moved[s] = runner.moving.add(self.moved[s], self.slices[i][4])
+        self.held[d][s, i] = kept
+        peak = self.compute.peak_held
+        peak[d] = max(peak[d], len(self.held[d]))
+        self.env[i].update((id(sym), value) for sym, value in
+                           zip(runner.stage.outputs, kept.outputs))
+        if s == self.last:
+            self.metrics = kept.metrics
+        return tf.nest.flatten([kept.loss] if s == self.last else kept.outputs)
+
+    def backward(self, instruction):
+        s, i, d = instruction.stage, instruction.microbatch, instruction.device
+        runner = self.compute.runners[s]
+        kept = self.held[d][s, i] if instruction.defer else self.held[d].pop((s, i))
+        if instruction.remat:
+            kept = runner.replay(kept, self._head(s, i, False))
+        grads = runner.backward(kept, self.out_grads[i], instruction.defer)
+        if instruction.defer:
+            self.deferred[s, i] = grads
+            return grads.inputs
+        return self._add(s, grads.weights)
+
+    def weights(self, instruction):
+        s, i, d = instruction.stage, instruction.microbatch, instruction.device
+        del self.held[d][s, i]
+        start = tf.no_op(name="start")
+        weights = self.deferred.pop((s, i)).start_weights(start)
+        return self._add(s, weights) or [start]
+
+    def reduce_scatter(self, instruction):
+        runner = self.compute.runners[instruction.stage]
+        totals = self.totals[instruction.stage]
+        indices = [index for index, _ in runner.weights]
+        grads = [totals[index] for index in indices]
+        for index in indices:
+            totals[index] = None
+        if all(g is None for g in grads):
+            return []
+        shards = self.compute.scatter(indices, grads)
+        _accumulate(self.shards, runner.weights, shards)
+        return [g for g in tf.nest.flatten(shards, expand_composites=True) if g is not None]
+
+    def _add(self, s, weights):
+        """Adds a backward's weight gradients to stage s's totals; returns
+        their tensors."""
+        _accumulate(self.totals[s], self.compute.runners[s].weights, weights)
+        return [g for g in tf.nest.flatten(weights, expand_composites=True) if g is not None]
+
+
+@contextlib.contextmanager
+def _recording(device):
+    """Yields a list it fills, at the block's end, with the last ops of what
+    the block built on `device` (those no other op of the block reads; its
+    gradients included): once they have run, the block's work is over and
+    its gathered values released."""
+    graph = tf.compat.v1.get_default_graph()
+    built = len(graph.get_operations())
+    last = []
+    yield last
+    # (Other replicas' ops, built in between at a merge call, are on their
+    # devices; this task's devices differ in type or index.)
+    here = _local_device(device)
+    ops = [op for op in graph.get_operations()[built:] if _local_device(op.device) == here]
+    read = {t.op for op in ops for t in op.inputs} | {c for op in ops for c in op.control_inputs}
+    last += [op for op in ops if op not in read]
+
+
+@functools.cache  # a step's ops name a few devices, thousands of times
+def _local_device(name):
+    spec = tf.DeviceSpec.from_string(name)
+    return spec.device_type, spec.device_index
 
 
 class PipelineCompute(StagedCompute):
@@ -200,86 +353,36 @@ class PipelineCompute(StagedCompute):
 
     def __init__(self, model, stages, devices, microbatches, mesh, kind, remat=False,
                  xla=False, copies=None, virtual_stages=1):
-        self.pipeline = len(stages) // virtual_stages
-        self.order = emission_order(stage_orders(kind, self.pipeline, microbatches,
-                                                 virtual_stages))
-        self.split_backward = any(action.kind == WEIGHTS for action in self.order)
+        pipeline = len(stages) // virtual_stages
+        device_of = [stage_device(kind, s, pipeline) for s in range(len(stages))]
+        self._program = pipeline_program(
+            stage_orders(kind, pipeline, microbatches, virtual_stages), device_of, remat)
+        split_backward = any(i.op == WEIGHTS for i in self._program.instructions)
         # The replicas share one trace of each stage's layers, unless its
         # backward is split in two (zero-bubble "B" and "W": a function's
         # gradient is one call) or XLA compiles its tensor layers' collectives
         # (with their keys).
-        shared = not self.split_backward and not (xla and mesh.tensor > 1)
+        shared = not split_backward and not (xla and mesh.tensor > 1)
         super().__init__(
-            model, stages, devices,
-            [stage_device(kind, s, self.pipeline) for s in range(len(stages))],
+            model, stages, devices, device_of,
             [StageRunner(stage, model.trainable_weights, xla=xla, copies=copies, shared=shared)
              for stage in stages], mesh)
-        # The stages' gradient totals -> each weight's (`meet_on_replica_device`).
-        self.gradients_out = meet_on_replica_device
-        self.remat = remat
-        self.peak_held = [0] * self.pipeline
+
+    def program(self, microbatches):
+        return self._program
+
+    def reduce_scatter_stages(self, scatter):
+        """Reduce-scatters each stage's gradients on its device once every
+        microbatch's are summed (`scatter`: the `scatter` attribute), instead
+        of meeting them whole on the replica's device (ZeRO-3's stages)."""
+        self.scatter = scatter
+        self._program = self._program.then_reduce_scatter(self.device_of)
 
     def split_copies(self):
         """After tensor groups split the model: splits the tied weights' copies
         alike (`StageRunner.split_copies`)."""
         for runner in self.runners:
             runner.split_copies(self.model.distribute_strategy)
-
-    def _run_actions(self, slices, local, mesh):
-        """Every action of the schedule, in emission order, each on its
-        stage's device after the device's previous action."""
-        devices = self.devices[local]
-        p, last = self.pipeline, len(self.stages) - 1
-        names = {FORWARD: "fwd", BACKWARD: "bwd_input" if self.split_backward else "bwd",
-                 WEIGHTS: "bwd_weight"}
-        env = [self._inputs(x_i) for x_i, *_ in slices]   # values by id(symbolic)
-        out_grads = [{} for _ in slices]                   # gradients by id(symbolic)
-        held = [{} for _ in range(p)]                      # device -> (stage, mb) -> Activations
-        deferred = {}                                      # (stage, mb) -> StageGradients
-        previous = [[] for _ in range(p)]                  # device's last action's tensors
-        totals = [[None] * len(self.model.trainable_weights) for _ in self.stages]
-        metrics = None
-        starts, moved = [], [None for _ in self.stages]   # BatchNormalization statistics
-        for s, runner in enumerate(self.runners):
-            with tf.device(devices[self.device_of[s]]):
-                starts.append(runner.moving.start())
-                previous[self.device_of[s]] += runner.refresh_copies(local)
-        for action in self.order:
-            s, i, d = action.stage, action.microbatch, self.device_of[action.stage]
-            runner = self.runners[s]
-            # The loss is tracked by the forward, not again by a remat replay.
-            head = (functools.partial(self._last_stage_loss, slices[i], action.kind == FORWARD)
-                    if s == last else None)
-            with tf.name_scope(f"stage{s}/{names[action.kind]}/mb{i}"), \
-                    tf.device(devices[d]), tf.control_dependencies(previous[d]), \
-                    mesh.stage(d):
-                if action.kind == FORWARD:
-                    runner.moving.reset(starts[s])  # every microbatch from the step's start
-                    kept = runner.forward(env[i], head, remat=self.remat)
-                    moved[s] = runner.moving.add(moved[s], slices[i][4])
-                    held[d][s, i] = kept
-                    self.peak_held[d] = max(self.peak_held[d], len(held[d]))
-                    env[i].update((id(sym), value) for sym, value in
-                                  zip(runner.stage.outputs, kept.outputs))
-                    if s == last:
-                        metrics = kept.metrics
-                    previous[d] = tf.nest.flatten([kept.loss] if s == last else kept.outputs)
-                elif action.kind == BACKWARD:
-                    kept = held[d][s, i] if self.split_backward else held[d].pop((s, i))
-                    if self.remat:
-                        kept = runner.replay(kept, head)
-                    grads = runner.backward(kept, out_grads[i], self.split_backward)
-                    if self.split_backward:
-                        deferred[s, i] = grads
-                        previous[d] = grads.inputs or previous[d]
-                    else:
-                        previous[d] = self._add(totals[s], runner, grads.weights) or previous[d]
-                else:  # the weight gradients a zero-bubble "B" left for now
-                    del held[d][s, i]
-                    start = tf.no_op(name="start")
-                    weights = deferred.pop((s, i)).start_weights(start)
-                    previous[d] = self._add(totals[s], runner, weights) or [start]
-        return self.gradients_out(totals, devices), metrics, starts, moved
 
 
 def meet_on_replica_device(totals, devices):
