@@ -11,8 +11,8 @@ the trainer's optimizer (a tf_keras `LossScaleOptimizer` too), and the
 strategy's `microbatches`, `precision`, `xla` and `zero` 1/2 (with a
 v2.11+ tf_keras optimizer: in the task's optimizer config, type
 'sgd_experimental', 'adam_experimental' or 'adamw_experimental').
-`pipeline` and `tensor` are refused (tf_keras models:
-`tfdist.engine.tf_keras`).
+`pipeline`, `tensor` and `zero=3` are refused (tf_keras models:
+`tfdist.engine.modes`).
 
 Example:
 
@@ -32,9 +32,9 @@ orbit.Controller(trainer=trainer, strategy=strategy, global_step=trainer.global_
 import tensorflow as tf
 from official.core import base_trainer
 
-from tfdist.engine import tf_keras
+from tfdist.engine import modes
 from tfdist.engine.step import TrainStep
-from tfdist.engine.tf_keras import TfKerasLoss, check_tf_keras_model
+from tfdist.engine.tf_keras import TfKerasLoss
 
 
 class TaskLoss(TfKerasLoss):
@@ -125,8 +125,9 @@ class Trainer(base_trainer.Trainer):
                 f"{type(self.strategy).__name__}: build the trainer inside a tfdist "
                 f"strategy's scope (tfdist.Strategy, tfdist.MultiWorkerStrategy), or use "
                 f"official.core.base_trainer.Trainer.")
-        check_tf_keras_model(self.model, config, self.optimizer)
+        modes.check(self.model, config, self.optimizer)
         loss = TaskLoss(self.task, self.model, self.optimizer, self.train_metrics,
                         self.train_loss)
         return TrainStep(self.model, config,
-                         parts=tf_keras.parts(self.model, config, loss, self.optimizer))
+                         parts=modes.assemble(self.model, config, loss=loss,
+                                              optimizer=self.optimizer))

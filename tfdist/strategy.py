@@ -37,20 +37,16 @@ from tfdist.cluster.rendezvous import (
 from tfdist.cluster.watchdog import watch_step_functions
 from tfdist.config import ParallelConfig
 from tfdist.devices import check_devices
+from tfdist.engine import modes
 from tfdist.engine.build import check_own_train_step
 from tfdist.engine.microbatch import check_divides
 from tfdist.engine.step import TrainStep
 from tfdist.input_options import without_autotuning
 from tfdist.logs import discover_devices_quietly
-from tfdist.optim import zero3
-from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline import summary as pipeline_summary
 from tfdist.profiling import start_profiler_server
 from tfdist.sharding.creation import sharded_creation, whole_where_not_kept
-from tfdist.sharding.layout import AxisLayout
-from tfdist.sharding.peak import predict_peak
-from tfdist.tensor import plan as tensor_plan
 from tfdist.tensor.layout_map import check_layout_map
 from tfdist.tensor.mesh import DataOnlyMesh, TensorMesh
 
@@ -258,30 +254,7 @@ class _StepOwner:
         # dense_2  Dense  replicated  no Dense consumes its output alone
         ```
         """
-        parts = []
-        stages, decisions, split = self._plan(model, sequence_length)
-        if stages:
-            parts.append(pipeline_stages.describe(
-                stages, pipeline_stages.stage_devices(self._config, self.pipeline_devices)))
-        tensor = self._config.tensor
-        if self._config.zero == 3:
-            parts.append(zero3.describe(model, self.num_replicas_in_sync // tensor,
-                                        self._config.zero3_unit_params, stages, split))
-        if tensor > 1 or not parts:
-            parts.append(tensor_plan.describe(decisions if tensor > 1 else tensor_plan.plan(
-                model, 1, self._config.vocab_parallel_classifier, self._layout_map)))
-        if self._config.pipeline > 1:
-            config = self._config
-            virtual = (f", {config.virtual_stages} stages per device"
-                       if config.virtual_stages > 1 else "")
-            parts.append(f"schedule {config.schedule}, {config.microbatches} microbatches"
-                         f"{virtual}:")
-            parts.append(pipeline_schedule.grid(pipeline_schedule.stage_orders(
-                config.schedule, config.pipeline, config.microbatches, config.virtual_stages)))
-        if batch_size is not None:  # (what `predicted_peak` gives, from this plan)
-            parts.append(str(predict_peak(self, model, batch_size, sequence_length, split,
-                                          stages)))
-        return "\n".join(parts)
+        return modes.describe(self, model, sequence_length, batch_size)
 
     def predicted_peak(self, model: keras.Model, batch_size: int,
                        sequence_length: int | None = None):
@@ -296,21 +269,7 @@ class _StepOwner:
         strategy.predicted_peak(model, batch_size=64).total / 2**30   # GiB
         ```
         """
-        stages, _, split = self._plan(model, sequence_length)
-        return predict_peak(self, model, batch_size, sequence_length, split, stages)
-
-    def _plan(self, model, sequence_length):
-        """`model`'s pipeline stages (None without `pipeline`), tensor plan
-        decisions, and the `AxisLayout` of each weight they split, by id."""
-        config = self._config
-        stages = pipeline_stages.plan_stages(
-            model, config.model_stages, config.stage_boundaries,
-            sequence_length) if config.pipeline > 1 else None
-        decisions = tensor_plan.plan(model, config.tensor, config.vocab_parallel_classifier,
-                                     self._layout_map) if config.tensor > 1 else []
-        split = {id(v): AxisLayout(v.shape, axis, config.tensor) for d in decisions
-                 for v, axis in d.layout.weight_axes(d.layer)}
-        return stages, decisions, split
+        return modes.predicted_peak(self, model, batch_size, sequence_length)
 
     def scope(self):
         """The parent's scope, with the Keras dtype policy of `precision` set
@@ -359,9 +318,7 @@ class _StepOwner:
             # trace's variable capture, so that it is traced once)
             with eagerly_outside_the_trace():
                 whole_where_not_kept(evaluated or predicted)
-        if self._config.zero == 3 and (evaluated or predicted) is not None:
-            # evaluate and predict with the parameters gathered
-            fn = zero3.with_gathered_parameters(fn, evaluated or predicted)
+            fn = modes.evaluating(fn, evaluated or predicted, self._config)
         # A tensor group evaluates and predicts one batch.
         if evaluated is not None:
             fn = self.replica_mesh.on_group_batch(fn)

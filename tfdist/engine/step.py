@@ -2,7 +2,7 @@
 
 One call is one optimizer step on one replica (it runs in replica context,
 inside `strategy.run`), made of three parts chosen once per model by
-`tfdist.engine.build.assemble` from the strategy's config:
+`tfdist.engine.modes.assemble` from the strategy's config:
 
     metrics = step(batch)  ==  update(reduce(compute(batch)))
 
@@ -34,7 +34,7 @@ from tfdist import batch_statistics
 from tfdist._compat.keras_trainer import symbolic_build
 from tfdist._compat.tf_function import eagerly_outside_the_trace
 from tfdist.config import ParallelConfig
-from tfdist.engine import build, tf_keras
+from tfdist.engine import build, modes, tf_keras
 from tfdist.engine.metrics import local_states, synced_results
 from tfdist.pipeline.cost import sequence_length_of
 from tfdist.pipeline.graph import graph_of
@@ -54,7 +54,7 @@ class TrainStep:
         config: the strategy's `ParallelConfig`.
         parts: (compute, reduce, update) chosen by the caller, which has
             checked the model (`tfdist.model_garden.Trainer`); default: the
-            model is checked and `build.assemble` chooses them.
+            model is checked and `modes.assemble` chooses them.
 
     Example:
 
@@ -125,7 +125,7 @@ class TrainStep:
                 x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
                 length = sequence_length_of(graph_of(self.model).inputs, x)
             with eagerly_outside_the_trace():  # when the first trace calls it: one trace
-                self.compute, self.reduce, self.update = build.assemble(
+                self.compute, self.reduce, self.update = modes.assemble(
                     self.model, self.config, length)
 
     def __call__(self, data):

@@ -15,8 +15,10 @@ optimizer in place of Keras 3's:
   first under loss scaling; its own all-reduce off: they are reduced); under
   `zero`, `tfdist.optim.tf_keras_zero.TfKerasShardedUpdate`.
 
-`pipeline` and `tensor` are Keras 3 only, and so is tf_keras's own `fit` (it
-never calls tfdist's step): `check_tf_keras_model` refuses them.
+`pipeline`, `tensor` and `zero=3` are Keras 3 only (`tfdist.engine.modes`
+refuses them), and so is tf_keras's own `fit` (it never calls tfdist's step).
+The parts are chosen by `tfdist.engine.modes.assemble`, with this module's
+loss, update and checks (its `TfKeras` flavour).
 
 Example:
 
@@ -36,11 +38,6 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from tfdist.config import ParallelConfig
-from tfdist.engine.compute import LocalCompute
-from tfdist.engine.reduce import AllReduce, ShardedReduce
-from tfdist.optim.tf_keras_zero import TfKerasShardedUpdate, check_tf_keras_shardable
-
 # Loss reductions of tf_keras that average over the batch.
 _MEAN_REDUCTIONS = ("auto", "sum_over_batch_size")
 
@@ -57,44 +54,48 @@ def is_tf_keras(model) -> bool:
     return any(cls.__module__.split(".")[0] == "tf_keras" for cls in type(model).__mro__)
 
 
-def check_tf_keras_model(model, config: ParallelConfig, optimizer=None):
-    """Errors that must stop a tf_keras model's step before it runs: modes
-    that are Keras 3 only, no optimizer (`optimizer`, else the compiled
-    one), a dtype policy other than the strategy's, losses or layers that
-    microbatches cannot split exactly.
+def check_tf_keras_optimizer(model, optimizer=None):
+    """A tf_keras model must have an optimizer (`optimizer`, else the compiled
+    one) before its step runs.
 
     Example:
 
     ```python
-    check_tf_keras_model(model, ParallelConfig(data=2, pipeline=2))   # NotImplementedError
+    check_tf_keras_optimizer(uncompiled_model)   # ValueError: ... has no optimizer
     ```
     """
-    name = getattr(model, "name", model)
-    keras3_only = [f"{field}={getattr(config, field)}" for field in ("pipeline", "tensor")
-                   if getattr(config, field) != 1] + (["zero=3"] if config.zero == 3 else [])
-    if keras3_only:
-        raise NotImplementedError(
-            f"{name!r} is a tf_keras (Keras 2) model: tfdist's step gives it data "
-            f"parallelism, microbatches, precision, xla and zero 1/2, but not "
-            f"{' or '.join(keras3_only)} (Keras 3 models only). Remove "
-            f"{'that option' if len(keras3_only) == 1 else 'those options'}, or "
-            f"build the model with Keras 3 (`import keras`).")
     if (optimizer or getattr(model, "optimizer", None)) is None:
-        raise ValueError(f"{name!r} has no optimizer: call `model.compile(optimizer=...)` "
-                         f"before running its step.")
+        raise ValueError(f"{getattr(model, 'name', model)!r} has no optimizer: call "
+                         f"`model.compile(optimizer=...)` before running its step.")
+
+
+def check_tf_keras_policy(model, precision: str):
+    """A tf_keras model's dtype policy must be the strategy's `precision`.
+
+    Example:
+
+    ```python
+    check_tf_keras_policy(model, "mixed_float16")   # ValueError unless built in the scope
+    ```
+    """
     policy = model.dtype_policy.name
-    if policy != config.precision:
+    if policy != precision:
         raise ValueError(
-            f"{name!r} was built with tf_keras dtype policy {policy!r} but the strategy "
-            f"has `precision={config.precision!r}`: build the model inside "
-            f"`strategy.scope()`, which sets tf_keras's policy too.")
-    if config.microbatches > 1:
-        _check_microbatches(model, config.microbatches)
-    if config.zero:
-        check_tf_keras_shardable(optimizer or model.optimizer, config.zero)
+            f"{getattr(model, 'name', model)!r} was built with tf_keras dtype policy "
+            f"{policy!r} but the strategy has `precision={precision!r}`: build the model "
+            f"inside `strategy.scope()`, which sets tf_keras's policy too.")
 
 
-def _check_microbatches(model, k):
+def check_microbatches(model, k: int):
+    """Losses that average over the batch, and no BatchNormalization, for
+    `microbatches=k` on a tf_keras model.
+
+    Example:
+
+    ```python
+    check_microbatches(model, 2)   # ValueError for a summed loss
+    ```
+    """
     for loss in tree.flatten(getattr(model, "loss", None)):
         reduction = getattr(loss, "reduction", "auto")
         if reduction not in _MEAN_REDUCTIONS:
@@ -138,29 +139,6 @@ def _zeros(spec):
     if not isinstance(spec, tf.TensorSpec):
         return tf.zeros_like(spec)
     return tf.zeros([1 if d is None else d for d in spec.shape], spec.dtype)
-
-
-def parts(model, config: ParallelConfig, loss=None, optimizer=None):
-    """The (compute, reduce, update) parts of a tf_keras model's step: the
-    microbatches one after another with `loss` (default: `TfKerasLoss`), an
-    all-reduce, and `optimizer` (default: the compiled one) applying them;
-    with `zero`, ZeRO's reduction into shards and sharded update (the
-    optimizer's slots move into shards now).
-
-    Example:
-
-    ```python
-    compute, reduce, update = parts(model, strategy.config)
-    ```
-    """
-    loss = loss or TfKerasLoss(model, optimizer)
-    mesh = model.distribute_strategy.replica_mesh  # (no tensor groups: Keras 3 only)
-    compute = LocalCompute(model, config.microbatches, mesh, xla=config.xla, loss=loss)
-    if config.zero:
-        with tf.init_scope():
-            update = TfKerasShardedUpdate(model, config.zero, mesh, optimizer)
-        return compute, ShardedReduce(update.layouts, config.zero, mesh, AllReduce()), update
-    return compute, AllReduce(), TfKerasApply(model, optimizer)
 
 
 class TfKerasLoss:

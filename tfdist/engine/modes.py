@@ -1,0 +1,622 @@
+"""The table of modes: what each mode a config turns on does to a model and its step.
+
+Every mode of `ParallelConfig` is one `Mode` in `MODES`. A mode says:
+
+- `on(config)`: whether the config turns it on;
+- `check(model, config, flavour)`: what it refuses in a compiled model, before
+  the first step (`keras3_only(config)`: every tf_keras model);
+- `place`, `split`, `shard` (on a `StepPlan`): what it does to the model when
+  the step is prepared, and the compute, reduce and update parts it
+  contributes. Every mode's `place` runs first (pipeline stages onto their
+  devices), then every `split` (layers over tensor groups), then every
+  `shard` (ZeRO's state): the order is the table's, whatever the config;
+- `evaluating(fn, model)`: how Keras's test and predict steps run under it;
+- `describe(layout)`: its lines of `Strategy.describe`.
+
+`assemble` (the step's parts), `check` (the rules on the model),
+`evaluating` (`Strategy.run`) and `describe` (`Strategy.describe`) read this
+list; the parts themselves take what they need when they are built and do
+not ask which modes are on. The parts by config:
+
+| config              | compute            | reduce               | update         |
+|---------------------|--------------------|----------------------|----------------|
+| (default)           | `LocalCompute`     | `AllReduce`          | `KerasApply`   |
+| `tensor` > 1        | `LocalCompute`     | `DataGroupAllReduce` | `KerasApply`   |
+| `pipeline` > 1      | `PipelinedCompute` | (as above)           | (as above)     |
+| `zero` 1, 2         | (as above)         | `ShardedReduce`      | `ShardedUpdate`|
+| `zero` 3            | `PipelinedCompute` | `AlreadyReduced`     | `ShardedUpdate`|
+| a tf_keras model    | `LocalCompute`     | `AllReduce`          | `TfKerasApply` |
+
+(`zero=3`'s `PipelinedCompute` runs `GatheredUnits`, or with `pipeline` the
+stages gathering their parameters and reduce-scattering their gradients:
+`tfdist.optim.zero3`; a tf_keras model's microbatch loss is `TfKerasLoss`
+and its sharded update `TfKerasShardedUpdate`: its `Flavour`.)
+
+A new mode is its field in `tfdist/config.py` (its rules in `validate`; the
+command line's flag follows) and one `Mode` here.
+
+Example:
+
+>>> [mode.name for mode in active(ParallelConfig(data=2, zero=1, microbatches=2))]
+['data', 'precision', 'microbatches', 'zero']
+"""
+
+import dataclasses
+import gc
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfdist._compat.keras_functional import nested_sublayers
+from tfdist.config import ParallelConfig
+from tfdist.engine.compute import LocalCompute, PipelinedCompute
+from tfdist.engine.reduce import AllReduce, AlreadyReduced, DataGroupAllReduce, ShardedReduce
+from tfdist.engine.tf_keras import (
+    TfKerasApply,
+    TfKerasLoss,
+    check_microbatches,
+    check_tf_keras_optimizer,
+    check_tf_keras_policy,
+    is_tf_keras,
+)
+from tfdist.engine.update import KerasApply
+from tfdist.optim import zero3
+from tfdist.optim.tf_keras_zero import TfKerasShardedUpdate, check_tf_keras_shardable
+from tfdist.optim.zero import ShardedUpdate, check_shardable
+from tfdist.pipeline import schedule as pipeline_schedule
+from tfdist.pipeline import stages as pipeline_stages
+from tfdist.pipeline.compute import pipeline_compute
+from tfdist.sharding.creation import whole_where_not_kept
+from tfdist.sharding.layout import AxisLayout
+from tfdist.sharding.peak import predict_peak
+from tfdist.tensor import plan as tensor_plan
+
+
+class Keras3:
+    """A Keras 3 model's loss, update and rules, for the modes (`Flavour`).
+
+    Example:
+
+    ```python
+    Keras3(model).apply()   # KerasApply(model)
+    ```
+    """
+
+    def __init__(self, model, loss=None, optimizer=None):
+        self.model = model
+        self.loss = loss
+        self.optimizer = optimizer or getattr(model, "optimizer", None)
+
+    def check_policy(self, precision):
+        policy = self.model.dtype_policy.name
+        if policy != precision:
+            raise ValueError(
+                f"The model was built with dtype policy {policy!r} but the "
+                f"strategy has `precision={precision!r}`: build the model "
+                f"inside `strategy.scope()`, which sets the policy.")
+        if precision == "mixed_float16" and not isinstance(
+                self.optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "`precision='mixed_float16'` needs loss scaling, but the model's "
+                f"optimizer is a {type(self.optimizer).__name__}: compile with "
+                "`auto_scale_loss=True` (the default) or wrap the optimizer in "
+                "`keras.optimizers.LossScaleOptimizer`.")
+
+    def check_optimizer(self):
+        """(A Keras 3 model's optimizer is checked with the model: `check_model`.)"""
+
+    def check_microbatches(self, microbatches):
+        """(Keras 3's losses are checked as the batch is split.)"""
+
+    def check_shardable(self, zero):
+        check_shardable(self.optimizer, zero)
+
+    def sharded_update(self, zero, mesh):
+        return ShardedUpdate(self.model, zero, mesh)
+
+    def apply(self):
+        return KerasApply(self.model)
+
+    def make_whole(self):
+        """What the scope created as shards and no mode kept, whole again."""
+        whole_where_not_kept(self.model)
+
+
+class TfKeras(Keras3):
+    """A tf_keras model's: its loss (`TfKerasLoss`), optimizer and rules.
+
+    Example:
+
+    ```python
+    TfKeras(model).apply()   # TfKerasApply(model)
+    ```
+    """
+
+    def __init__(self, model, loss=None, optimizer=None):
+        super().__init__(model, loss or TfKerasLoss(model, optimizer), optimizer)
+
+    def check_optimizer(self):
+        check_tf_keras_optimizer(self.model, self.optimizer)
+
+    def check_policy(self, precision):
+        check_tf_keras_policy(self.model, precision)
+
+    def check_microbatches(self, microbatches):
+        check_microbatches(self.model, microbatches)
+
+    def check_shardable(self, zero):
+        check_tf_keras_shardable(self.optimizer, zero)
+
+    def sharded_update(self, zero, mesh):
+        return TfKerasShardedUpdate(self.model, zero, mesh, self.optimizer)
+
+    def apply(self):
+        return TfKerasApply(self.model, self.optimizer)
+
+    def make_whole(self):
+        """(The scope creates no shards a tf_keras step leaves.)"""
+
+
+def flavour_of(model, loss=None, optimizer=None) -> Keras3:
+    """`model`'s flavour: `TfKeras` for a tf_keras model, else `Keras3`.
+
+    Example:
+
+    >>> type(flavour_of(keras.Sequential([keras.layers.Dense(1)]))).__name__
+    'Keras3'
+    """
+    return (TfKeras if is_tf_keras(model) else Keras3)(model, loss, optimizer)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What the modes build a step from, and the parts contributed so far.
+
+    Attributes:
+        model: the compiled model.
+        config: the strategy's `ParallelConfig`.
+        mesh: the strategy's `replica_mesh`.
+        flavour: the model's `Keras3` or `TfKeras`.
+        sequence_length: the first batch's, for the pipeline stages' costs.
+        pipeline: the `PipelineCompute` once stages are placed.
+        compute, reduce, update: the step's parts (None: the default's).
+        whole: the reduce part of gradients reduced whole.
+
+    Example:
+
+    ```python
+    plan = StepPlan(model, config, strategy.replica_mesh, Keras3(model))
+    ```
+    """
+
+    model: Any
+    config: ParallelConfig
+    mesh: Any
+    flavour: Keras3
+    sequence_length: int | None = None
+    pipeline: Any = None
+    compute: Any = None
+    reduce: Any = None
+    update: Any = None
+    whole: Any = dataclasses.field(default_factory=AllReduce)
+
+    @property
+    def strategy(self):
+        return self.model.distribute_strategy
+
+
+@dataclasses.dataclass
+class Layout:
+    """A model's layout under a strategy, for `describe`: its pipeline
+    stages (None without `pipeline`), tensor plan decisions, and the
+    `AxisLayout` of each weight they split, by id.
+
+    Example:
+
+    ```python
+    layout = layout_of(strategy, model)
+    ```
+    """
+
+    strategy: Any
+    model: Any
+    stages: list | None
+    decisions: list
+    split: dict
+
+
+class Mode:
+    """One mode of the table; the base does nothing (see the module's docs).
+
+    Example:
+
+    ```python
+    class Compression(Mode):
+        name = "compression"
+        def on(self, config): return config.compression != "none"
+    ```
+    """
+
+    name = ""
+
+    def on(self, config) -> bool:
+        return False
+
+    def keras3_only(self, config) -> bool:
+        """Whether a tf_keras model is refused under it (when on)."""
+        return False
+
+    def named(self, config) -> str:
+        """The mode as its config writes it (for messages)."""
+        return f"{self.name}={getattr(config, self.name)}"
+
+    def check(self, model, config, flavour):
+        pass
+
+    def place(self, plan):
+        pass
+
+    def split(self, plan):
+        pass
+
+    def shard(self, plan):
+        pass
+
+    def evaluating(self, fn, model, config):
+        return fn
+
+    def describe(self, layout) -> list[str]:
+        return []
+
+
+class Data(Mode):
+    """Data parallelism: always on; its parts are the default ones."""
+
+    name = "data"
+
+    def on(self, config):
+        return True
+
+    def check(self, model, config, flavour):
+        check_synchronized_batch_norm(model, config)
+
+
+class Precision(Mode):
+    """`precision`: the model's dtype policy must be it (always checked)."""
+
+    name = "precision"
+
+    def on(self, config):
+        return True
+
+    def check(self, model, config, flavour):
+        flavour.check_policy(config.precision)
+
+
+class Microbatches(Mode):
+    """`microbatches`: the computes split each batch (they take the count)."""
+
+    name = "microbatches"
+
+    def on(self, config):
+        return config.microbatches > 1
+
+    def check(self, model, config, flavour):
+        flavour.check_microbatches(config.microbatches)
+
+
+class Xla(Mode):
+    """`xla`: the computes compile their forward and backward (they take the flag)."""
+
+    name = "xla"
+
+    def on(self, config):
+        return config.xla
+
+
+class Pipeline(Mode):
+    """`pipeline`: the stages placed on their devices; the microbatches flow
+    through them in the schedule's order."""
+
+    name = "pipeline"
+
+    def on(self, config):
+        return config.pipeline > 1
+
+    def keras3_only(self, config):
+        return True
+
+    def place(self, plan):
+        plan.pipeline = pipeline_compute(plan.model, plan.strategy, plan.sequence_length)
+        plan.compute = PipelinedCompute(plan.model, plan.config.microbatches, plan.pipeline,
+                                        plan.mesh)
+
+    def describe(self, layout):
+        return [pipeline_stages.describe(layout.stages, pipeline_stages.stage_devices(
+            layout.strategy.config, layout.strategy.pipeline_devices))]
+
+
+class Schedule(Mode):
+    """`schedule` (with `pipeline`): the order of the stages' work; described
+    last, as a grid."""
+
+    name = "schedule"
+
+    def on(self, config):
+        return config.pipeline > 1
+
+    def describe(self, layout):
+        config = layout.strategy.config
+        virtual = (f", {config.virtual_stages} stages per device"
+                   if config.virtual_stages > 1 else "")
+        return [f"schedule {config.schedule}, {config.microbatches} microbatches{virtual}:",
+                pipeline_schedule.grid(pipeline_schedule.stage_orders(
+                    config.schedule, config.pipeline, config.microbatches,
+                    config.virtual_stages))]
+
+
+class Tensor(Mode):
+    """`tensor`: layers split over tensor groups; gradients reduced whole
+    over the data group."""
+
+    name = "tensor"
+
+    def on(self, config):
+        return config.tensor > 1
+
+    def keras3_only(self, config):
+        return True
+
+    def check(self, model, config, flavour):
+        # split weights are updated shard by shard
+        check_shardable(flavour.optimizer, config.zero, mode=f"`tensor={config.tensor}`",
+                        elementwise_only=True)
+
+    def split(self, plan):
+        # Keras's update checks the rank's own gradients: with loss scaling,
+        # an overflow on one rank is made everyone's, so that every rank
+        # skips the step (ZeRO's update shares it itself).
+        share = (not plan.config.zero and
+                 isinstance(plan.flavour.optimizer, keras.optimizers.LossScaleOptimizer))
+        plan.whole = DataGroupAllReduce(plan.mesh, share_non_finite=share)
+        tensor_plan.partition_model(plan.model, plan.mesh)
+        if plan.pipeline is not None:
+            plan.pipeline.split_copies()  # a tied embedding's, on the last stage
+
+    def describe(self, layout):
+        return [tensor_plan.describe(layout.decisions)]
+
+
+class Zero(Mode):
+    """`zero`: the optimizer's state (and at 3 the parameters) in shards."""
+
+    name = "zero"
+
+    def on(self, config):
+        return config.zero > 0
+
+    def keras3_only(self, config):
+        return config.zero == 3
+
+    def check(self, model, config, flavour):
+        flavour.check_shardable(config.zero)
+        if config.zero == 3:
+            zero3.check_model(model)
+
+    def shard(self, plan):
+        config, mesh = plan.config, plan.mesh
+        with tf.init_scope():
+            plan.update = plan.flavour.sharded_update(config.zero, mesh)
+        layouts = plan.update.layouts
+        if config.zero < 3:
+            plan.reduce = ShardedReduce(layouts, config.zero, mesh, plan.whole)
+            return
+        if plan.pipeline is not None:  # the stages gather and reduce-scatter
+            zero3.gather_stage_parameters(plan.pipeline, layouts, plan.whole)
+        else:  # the units gather them
+            units = zero3.GatheredUnits(plan.model, layouts, plan.strategy.pipeline_devices,
+                                        mesh, plan.whole, config.zero3_unit_params)
+            plan.compute = PipelinedCompute(plan.model, config.microbatches, units, mesh)
+        plan.reduce = AlreadyReduced(plan.whole)
+
+    def evaluating(self, fn, model, config):
+        # evaluate and predict with the parameters gathered
+        return zero3.with_gathered_parameters(fn, model) if config.zero == 3 else fn
+
+    def describe(self, layout):
+        config = layout.strategy.config
+        if config.zero != 3:
+            return []
+        return [zero3.describe(layout.model,
+                               layout.strategy.num_replicas_in_sync // config.tensor,
+                               config.zero3_unit_params, layout.stages, layout.split)]
+
+
+# The table, in the order modes are checked, prepared within a phase, and described.
+MODES = (Data(), Precision(), Microbatches(), Xla(), Pipeline(), Zero(), Tensor(),
+         Schedule())
+
+
+def active(config) -> list[Mode]:
+    """The modes `config` turns on, in the table's order.
+
+    Example:
+
+    >>> [mode.name for mode in active(ParallelConfig(tensor=2, xla=False))]
+    ['data', 'precision', 'tensor']
+    """
+    return [mode for mode in MODES if mode.on(config)]
+
+
+def check(model, config: ParallelConfig, optimizer=None):
+    """Every active mode's rules on the compiled `model` (a Keras 3 or
+    tf_keras model; `optimizer`, else its compiled one), before the first
+    step: what a tf_keras model cannot run first.
+
+    Example:
+
+    ```python
+    check(model, strategy.config)   # ValueError: "...dtype policy..."
+    ```
+    """
+    flavour = flavour_of(model, optimizer=optimizer)
+    on = active(config)
+    if isinstance(flavour, TfKeras):
+        refused = [mode.named(config) for mode in on if mode.keras3_only(config)]
+        if refused:
+            raise NotImplementedError(
+                f"{getattr(model, 'name', model)!r} is a tf_keras (Keras 2) model: tfdist's "
+                f"step gives it data parallelism, microbatches, precision, xla and zero 1/2, "
+                f"but not {' or '.join(refused)} (Keras 3 models only). Remove "
+                f"{'that option' if len(refused) == 1 else 'those options'}, or "
+                f"build the model with Keras 3 (`import keras`).")
+    flavour.check_optimizer()
+    for mode in on:
+        mode.check(model, config, flavour)
+
+
+def check_synchronized_batch_norm(model, config: ParallelConfig):
+    """`BatchNormalization(synchronized=True)` all-reduces its batch statistics
+    in the forward pass (`tf.distribute`'s replica context), which cannot run
+    inside the nested functions tfdist makes for `xla=True` (one XLA
+    computation) and for `tensor` with `microbatches` or `pipeline` (one
+    function per microbatch or replica): refused there, before the first step.
+
+    Example:
+
+    ```python
+    check_synchronized_batch_norm(model, ParallelConfig(data=2, xla=True))  # raises
+    ```
+    """
+    nested = ["xla=True"] if config.xla else []
+    if config.tensor > 1 and (config.microbatches > 1 or config.pipeline > 1):
+        nested.append(f"tensor={config.tensor} with "
+                      + ("microbatches" if config.pipeline == 1 else "pipeline"))
+    if not nested:
+        return
+    for layer in nested_sublayers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized:
+            raise NotImplementedError(
+                f"{layer.name!r} is a BatchNormalization(synchronized=True), whose "
+                f"cross-replica all-reduce of batch statistics cannot run inside the "
+                f"function tfdist traces for {' and '.join(nested)}. Use "
+                f"synchronized=False (each replica normalises with its own "
+                f"statistics; tfdist still keeps the moving statistics equal on "
+                f"every replica), or drop {' and '.join(nested)}.")
+
+
+def assemble(model, config: ParallelConfig, sequence_length=None, loss=None, optimizer=None):
+    """The (compute, reduce, update) parts of `model`'s step under `config`.
+
+    `sequence_length`, when the first batch gives the lengths the model's
+    inputs leave unknown, sizes the pipeline stages' cost estimates. A
+    tf_keras model's step uses `loss` (default `TfKerasLoss`) and
+    `optimizer` (default its compiled one).
+
+    Readies the state they keep, in this order: pipeline stages' variables
+    moved to their stages' devices, layers split over tensor groups (where
+    their stage put them), what neither took made whole where the scope
+    created it as shards (`tfdist.sharding.creation`), the optimizer's state
+    moved into ZeRO shards. Values are kept.
+
+    Example:
+
+    ```python
+    compute, reduce, update = assemble(model, strategy.config)
+    ```
+    """
+    if config.shards_state:
+        # The graphs traced so far (Keras's symbolic build, the tensor plan's
+        # trace) are reference cycles holding the handles of the variables
+        # about to move: collected first, each replaced storage is freed as
+        # it is replaced instead of at the next cyclic collection.
+        gc.collect()
+    flavour = flavour_of(model, loss, optimizer)
+    plan = StepPlan(model, config, model.distribute_strategy.replica_mesh, flavour,
+                    sequence_length)
+    if config.zero and not getattr(flavour.optimizer, "built", True):
+        raise RuntimeError(
+            "The optimizer is not built: call `TrainStep.build(...)` "
+            "(or `model.fit`, which builds it) before running the step.")
+    on = active(config)
+    for mode in on:
+        mode.place(plan)
+    with tf.init_scope():
+        for mode in on:
+            mode.split(plan)
+        flavour.make_whole()
+    for mode in on:
+        mode.shard(plan)
+    compute = plan.compute or LocalCompute(model, config.microbatches, plan.mesh,
+                                           xla=config.xla, loss=flavour.loss)
+    return compute, plan.reduce or plan.whole, plan.update or flavour.apply()
+
+
+def evaluating(fn, model, config: ParallelConfig):
+    """`fn`, Keras's test or predict step of `model`, as the active modes run it.
+
+    Example:
+
+    ```python
+    fn = evaluating(model.test_step, model, strategy.config)
+    ```
+    """
+    for mode in active(config):
+        fn = mode.evaluating(fn, model, config)
+    return fn
+
+
+def layout_of(strategy, model, sequence_length=None) -> Layout:
+    """`model`'s `Layout` under `strategy`.
+
+    Example:
+
+    ```python
+    layout_of(strategy, model).stages   # with pipeline: its Stages
+    ```
+    """
+    config = strategy.config
+    stages = pipeline_stages.plan_stages(
+        model, config.model_stages, config.stage_boundaries,
+        sequence_length) if config.pipeline > 1 else None
+    decisions = tensor_plan.plan(model, config.tensor, config.vocab_parallel_classifier,
+                                 strategy.layout_map) if config.tensor > 1 else []
+    split = {id(v): AxisLayout(v.shape, axis, config.tensor) for d in decisions
+             for v, axis in d.layout.weight_axes(d.layer)}
+    return Layout(strategy, model, stages, decisions, split)
+
+
+def describe(strategy, model, sequence_length=None, batch_size=None) -> str:
+    """`Strategy.describe`: each active mode's lines (pipeline stages and
+    schedule, ZeRO-3's units, the tensor plan); without any, the replicated
+    plan; with `batch_size`, the predicted peak last.
+
+    Example:
+
+    ```python
+    print(describe(strategy, model))
+    ```
+    """
+    layout = layout_of(strategy, model, sequence_length)
+    parts = [line for mode in active(strategy.config) for line in mode.describe(layout)]
+    if not parts:
+        parts.append(tensor_plan.describe(tensor_plan.plan(
+            model, 1, strategy.config.vocab_parallel_classifier, strategy.layout_map)))
+    if batch_size is not None:
+        parts.append(str(predicted_peak(strategy, model, batch_size, sequence_length, layout)))
+    return "\n".join(parts)
+
+
+def predicted_peak(strategy, model, batch_size, sequence_length=None, layout=None):
+    """`Strategy.predicted_peak` (`tfdist.sharding.peak.predict_peak`).
+
+    Example:
+
+    ```python
+    predicted_peak(strategy, model, 64).total
+    ```
+    """
+    layout = layout or layout_of(strategy, model, sequence_length)
+    return predict_peak(strategy, model, batch_size, sequence_length, layout.split,
+                        layout.stages)
