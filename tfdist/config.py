@@ -17,8 +17,9 @@ from tfdist.pipeline import schedule as pipeline_schedule
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = tuple(pipeline_schedule.SCHEDULES)  # names `stage_orders` knows
 ZERO_STAGES = (0, 1, 2, 3)
+COMPRESSIONS = ("none", "bf16", "fp16")
 # The values a field takes from a fixed list (the command line's choices).
-CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES}
+CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES, "compression": COMPRESSIONS}
 # The strategies a config can be validated for (`validate(strategy=...)`).
 STRATEGIES = ("Strategy", "MultiWorkerStrategy", "ParameterServerStrategy")
 # Fields that must keep their default under the asynchronous parameter-server
@@ -27,6 +28,7 @@ _NOT_UNDER_PS = {
     "pipeline": (1, "pipeline stages need synchronous steps"),
     "tensor": (1, "tensor shards need synchronous collectives"),
     "zero": (0, "optimizer state already lives, unreplicated, on the ps tasks"),
+    "compression": ("none", "gradients go to the ps tasks, not through collectives"),
 }
 
 # Environment variables through which `tfdist launch` and TFJob manifests pass
@@ -77,6 +79,10 @@ class ParallelConfig:
             is gathered at once) holds: consecutive layer calls join one unit
             until it has at least this many (FSDP's size-based wrapping);
             0 (the default): one unit per layer call with weights.
+        compression: what the gradients cross devices as: "none" (the
+            default), "bf16" or "fp16" (each floating gradient cast for the
+            step's gradient collective, summed in that dtype, and cast back:
+            half the bytes on the wire; `tfdist.engine.compression`).
 
     Every rule on how the fields combine is checked by `validate`, which
     every entry point runs (the strategies, `tfdist config`, `tfdist launch`,
@@ -105,6 +111,7 @@ class ParallelConfig:
     remat: bool = False
     vocab_parallel_classifier: bool = False
     zero3_unit_params: int = 0
+    compression: str = "none"
 
     def __post_init__(self):
         if isinstance(self.stage_boundaries, list):  # from JSON: kept immutable
@@ -210,6 +217,9 @@ class ParallelConfig:
             raise ValueError(
                 f"`schedule` must be one of {SCHEDULES}, got {self.schedule!r}."
             )
+        if not isinstance(self.compression, str) or self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"`compression` must be one of {COMPRESSIONS}, got {self.compression!r}.")
 
     def _check_combinations(self):
         if self.zero and self.data == 1:
@@ -236,6 +246,12 @@ class ParallelConfig:
                 f"stage's parameters are gathered for its forward and again for its "
                 f"backward, which recomputes the forward (what the forward used is "
                 f"not kept).")
+        if self.compression != "none" and self.zero == 3:
+            raise NotImplementedError(
+                f"`compression={self.compression!r}` with `zero=3` is not available in "
+                f"this version: zero=3 gathers parameters and reduce-scatters gradients "
+                f"unit by unit, uncompressed. Use zero <= 2 with compression, or "
+                f"compression='none'.")
         if self.zero3_unit_params and self.pipeline > 1:
             raise ValueError(
                 f"`zero3_unit_params={self.zero3_unit_params}` sizes units, but with "
@@ -318,8 +334,8 @@ class ParallelConfig:
             for name, (off, why) in _NOT_UNDER_PS.items():
                 if getattr(self, name) != off:
                     raise ValueError(
-                        f"`{name}={getattr(self, name)}` is not available under "
-                        f"ParameterServerStrategy ({why}); use {name}={off}, or "
+                        f"`{name}={getattr(self, name)!r}` is not available under "
+                        f"ParameterServerStrategy ({why}); use {name}={off!r}, or "
                         f"tfdist.Strategy / tfdist.MultiWorkerStrategy.")
 
     def resolve(self, num_devices: int) -> "ParallelConfig":

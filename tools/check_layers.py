@@ -46,7 +46,7 @@ LAYERS = (
     ("tensor parallelism", ("tfdist.tensor", "tfdist.tensor.*", "tfdist.layers")),
     ("the step's generic parts",
      ("tfdist.engine.microbatch", "tfdist.engine.moving_statistics", "tfdist.engine.compute",
-      "tfdist.engine.reduce", "tfdist.engine.update")),
+      "tfdist.engine.reduce", "tfdist.engine.compression", "tfdist.engine.update")),
     ("pipeline stages", ("tfdist.pipeline", "tfdist.pipeline.*")),
     ("sharded optimizer state and parameters", ("tfdist.optim", "tfdist.optim.*")),
     ("assembling a step from the config",

@@ -148,12 +148,13 @@ def test_overridden_train_step_gets_correct_data_parallelism():
     assert_parity(result, reference)
 
 
-@pytest.mark.parametrize("field, value", [("microbatches", 2), ("zero", 1)])
+@pytest.mark.parametrize("field, value", [("microbatches", 2), ("zero", 1),
+                                          ("compression", "bf16")])
 def test_overridden_train_step_refuses_what_only_tfdists_step_does(field, value):
     strategy = tfdist.Strategy(data=2, devices=devices(2), **{field: value})
     with strategy.scope():
         model = make_custom()
-    with pytest.raises(ValueError, match=rf"overrides `train_step`.*{field}={value}"):
+    with pytest.raises(ValueError, match=rf"overrides `train_step`.*{field}={value!r}"):
         model.fit(*data(64), batch_size=32, verbose=0)
 
 

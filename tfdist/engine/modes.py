@@ -26,6 +26,7 @@ not ask which modes are on. The parts by config:
 | `zero` 1, 2         | (as above)         | `ShardedReduce`      | `ShardedUpdate`|
 | `zero` 3            | `PipelinedCompute` | `AlreadyReduced`     | `ShardedUpdate`|
 | a tf_keras model    | `LocalCompute`     | `AllReduce`          | `TfKerasApply` |
+| `compression`       | (as above)         | `CastCompression` around the above | (as above) |
 
 (`zero=3`'s `PipelinedCompute` runs `GatheredUnits`, or with `pipeline` the
 stages gathering their parameters and reduce-scattering their gradients:
@@ -50,6 +51,7 @@ import tensorflow as tf
 
 from tfdist._compat.keras_functional import nested_sublayers
 from tfdist.config import ParallelConfig
+from tfdist.engine.compression import CAST_DTYPES, CastCompression
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
 from tfdist.engine.reduce import AllReduce, AlreadyReduced, DataGroupAllReduce, ShardedReduce
 from tfdist.engine.tf_keras import (
@@ -433,9 +435,30 @@ class Zero(Mode):
                                config.zero3_unit_params, layout.stages, layout.split)]
 
 
+class Compression(Mode):
+    """`compression`: the step's gradient collectives in a narrower dtype:
+    wraps the whole reduce after `tensor` chose it, and ZeRO's reduce after
+    `zero` built it (after both in the table's order)."""
+
+    name = "compression"
+
+    def on(self, config):
+        return config.compression != "none"
+
+    def split(self, plan):
+        # The whole reduce: the all-reduce, and the gather of sparse slices
+        # ZeRO's reduce hands it.
+        plan.whole = CastCompression(plan.whole, CAST_DTYPES[plan.config.compression])
+
+    def shard(self, plan):
+        if plan.reduce is not None:  # ZeRO's reduce-scatter (its whole part compresses)
+            plan.reduce = CastCompression(plan.reduce, CAST_DTYPES[plan.config.compression],
+                                          sparse=False)
+
+
 # The table, in the order modes are checked, prepared within a phase, and described.
 MODES = (Data(), Precision(), Microbatches(), Xla(), Pipeline(), Zero(), Tensor(),
-         Schedule())
+         Compression(), Schedule())
 
 
 def active(config) -> list[Mode]:
