@@ -77,21 +77,26 @@ def gathered_dtypes(model):
     return {tf.as_dtype(n.attr["T"].type).name for n in nodes if n.op == "CollectiveGatherV2"}
 
 
+def _lm_run(zero, compression):
+    x, y = lm_data(64)
+    strategy = tfdist.Strategy(data=4, zero=zero, compression=compression, devices=devices(4))
+    return train(strategy, make=_lm, x=x, y=y, batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def uncompressed_lm():
+    return {zero: _lm_run(zero, "none") for zero in (0, 2)}
+
+
 @pytest.mark.parametrize("zero", [0, 2])
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
-def test_sparse_embedding_gradients_are_gathered_compressed(zero, compression):
+def test_sparse_embedding_gradients_are_gathered_compressed(zero, compression,
+                                                           uncompressed_lm):
     # An Embedding's gradient is slices of rows, gathered (not summed):
     # float16 values as they are, bfloat16 ones packed two to a float32 (no
     # bfloat16 gather on CPU), under ZeRO too (it keeps each replica's rows).
-    x, y = lm_data(64)
-
-    def run(compression):
-        strategy = tfdist.Strategy(data=4, zero=zero, compression=compression,
-                                   devices=devices(4))
-        return train(strategy, make=_lm, x=x, y=y, batch_size=16)
-
-    (losses, weights, model), (plain_losses, plain_weights, plain) = (run(compression),
-                                                                      run("none"))
+    losses, weights, model = _lm_run(zero, compression)
+    plain_losses, plain_weights, plain = uncompressed_lm[zero]
     if compression == "fp16":
         assert gathered_dtypes(model) - gathered_dtypes(plain) == {"float16"}
     else:
