@@ -70,8 +70,7 @@ def main(argv):
     devices = ", ".join(d.split("device:")[-1] for d in strategy.extended.worker_devices)
     print(f"\nDone: {FLAGS.devices} devices ({devices})"
           f"\n  mode: data parallel x{config.data}, microbatches={config.microbatches}, "
-          f"precision={config.precision}, xla={config.xla}, "
-          f"compression={config.compression}"
+          f"precision={config.precision}, xla={config.xla}"
           f"\n  final accuracy: {history.history['accuracy'][-1]:.3f}"
           f"\nNext: keras_examples/ (ZeRO, tensor and pipeline parallelism, "
           f"parameter servers), `tfdist --help` for multi-process runs, README.md.")
