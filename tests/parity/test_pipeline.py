@@ -331,11 +331,12 @@ def test_remat_lowers_peak_memory():
             done.stderr[-3000:]
         peaks[flag] = int(re.search(r"peak_rss_mib (\d+)", done.stdout).group(1))
     # 8 microbatches x 16 MiB activations per layer: GPipe without remat keeps
-    # them all until the backward; measured 1,890-1,940 vs 1,410-1,490 MiB
-    # (peak over training steps only: the first step's tracing is excluded).
-    # With 3 and 2 activation layers per stage the gap was 60-300 MiB: noise
-    # of the same order.
-    assert peaks["--remat"] + 200 < peaks["--noremat"], peaks
+    # them all until the backward; measured 2,480 vs 1,580-1,590 MiB with 10
+    # and 9 activation layers per stage (peak over training steps only: the
+    # first step's tracing is excluded). With 6 and 5 the gap was 140-560 MiB
+    # (remat's peak varies by 200-400 MiB from run to run, more under a
+    # loaded machine), with 3 and 2 60-300 MiB: noise of the same order.
+    assert peaks["--remat"] + 400 < peaks["--noremat"], peaks
 
 
 @pytest.mark.parametrize("schedule, virtual", SCHEDULES[1:], ids=[s for s, _ in SCHEDULES[1:]])

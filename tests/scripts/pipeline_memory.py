@@ -36,9 +36,9 @@ def main(argv):
         model = keras.Sequential([
             keras.Input((64,)),
             keras.layers.Dense(WIDTH),
-            *[keras.layers.Activation("tanh") for _ in range(6)],
+            *[keras.layers.Activation("tanh") for _ in range(10)],
             keras.layers.Activation("tanh", name="stage1"),
-            *[keras.layers.Activation("tanh") for _ in range(5)],
+            *[keras.layers.Activation("tanh") for _ in range(9)],
             keras.layers.Dense(10),
         ])
         model.compile(optimizer="sgd",
