@@ -146,15 +146,20 @@ def _batches(x, y, batch_size, sample_weight=None):
     return without_autotuning(tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size))
 
 
+def traced_train_function(model):
+    """The `tf.function` `fit` traced for `model` (Keras keeps it in a closure)."""
+    cells = [c.cell_contents for c in model.train_function.__closure__]
+    (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
+    return traced
+
+
 def executed_op_counts(model, by_device=False):
     """Op types in the graph of the training function `fit` ran, with those
     of the functions it calls at each call (replicas share some: one trace).
     With `by_device`, (op type, device) pairs: a function's op without a
     device of its own runs on its caller's."""
-    cells = [c.cell_contents for c in model.train_function.__closure__]
-    (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
     counts = collections.Counter()
-    for concrete in traced._list_all_concrete_functions():
+    for concrete in traced_train_function(model)._list_all_concrete_functions():
         graph_def = concrete.graph.as_graph_def()
         library = {f.signature.name: f.node_def for f in graph_def.library.function}
         counts.update(_op_counts(graph_def.node, library, "" if by_device else None))

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 from absl import app, flags
+from traced import step_graph
 
 import tfdist
 from results import emit
@@ -70,12 +71,8 @@ def make(name):
 
 def reduce_bytes(model):
     """Bytes replica 0 sends into the reduce part's collectives per step."""
-    cells = [c.cell_contents for c in model.train_function.__closure__]
-    (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
-    (concrete,) = traced._list_all_concrete_functions()
-    (step,) = [f for name, f in concrete.graph._functions.items() if "one_step_on_data" in name]
     return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
-               for op in step.graph.get_operations()
+               for op in step_graph(model).get_operations()
                if op.type.startswith("Collective") and op.device.endswith("CPU:0")
                and "tfdist/reduce/" in op.name)
 

@@ -33,6 +33,7 @@ import tempfile
 import time
 
 from absl import app, flags
+from traced import train_function
 
 from results import emit
 
@@ -80,10 +81,8 @@ def make_data(n):
 
 def group_sizes(model):
     """{collective op name: its group size}, from the traced train function."""
-    cells = [c.cell_contents for c in model.train_function.__closure__]
-    (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
     sizes = {}
-    for concrete in traced._list_all_concrete_functions():
+    for concrete in train_function(model)._list_all_concrete_functions():
         for function in concrete.graph.as_graph_def().library.function:
             nodes = {node.name: node for node in function.node_def}
             for node in function.node_def:

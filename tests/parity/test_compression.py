@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import data, devices, executed_op_counts, train
+from helpers import data, devices, executed_op_counts, traced_train_function, train
 from test_tensor_transformer import lm_data, make_lm
 from test_zero import _step_graph
 
@@ -69,9 +69,7 @@ def _lm(seed=0):
 def gathered_dtypes(model):
     """The dtypes of every all-gather the traced step runs (tf.distribute
     gathers a sparse gradient's slices inside functions of its own)."""
-    cells = [c.cell_contents for c in model.train_function.__closure__]
-    (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
-    (concrete,) = traced._list_all_concrete_functions()
+    (concrete,) = traced_train_function(model)._list_all_concrete_functions()
     graph_def = concrete.graph.as_graph_def()
     nodes = [n for f in graph_def.library.function for n in f.node_def] + list(graph_def.node)
     return {tf.as_dtype(n.attr["T"].type).name for n in nodes if n.op == "CollectiveGatherV2"}

@@ -8,7 +8,15 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import FEATURES, assert_parity, data, devices, make_model, train
+from helpers import (
+    FEATURES,
+    assert_parity,
+    data,
+    devices,
+    make_model,
+    traced_train_function,
+    train,
+)
 from tfdist.callbacks.metrics import optimizer_state_bytes
 
 
@@ -132,9 +140,7 @@ def test_adafactor_shards_its_velocity_and_keeps_row_and_column_statistics_whole
 
 def _step_graph(model):
     """The graph of the per-step function `fit` traced (all replicas' ops)."""
-    cells = [c.cell_contents for c in model.train_function.__closure__]
-    (traced,) = [c for c in cells if hasattr(c, "get_concrete_function")]
-    (concrete,) = traced._list_all_concrete_functions()
+    (concrete,) = traced_train_function(model)._list_all_concrete_functions()
     (step,) = [f for name, f in concrete.graph._functions.items() if "one_step_on_data" in name]
     return step.graph
 

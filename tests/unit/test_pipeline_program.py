@@ -47,7 +47,7 @@ def test_zero3_units_are_a_program_of_blocks_two_in_flight():
         [(BACKWARD, 1, 0, True), (REDUCE_SCATTER, 1, 0, False)],
         [(BACKWARD, 0, 0, True), (REDUCE_SCATTER, 0, 0, False)]]
     assert [block[0].microbatch for block in blocks[6:]] == [1] * 6
-    assert program.devices() == 1
+    assert {instruction.device for instruction in program.instructions} == {0}
     # The reduce-scatter runs inside its backward's block and name scope.
     assert [i.scope("unit") for i in blocks[3]] == ["unit2/bwd/mb0", "reduce_scatter"]
 

@@ -224,9 +224,10 @@ class _Run:
         d = block[0].device
         done = self.done[d]
         waits = done[-program.window] if len(done) >= program.window else []
+        recording = (_recording(self.devices[d]) if program.wait_for_all_ops
+                     else contextlib.nullcontext())
         with tf.name_scope(block[0].scope(program.name)), tf.device(self.devices[d]), \
-                tf.control_dependencies(waits), self.mesh.stage(d), \
-                _recording(self.devices[d]) as built:
+                tf.control_dependencies(waits), self.mesh.stage(d), recording as built:
             results = []
             for instruction in block:
                 with tf.name_scope(instruction.scope(program.name)) if instruction.joins \

@@ -126,10 +126,6 @@ class Program:
                 blocks.append([instruction])
         return blocks
 
-    def devices(self) -> int:
-        """How many devices its instructions use."""
-        return 1 + max(instruction.device for instruction in self.instructions)
-
     def then_reduce_scatter(self, device_of) -> "Program":
         """This program, then a `REDUCE_SCATTER` of each stage's gradients on
         its device (`device_of[s]`), once every microbatch's are summed.
