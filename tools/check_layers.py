@@ -8,6 +8,8 @@ when it is written. This reports, as `file:line: message`:
 
 - an import of a module in a higher layer;
 - an import cycle (the modules in it, and where each imports the next);
+  importing `a.b.c` imports the packages `a.b` and `a` too (their
+  `__init__` runs first), unless the importing module is inside them;
 - a module that no layer lists, or that two list.
 
 Exits 1 if anything is found, 0 otherwise.
@@ -38,7 +40,10 @@ LAYERS = (
      ("tfdist", "tfdist.config", "tfdist.logs", "tfdist.devices", "tfdist.input_options",
       "tfdist.sparse_gradients", "tfdist.batch_statistics", "tfdist.weight_files",
       "tfdist.trace_phases", "tfdist.profiling", "tfdist.engine.metrics",
-      "tfdist.pipeline.schedule", "tfdist.ps.ledger", "tfdist.cluster", "tfdist.cluster.*")),
+      "tfdist.pipeline.schedule", "tfdist.ps.ledger", "tfdist.cluster", "tfdist.cluster.*",
+      # packages whose __init__ imports nothing: importing any of their
+      # modules initialises them first, from whatever layer
+      "tfdist.engine", "tfdist.pipeline")),
     ("element shards: layouts, storage, their collectives, checkpoints",
      ("tfdist.sharding", "tfdist.sharding.layout", "tfdist.sharding.storage",
       "tfdist.sharding.keys", "tfdist.sharding.slots", "tfdist.sharding.collectives",
@@ -47,11 +52,10 @@ LAYERS = (
     ("the step's generic parts",
      ("tfdist.engine.microbatch", "tfdist.engine.moving_statistics", "tfdist.engine.compute",
       "tfdist.engine.reduce", "tfdist.engine.compression", "tfdist.engine.update")),
-    ("pipeline stages", ("tfdist.pipeline", "tfdist.pipeline.*")),
+    ("pipeline stages", ("tfdist.pipeline.*",)),
     ("sharded optimizer state and parameters", ("tfdist.optim", "tfdist.optim.*")),
     ("assembling a step from the config",
-     ("tfdist.sharding.creation", "tfdist.sharding.peak", "tfdist.engine",
-      "tfdist.engine.build", "tfdist.engine.modes", "tfdist.engine.tf_keras",
+     ("tfdist.sharding.creation", "tfdist.sharding.peak", "tfdist.engine.build", "tfdist.engine.modes", "tfdist.engine.tf_keras",
       "tfdist.engine.step",
       "tfdist.model_garden", "tfdist.usage_checks")),
     ("strategies and callbacks",
@@ -98,6 +102,28 @@ def imports(path: pathlib.Path, modules: set[str], package=PACKAGE):
             for alias in node.names:
                 yield node.lineno, (f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules
                                     else base)
+
+
+def with_packages(found, module: str, modules: set[str]):
+    """`found` (`(line, imported module)` pairs of `module`) with, after each,
+    the packages Python initialises to import it: its parent packages that
+    are not `module`'s own (those are initialised before `module` runs).
+
+    Example:
+
+    >>> list(with_packages([(3, "a.b.c")], "a.d", {"a", "a.b", "a.b.c", "a.d"}))
+    [(3, 'a.b.c'), (3, 'a.b')]
+    """
+    own = {module.rsplit(".", k)[0] for k in range(module.count(".") + 1)}
+    seen = set()
+    for line, target in found:
+        package = target
+        while package:
+            if package in modules and (package == target or package not in own) \
+                    and (line, package) not in seen:
+                seen.add((line, package))
+                yield line, package
+            package = package.rpartition(".")[0]
 
 
 def layer_of(module: str, layers=LAYERS) -> list[int]:
@@ -166,7 +192,7 @@ def problems(package=PACKAGE, layers=LAYERS) -> list[str]:
                          f"layer of tools/check_layers.py")
     for module, path in paths.items():
         graph[module] = set()
-        for line, target in imports(path, modules, package):
+        for line, target in with_packages(imports(path, modules, package), module, modules):
             if target == module:
                 continue
             graph[module].add(target)

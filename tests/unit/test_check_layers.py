@@ -83,3 +83,19 @@ def test_mode_branches_are_counted_and_the_allowance_only_goes_down(tmp_path):
     under = check_mode_branches.problems(found, {"tfdist/part.py": 5})
     assert under == ["tfdist/part.py:1: 4 mode branches, fewer than the 5 allowed: lower "
                      "its allowance in tools/check_mode_branches.py to 4"]
+
+
+def test_a_cycle_through_a_package_init_fails(tmp_path):
+    # Importing tfdist.engine.compute runs tfdist/engine/__init__.py first:
+    # when that imports the step, which imports the pipeline's compute, which
+    # imports tfdist.engine.compute, `import tfdist.pipeline.compute` alone fails.
+    package = write_package(tmp_path, {
+        "__init__.py": "",
+        "engine/__init__.py": "from tfdist.engine.step import TrainStep\n",
+        "engine/compute.py": "",
+        "engine/step.py": "import tfdist.pipeline.compute\n",
+        "pipeline/__init__.py": "",
+        "pipeline/compute.py": "from tfdist.engine.compute import LocalCompute\n"})
+    found = check_layers.problems(package)
+    assert any("import cycle among tfdist.engine, tfdist.engine.step, tfdist.pipeline.compute"
+               in line for line in found), found
