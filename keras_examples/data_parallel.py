@@ -25,8 +25,9 @@ flags.DEFINE_integer("microbatches", 1, "Microbatches per per-replica batch.")
 flags.DEFINE_enum("precision", "float32", ["float32", "mixed_float16", "mixed_bfloat16"],
                   "Compute precision.")
 flags.DEFINE_boolean("xla", False, "XLA-compile the per-replica compute.")
-flags.DEFINE_enum("compression", "none", list(COMPRESSIONS),
-                  "What the gradients cross devices as (bf16, fp16: half the bytes).")
+flags.DEFINE_string("compression", "none",
+                    f"What the gradients cross devices as: {', '.join(COMPRESSIONS)} "
+                    f"(bf16, fp16: half the bytes; topk:0.01: 2% of them).")
 flags.DEFINE_integer("epochs", 5, "Epochs.")
 flags.DEFINE_integer("batch_size", 128, "Global batch size.")
 FLAGS = flags.FLAGS

@@ -19,9 +19,13 @@ save leaves the previous checkpoint whole and `latest` on it. With
 the files are written on a thread while training goes on, and the next
 `save`, `wait` or `restore` waits for them.
 
-The checkpoint's tensors are named `model/<i>` (the i-th of `model.weights`)
-and `optimizer/<i>` (of `model.optimizer.variables`); `index.json` beside
-them records each one's Keras path, shape and dtype, and `metadata`. Any
+The checkpoint's tensors are named `model/<i>` (the i-th of `model.weights`),
+`optimizer/<i>` (of `model.optimizer.variables`) and `state/<name>` (the
+step's per-replica state, `tfdist.sharding.replica_state`: Top-K
+compression's residuals, one row per replica); `index.json` beside them
+records each one's Keras path, shape and dtype, and `metadata`. State saved
+but not yet made when `restore` runs (`fit` restores a backup before its
+first step prepares the step) is restored when the step makes it. Any
 TensorFlow reader gives the full tensors:
 `tf.train.load_checkpoint(path + "/ckpt").get_tensor("model/0")`.
 
@@ -49,9 +53,11 @@ from tfdist._compat import tf_variables
 from tfdist._compat.tf_distribute import replica_id_in_sync_group
 from tfdist.cluster.agreement import gather_from_tasks
 from tfdist.sharding.layout import AxisLayout, MeshShardLayout, ShardLayout
+from tfdist.sharding.replica_state import state_of
 from tfdist.sharding.storage import ShardedStorage
 
 _FORMAT = "tfdist-sharded-checkpoint-1"
+_STATE = "state/"  # the prefix of the step's per-replica state's keys
 _LATEST = "latest"
 _POLL_SECONDS = 0.05
 
@@ -145,7 +151,8 @@ class ShardedCheckpoint:
                 tensors.append(tensor)
         index = {"format": _FORMAT, "step": int(step), "id": save_id,
                  "metadata": dict(metadata or {}), "tasks": self.tasks,
-                 "variables": [{"key": key, "path": v.path, "shape": list(v.shape),
+                 "variables": [{"key": key, "path": getattr(v, "path", v.name),
+                                "shape": list(v.shape),
                                 "dtype": tf.as_dtype(v.dtype).name} for key, v in variables]}
         # (Here, not on the thread, a metadata that is not JSON-serialisable is refused.)
         work = (name, save_id, names, slices, tensors, json.dumps(index))
@@ -209,11 +216,38 @@ class ShardedCheckpoint:
             with self._strategy.scope():
                 optimizer.build(self.model.trainable_variables)
         variables = self._variables()
-        _check_match(index["variables"], variables, path)
+        state = [v for v in index["variables"] if v["key"].startswith(_STATE)]
+        _check_match([v for v in index["variables"] if v not in state],
+                     [(k, v) for k, v in variables if not k.startswith(_STATE)], path)
         prefix = os.path.join(path, "ckpt")
         for key, variable in variables:
-            _restore_variable(prefix, key, variable, self._replicas)
+            if not key.startswith(_STATE):
+                _restore_variable(prefix, key, variable, self._replicas)
+        self._restore_state(prefix, state, dict(variables), path)
         return {"step": index["step"], **index["metadata"]}
+
+    def _restore_state(self, prefix, saved, variables, path):
+        """Restores the step's saved per-replica state: now where it exists,
+        else when the step makes it (`ReplicaState.pending`)."""
+        replica_state = state_of(self.model)
+        for entry in saved:
+            key = entry["key"]
+
+            def restore(variable, key=key, entry=entry):
+                if entry["shape"][0] != variable.shape[0]:
+                    raise ValueError(
+                        f"The checkpoint {path!r} holds the step's {key} of "
+                        f"{entry['shape'][0]} replicas (one row each: Top-K compression's "
+                        f"residuals), but this job has {variable.shape[0]}: resume on "
+                        f"{entry['shape'][0]} replicas, or load the weights alone "
+                        f"(`model.load_weights`) and start with zero residuals.")
+                _check_match([entry], [(key, variable)], path)
+                _restore_variable(prefix, key, variable, self._replicas)
+
+            if key in variables:
+                restore(variables[key])
+            else:
+                replica_state.pending[key[len(_STATE):]] = restore
 
     def metadata(self, name: str | None = None) -> dict | None:
         """The metadata and `step` of checkpoint `name` (default: the latest),
@@ -236,11 +270,13 @@ class ShardedCheckpoint:
             return {**json.load(f), "name": name}
 
     def _variables(self):
-        """(key, Keras variable) of the model's weights and its optimizer's variables."""
+        """(key, variable) of the model's weights, its optimizer's variables
+        and its step's per-replica state."""
         found = [(f"model/{i}", v) for i, v in enumerate(self.model.weights)]
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             found += [(f"optimizer/{i}", v) for i, v in enumerate(optimizer.variables)]
+        found += [(f"{_STATE}{name}", v) for name, v in state_of(self.model).variables.items()]
         return found
 
     def _write(self, name, save_id, names, slices, tensors, index_json):
@@ -437,7 +473,8 @@ def _check_match(saved, variables, path):
             raise ValueError(
                 f"The checkpoint {path!r} holds {key} ({entry['path']!r}) of shape "
                 f"{tuple(entry['shape'])} and dtype {entry['dtype']}, but this model's "
-                f"{variable.path!r} has shape {tuple(own[0])} and dtype {own[1]}.")
+                f"{getattr(variable, 'path', variable.name)!r} has shape {tuple(own[0])} "
+                f"and dtype {own[1]}.")
 
 
 def _write_atomically(path, text):

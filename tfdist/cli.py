@@ -67,6 +67,8 @@ def _define_config_flags():
             flags.DEFINE_boolean(name, None, help_text)
         elif kind is int:
             flags.DEFINE_integer(name, None, help_text)
+        elif kind is str:  # checked by ParallelConfig.validate
+            flags.DEFINE_string(name, None, help_text)
         elif typing.get_origin(kind) is tuple:
             flags.DEFINE_list(name, None, help_text)
         else:

@@ -17,9 +17,9 @@ from tfdist.pipeline import schedule as pipeline_schedule
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = tuple(pipeline_schedule.SCHEDULES)  # names `stage_orders` knows
 ZERO_STAGES = (0, 1, 2, 3)
-COMPRESSIONS = ("none", "bf16", "fp16")
+COMPRESSIONS = ("none", "bf16", "fp16", "topk:<fraction>")
 # The values a field takes from a fixed list (the command line's choices).
-CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES, "compression": COMPRESSIONS}
+CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES}
 # The strategies a config can be validated for (`validate(strategy=...)`).
 STRATEGIES = ("Strategy", "MultiWorkerStrategy", "ParameterServerStrategy")
 # Fields that must keep their default under the asynchronous parameter-server
@@ -82,7 +82,11 @@ class ParallelConfig:
         compression: what the gradients cross devices as: "none" (the
             default), "bf16" or "fp16" (each floating gradient cast for the
             step's gradient collective, summed in that dtype, and cast back:
-            half the bytes on the wire; `tfdist.engine.compression`).
+            half the bytes on the wire), or "topk:<fraction>" such as
+            "topk:0.01" (each replica sends that fraction of each gradient's
+            elements, its largest, as values and indices, and keeps the rest
+            as an error-feedback residual added to its next gradient);
+            `tfdist.engine.compression`.
 
     Every rule on how the fields combine is checked by `validate`, which
     every entry point runs (the strategies, `tfdist config`, `tfdist launch`,
@@ -217,9 +221,11 @@ class ParallelConfig:
             raise ValueError(
                 f"`schedule` must be one of {SCHEDULES}, got {self.schedule!r}."
             )
-        if not isinstance(self.compression, str) or self.compression not in COMPRESSIONS:
+        if not isinstance(self.compression, str) or (
+                self.compression not in COMPRESSIONS[:-1] and self.topk_fraction is None):
             raise ValueError(
-                f"`compression` must be one of {COMPRESSIONS}, got {self.compression!r}.")
+                f"`compression` must be one of {COMPRESSIONS} (a fraction in (0, 1), "
+                f"such as 'topk:0.01'), got {self.compression!r}.")
 
     def _check_combinations(self):
         if self.zero and self.data == 1:
@@ -252,6 +258,8 @@ class ParallelConfig:
                 f"this version: zero=3 gathers parameters and reduce-scatters gradients "
                 f"unit by unit, uncompressed. Use zero <= 2 with compression, or "
                 f"compression='none'.")
+        if self.topk_fraction is not None:
+            self._check_topk()
         if self.zero3_unit_params and self.pipeline > 1:
             raise ValueError(
                 f"`zero3_unit_params={self.zero3_unit_params}` sizes units, but with "
@@ -322,6 +330,53 @@ class ParallelConfig:
         (True, False)
         """
         return bool(self.zero) or self.tensor > 1 or self.pipeline > 1
+
+    @property
+    def topk_fraction(self) -> float | None:
+        """The fraction of `compression="topk:<fraction>"`, else None.
+
+        Example:
+
+        >>> ParallelConfig(data=4, compression="topk:0.01").topk_fraction
+        0.01
+        """
+        kind, _, fraction = self.compression.partition(":")
+        try:
+            value = float(fraction) if kind == "topk" else None
+        except ValueError:
+            return None
+        return value if value is not None and 0 < value < 1 else None
+
+    @property
+    def keeps_replica_state(self) -> bool:
+        """Whether the step keeps state of its own on each replica beside the
+        model's and optimizer's (`compression="topk:..."`'s residuals): its
+        checkpoints are `tfdist.checkpoint.ShardedCheckpoint`s, which save it.
+
+        Example:
+
+        >>> ParallelConfig(data=4, compression="topk:0.01").keeps_replica_state
+        True
+        """
+        return self.topk_fraction is not None
+
+    def _check_topk(self):
+        """Top-K's residuals are each replica's whole local gradient: refused
+        where a replica's gradients are not whole (tensor slices, pipeline
+        stages, zero=2's reduce-scatter, zero=3's units) and under loss
+        scaling (the residual would mix gradients of different scales)."""
+        off = [f"`{name}={value!r}`" for name, value, plain in (
+            ("zero", self.zero, self.zero < 2), ("tensor", self.tensor, self.tensor == 1),
+            ("pipeline", self.pipeline, self.pipeline == 1),
+            ("precision", self.precision, self.precision != "mixed_float16")) if not plain]
+        if off:
+            raise NotImplementedError(
+                f"`compression={self.compression!r}` with {' and '.join(off)} is not "
+                f"available in this version: Top-K keeps each replica's whole local "
+                f"gradient as its error-feedback residual, which needs data "
+                f"parallelism (with microbatches, zero <= 1, precision float32 or "
+                f"mixed_bfloat16). Use 'bf16' or 'fp16' compression there, or drop "
+                f"{'that option' if len(off) == 1 else 'those options'}.")
 
     def _check_strategy(self, strategy):
         if strategy not in STRATEGIES:

@@ -47,6 +47,7 @@ LAYERS = (
     ("element shards: layouts, storage, their collectives, checkpoints",
      ("tfdist.sharding", "tfdist.sharding.layout", "tfdist.sharding.storage",
       "tfdist.sharding.keys", "tfdist.sharding.slots", "tfdist.sharding.collectives",
+      "tfdist.sharding.replica_state",
       "tfdist.checkpoint")),
     ("tensor parallelism", ("tfdist.tensor", "tfdist.tensor.*", "tfdist.layers")),
     ("the step's generic parts",

@@ -31,7 +31,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     `pipeline`) the backup is a `tfdist.checkpoint.ShardedCheckpoint` in
     `backup_dir/sharded`: each task writes its own shards while training goes
     on, no task gathers a whole tensor, and the restarted job (on any layout)
-    reads only its own. Otherwise, and with one task, it is Keras's callback.
+    reads only its own; so it is too when the step keeps state on each
+    replica (`compression="topk:..."`'s residuals, which it saves and the
+    restarted job continues). Otherwise, and with one task, it is Keras's
+    callback.
 
     Args: as `keras.callbacks.BackupAndRestore`; `backup_dir` must be a
         directory every task reads (a shared volume on Kubernetes, any local
@@ -51,7 +54,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_train_begin(self, logs=None):
         config = getattr(self.model.distribute_strategy, "config", None)
         self._checkpoints = None
-        if config is not None and config.shards_state:
+        if config is not None and (config.shards_state or config.keeps_replica_state):
             self._checkpoints = ShardedCheckpoint(
                 self.model, os.path.join(self.backup_dir, "sharded"),
                 max_to_keep=2 if self.double_checkpoint else 1)

@@ -51,7 +51,7 @@ import tensorflow as tf
 
 from tfdist._compat.keras_functional import nested_sublayers
 from tfdist.config import ParallelConfig
-from tfdist.engine.compression import CAST_DTYPES, CastCompression
+from tfdist.engine.compression import CAST_DTYPES, CastCompression, TopKCompression
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
 from tfdist.engine.reduce import AllReduce, AlreadyReduced, DataGroupAllReduce, ShardedReduce
 from tfdist.engine.tf_keras import (
@@ -72,6 +72,7 @@ from tfdist.pipeline.compute import pipeline_compute
 from tfdist.sharding.creation import whole_where_not_kept
 from tfdist.sharding.layout import AxisLayout
 from tfdist.sharding.peak import predict_peak
+from tfdist.sharding.replica_state import state_of
 from tfdist.tensor import plan as tensor_plan
 
 
@@ -436,9 +437,10 @@ class Zero(Mode):
 
 
 class Compression(Mode):
-    """`compression`: the step's gradient collectives in a narrower dtype:
-    wraps the whole reduce after `tensor` chose it, and ZeRO's reduce after
-    `zero` built it (after both in the table's order)."""
+    """`compression`: the step's gradient collectives in a narrower dtype, or
+    as each replica's Top-K: wraps the whole reduce after `tensor` chose it,
+    and ZeRO's reduce after `zero` built it (after both in the table's
+    order). Top-K's residuals are the step's `ReplicaState`, made here."""
 
     name = "compression"
 
@@ -447,11 +449,17 @@ class Compression(Mode):
 
     def split(self, plan):
         # The whole reduce: the all-reduce, and the gather of sparse slices
-        # ZeRO's reduce hands it.
-        plan.whole = CastCompression(plan.whole, CAST_DTYPES[plan.config.compression])
+        # ZeRO's reduce hands it (every gradient under zero=1).
+        fraction = plan.config.topk_fraction
+        if fraction is None:
+            plan.whole = CastCompression(plan.whole, CAST_DTYPES[plan.config.compression])
+            return
+        plan.whole = TopKCompression(plan.whole, fraction, plan.mesh)
+        plan.whole.init(state_of(plan.model), plan.model.trainable_weights)
 
     def shard(self, plan):
-        if plan.reduce is not None:  # ZeRO's reduce-scatter (its whole part compresses)
+        if plan.reduce is not None and plan.config.topk_fraction is None:
+            # ZeRO's reduce-scatter (its whole part compresses)
             plan.reduce = CastCompression(plan.reduce, CAST_DTYPES[plan.config.compression],
                                           sparse=False)
 
