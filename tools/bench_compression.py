@@ -1,6 +1,6 @@
 """Benchmark: gradient compression's bytes on the wire and its convergence.
 
-    python tools/bench_compression.py [--models=gpt2,convnet] [--compressions=none,bf16,fp16]
+    python tools/bench_compression.py [--models=gpt2,convnet] [--compressions=none,bf16,fp16,topk:0.01]
         [--steps=400] [--out=results.jsonl]
 
 For each model and `compression`, `tfdist.Strategy(data=4, compression=...)` on 4
@@ -30,7 +30,8 @@ from results import emit
 
 MODELS = ("gpt2", "convnet")
 flags.DEFINE_list("models", list(MODELS), f"Models: {', '.join(MODELS)}.")
-flags.DEFINE_list("compressions", ["none", "bf16", "fp16"], "Compressions to run.")
+flags.DEFINE_list("compressions", ["none", "bf16", "fp16", "topk:0.01"],
+                  "Compressions to run (the first \"none\" is the reference).")
 flags.DEFINE_integer("steps", 400, "Training steps per run.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 FLAGS = flags.FLAGS
