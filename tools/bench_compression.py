@@ -1,7 +1,7 @@
 """Benchmark: gradient compression's bytes on the wire and its convergence.
 
-    python tools/bench_compression.py [--models=gpt2,convnet] [--compressions=none,bf16,fp16,topk:0.01]
-        [--steps=400] [--out=results.jsonl]
+    python tools/bench_compression.py [--models=gpt2,convnet]
+        [--compressions=none,bf16,fp16,topk:0.01] [--steps=400] [--out=results.jsonl]
 
 For each model and `compression`, `tfdist.Strategy(data=4, compression=...)` on 4
 logical CPU devices trains the same model from the same weights on the same
