@@ -406,7 +406,7 @@ def _element_rectangles(layout, index):
 
 def _own_pieces(variable, replicas):
     """(slice spec, tensor) of what this task writes of `variable`."""
-    storage = tf_variables.storage_of(variable)
+    storage = _storage(variable)
     shape = list(variable.shape)
     if isinstance(storage, ShardedStorage):
         pieces = []
@@ -430,9 +430,16 @@ def _own_pieces(variable, replicas):
     return [("", value)] if replicas[0] == 0 else []
 
 
+def _storage(variable):
+    """The TensorFlow variable behind `variable`: a Keras variable's storage,
+    or the step's replica state itself (a `ShardedStorage`)."""
+    return variable if isinstance(variable, ShardedStorage) else \
+        tf_variables.storage_of(variable)
+
+
 def _restore_variable(prefix, key, variable, replicas):
     """Assigns `variable` from the checkpoint, reading only its replicas' pieces."""
-    storage = tf_variables.storage_of(variable)
+    storage = _storage(variable)
     shape = list(variable.shape)
     dtype = tf.as_dtype(variable.dtype)
     if not isinstance(storage, ShardedStorage):

@@ -59,8 +59,10 @@ _collective_key_bases = itertools.count(1)
 
 def requested_config(config, fields, strategy: str) -> ParallelConfig:
     """The `ParallelConfig` a strategy was asked for, from `config=` (a
-    ParallelConfig or dict) or from keywords, validated for `strategy` (its
-    class name); not yet resolved for devices.
+    ParallelConfig or dict) or from keywords, else the job's (`$TFDIST_CONFIG`,
+    which `tfdist launch` and TFJob manifests set from their flags; defaults
+    without it), validated for `strategy` (its class name); not yet resolved
+    for devices.
 
     Example:
 
@@ -72,7 +74,9 @@ def requested_config(config, fields, strategy: str) -> ParallelConfig:
             f"Pass either `config=` or ParallelConfig fields as keywords, not "
             f"both; got config and {sorted(fields)}."
         )
-    if config is None:
+    if config is None and not fields:
+        config = ParallelConfig.from_env()
+    elif config is None:
         config = ParallelConfig.from_dict(fields)
     elif isinstance(config, dict):
         config = ParallelConfig.from_dict(config)
@@ -448,7 +452,9 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
     in one process.
 
     Args:
-        config: a `ParallelConfig` (or its dict); or give its fields as keywords.
+        config: a `ParallelConfig` (or its dict); or give its fields as
+            keywords; neither: `$TFDIST_CONFIG` (set by `tfdist launch` and
+            TFJob manifests from their flags), else the defaults.
         devices: device names to use; default: every logical GPU of the host,
             or every logical CPU if there is none
             (see `tfdist.use_virtual_devices`).
@@ -505,7 +511,9 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
     replica each (CPU) a group spans t workers.
 
     Args:
-        config: a `ParallelConfig` (or its dict); or give its fields as keywords.
+        config: a `ParallelConfig` (or its dict); or give its fields as
+            keywords; neither: `$TFDIST_CONFIG` (set by `tfdist launch` and
+            TFJob manifests from their flags), else the defaults.
         cluster_resolver: optional; default reads `TF_CONFIG`.
         timeout_seconds: how long the start may wait for the other workers,
             and one call of the step function of `fit`, `evaluate` or

@@ -2,7 +2,8 @@
 worker writes its own shards; a worker killed while a save is written leaves
 the previous checkpoint in use; a job of 3 workers with `zero=1` resumes from
 it exactly as one uninterrupted device trains, and its checkpoint loads into
-one device."""
+one device; Top-K compression's residuals, each worker's own, are saved and a
+resumed job continues them."""
 
 import json
 import os
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.multiprocess
 
 # argv: checkpoint directory, phase ("first": segment 0, save, segment 1, a
 # save during which worker 1 is killed; "resume": restore, segments 1 and 2,
-# save; "frozen": a save during which worker 1 stops).
+# save; "frozen": a save during which worker 1 stops; "segment1": restore, or
+# segment 0 and a save when there is no checkpoint, then segment 1).
 JOB = """
 import json, os, signal, sys
 import keras, numpy as np, tensorflow as tf
@@ -69,6 +71,18 @@ elif phase == "first":
     checkpoints.save(metadata={"segment": 1})
     checkpoints.wait()
     print("second save committed", flush=True)
+elif phase == "segment1":
+    found = checkpoints.restore()
+    if found is None:
+        fit(0)
+        checkpoints.save(metadata={"segment": 0})
+        checkpoints.wait()
+    from tfdist.sharding.replica_state import state_of
+    losses = fit(1)
+    residual = sum(float(np.abs(v.numpy()).sum()) for v in state_of(model).variables.values())
+    if index == 0:
+        print("SEGMENT1", json.dumps({"found": found, "losses": losses, "residual": residual}),
+              flush=True)
 else:
     found = checkpoints.restore()
     losses = fit(1) + fit(2)
@@ -150,3 +164,26 @@ def test_a_worker_that_stops_during_a_save_fails_it_within_the_timeout_naming_it
     assert ("TimeoutError: Waited 8 s for the other tasks' parts of checkpoint 'ckpt-6-"
             in output and "(missing: task 1)" in output), output[-3000:]
     assert not (tmp_path / "latest").exists()
+
+
+def test_topk_residuals_are_saved_by_each_worker_and_a_resumed_job_continues_them(tmp_path):
+    def segment1():
+        done = run_tfdist("launch", "--workers=2", "--compression=topk:0.05", "--timeout=150",
+                          "--", sys.executable, "-c", JOB, str(tmp_path), "segment1",
+                          timeout=200)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        (line,) = [line for line in done.stdout.splitlines() if "SEGMENT1 " in line]
+        return json.loads(line.split("SEGMENT1 ", 1)[1])
+
+    whole = segment1()  # segment 0, a save, segment 1
+    assert whole["found"] is None
+    (committed,) = [e for e in os.listdir(tmp_path) if e.startswith("ckpt-")]
+    index = json.loads((tmp_path / committed / "index.json").read_text())
+    state = [v for v in index["variables"] if v["key"].startswith("state/")]
+    assert [v["shape"][0] for v in state] == [2] * 6  # a row per worker, per weight
+    resumed = segment1()  # restored, then segment 1 with the saved residuals
+    assert resumed["found"] == {"step": 6, "segment": 0}
+    np.testing.assert_allclose(resumed["losses"], whole["losses"], rtol=1e-6)
+    # The residuals left after segment 1 (what was not sent yet): the same.
+    assert whole["residual"] > 0
+    np.testing.assert_allclose(resumed["residual"], whole["residual"], rtol=1e-6)

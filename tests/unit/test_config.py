@@ -167,6 +167,20 @@ def test_config_from_environment(monkeypatch):
         tfdist.ParallelConfig.from_env()
 
 
+def test_a_strategy_made_without_a_config_takes_the_jobs(monkeypatch):
+    # `tfdist launch --compression=bf16 -- python train.py` whose script says
+    # `tfdist.MultiWorkerStrategy()`: the launcher's flags hold.
+    from tfdist.strategy import requested_config
+
+    monkeypatch.setenv("TFDIST_CONFIG", '{"microbatches": 2, "compression": "bf16"}')
+    assert requested_config(None, {}, "MultiWorkerStrategy") == tfdist.ParallelConfig(
+        microbatches=2, compression="bf16")
+    # Given fields or a config, the script's own.
+    assert requested_config(None, {"zero": 1}, "Strategy") == tfdist.ParallelConfig(zero=1)
+    monkeypatch.delenv("TFDIST_CONFIG")
+    assert requested_config(None, {}, "Strategy") == tfdist.ParallelConfig()
+
+
 def test_zero_needs_data_replicas_to_shard_over():
     with pytest.raises(ValueError, match=r"`zero=1` shards optimizer state .* but `data=1`"):
         tfdist.ParallelConfig(data=1, zero=1)
