@@ -330,13 +330,15 @@ def test_remat_lowers_peak_memory():
         assert done.returncode == 0, done.stderr[crash:crash + 6000] if crash >= 0 else \
             done.stderr[-3000:]
         peaks[flag] = int(re.search(r"peak_rss_mib (\d+)", done.stdout).group(1))
-    # 8 microbatches x 16 MiB activations per layer: GPipe without remat keeps
-    # them all until the backward; measured 2,480 vs 1,580-1,590 MiB with 10
-    # and 9 activation layers per stage (peak over training steps only: the
-    # first step's tracing is excluded). With 6 and 5 the gap was 140-560 MiB
-    # (remat's peak varies by 200-400 MiB from run to run, more under a
-    # loaded machine), with 3 and 2 60-300 MiB: noise of the same order.
-    assert peaks["--remat"] + 400 < peaks["--noremat"], peaks
+    # 16 microbatches x 8 MiB activations per layer, 16 activation
+    # layers per stage: GPipe without remat keeps them all until the
+    # backward, remat each stage's inputs and one microbatch's replay.
+    # Measured (peak over training steps only: the first step's tracing is
+    # excluded) 4,281 vs 1,981 MiB alone, 3,290 vs 1,973-2,056 beside two
+    # other such runs. With 8 microbatches and 11 and 9 layers the gap was
+    # 900 MiB alone and 393 MiB under the suite's load (remat's peak rose by
+    # ~560 MiB there): too close to the noise.
+    assert peaks["--remat"] + 600 < peaks["--noremat"], peaks
 
 
 @pytest.mark.parametrize("schedule, virtual", SCHEDULES[1:], ids=[s for s, _ in SCHEDULES[1:]])

@@ -23,7 +23,7 @@ import tfdist  # noqa: E402
 
 flags.DEFINE_bool("remat", False, "Recompute each stage's forward in its backward.")
 FLAGS = flags.FLAGS
-WIDTH, ROWS, MICROBATCHES = 4096, 8192, 8
+WIDTH, ROWS, MICROBATCHES = 4096, 8192, 16
 
 
 def main(argv):
@@ -36,9 +36,9 @@ def main(argv):
         model = keras.Sequential([
             keras.Input((64,)),
             keras.layers.Dense(WIDTH),
-            *[keras.layers.Activation("tanh") for _ in range(10)],
+            *[keras.layers.Activation("tanh") for _ in range(16)],
             keras.layers.Activation("tanh", name="stage1"),
-            *[keras.layers.Activation("tanh") for _ in range(9)],
+            *[keras.layers.Activation("tanh") for _ in range(15)],
             keras.layers.Dense(10),
         ])
         model.compile(optimizer="sgd",
