@@ -22,7 +22,7 @@ from helpers import (
 from test_zero import _step_graph
 from tfdist.engine.step import TrainStep
 from tfdist.pipeline.compute import StagedCompute, _Run
-from tfdist.pipeline.program import FORWARD, OPS, REDUCE_SCATTER
+from tfdist.pipeline.program import FORWARD, GATHER, OPS, REDUCE_SCATTER
 
 
 def collective_ops(counts):
@@ -319,7 +319,7 @@ def test_pipeline_schedules_and_zero3_units_are_programs_one_executor_runs(confi
     program = compute.program(config["microbatches"])
     for replica in range(config.get("data", 1)):
         assert [i for local, i in ran if local == replica] == list(program.instructions)
-    scopes = [block[0].scope(program.name) for block in program.blocks()]
+    scopes = [program.lead(block).scope(program.name) for block in program.blocks()]
     pattern = re.compile(rf"(?:^|/)({program.name}\d+/\w+(?:/mb\d+)?)(?:/|$)")
     built = []
     for op in _step_graph(model).get_operations():
@@ -330,7 +330,7 @@ def test_pipeline_schedules_and_zero3_units_are_programs_one_executor_runs(confi
     forwards = [i.scope(program.name) for i in program.instructions if i.op == FORWARD]
     assert set(forwards) <= set(built)
     ops = {instruction.op for instruction in program.instructions}
-    assert (REDUCE_SCATTER in ops) == (config.get("zero") == 3)
+    assert (REDUCE_SCATTER in ops) == (GATHER in ops) == (config.get("zero") == 3)
 
 
 @pytest.mark.parametrize("config", [dict(tensor=4), dict(data=2, tensor=2, microbatches=2)],

@@ -223,9 +223,8 @@ def gather(variables, layouts, dtypes, launcher=None):
     full = gather(unit_variables, unit_layouts, ["float16"] * 2)   # inside strategy.run
     ```
     """
-    with tf.name_scope("gather"):
-        return packed_all_gather([tf.cast(storage_of(v).value(), dtype)
-                                  for v, dtype in zip(variables, dtypes)], layouts, launcher)
+    return packed_all_gather([tf.cast(storage_of(v).value(), dtype)
+                              for v, dtype in zip(variables, dtypes)], layouts, launcher)
 
 
 def gather_stage_parameters(pipeline, layouts, whole):
@@ -258,8 +257,7 @@ def gather_stage_parameters(pipeline, layouts, whole):
             "`zero=3` with `pipeline` runs in one process in this version (its "
             "replicas' stage devices all local): use zero <= 2 across workers.")
     mesh = pipeline.mesh  # (its data launcher is the current stage's: `mesh.stage`)
-    for runner in pipeline.runners:
-        runner.gather = _gathering(model, layouts, mesh)
+    pipeline.gather_stages(_gathering(model, layouts, mesh))
     # (no weight is on two stages)
     pipeline.reduce_scatter_stages(_scattering(layouts, mesh, whole))
 
@@ -310,8 +308,9 @@ def with_gathered_parameters(fn, model):
         if not sharded:
             return fn(*args, **kwargs)
         # (With tensor groups: each replica's rank slices, over its data group.)
-        full = gather(sharded, [storage_layout(v).part for v in sharded],
-                      [dtypes[id(v)] for v in sharded], mesh.data_launcher())
+        with tf.name_scope("gather"):
+            full = gather(sharded, [storage_layout(v).part for v in sharded],
+                          [dtypes[id(v)] for v in sharded], mesh.data_launcher())
         with substituted(zip(sharded, full)):
             return fn(*args, **kwargs)
 
@@ -349,10 +348,10 @@ class GatheredUnits(StagedCompute):
 
     def __init__(self, model, layouts, devices, mesh, whole, min_params=0):
         units = plan_units(model, min_params)
-        gather_unit = _gathering(model, layouts, mesh)
         super().__init__(model, units, devices, [0] * len(units),
-                         [StageRunner(unit, model.trainable_weights, gather=gather_unit,
-                                      shared=True) for unit in units], mesh)
+                         [StageRunner(unit, model.trainable_weights, shared=True)
+                          for unit in units], mesh)
+        self.gather = _gathering(model, layouts, mesh)
         self.scatter = _scattering(layouts, mesh, whole)
 
     def program(self, microbatches):

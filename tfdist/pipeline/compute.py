@@ -63,11 +63,12 @@ def _meet(per_stage):
 
 class StagedCompute:
     """The one executor of a replica's `Program` (`tfdist.pipeline.program`):
-    the forwards, backwards, deferred weight gradients and reduce-scatters
-    of pipeline stages or ZeRO-3 units, each block of instructions on its
-    device after the work its program says it waits for, and the
-    BatchNormalization statistics' step end. Subclasses give the program
-    (`program(microbatches)`) and, to reduce-scatter, `scatter`.
+    the refreshes of tied copies, gathers, forwards, backwards, deferred
+    weight gradients and reduce-scatters of pipeline stages or ZeRO-3 units,
+    each block of instructions on its device after the work its program says
+    it waits for, and the BatchNormalization statistics' step end. Subclasses
+    give the program (`program(microbatches)`) and, to gather or
+    reduce-scatter, `gather` and `scatter`.
 
     Args:
         model: the compiled Keras model.
@@ -78,6 +79,8 @@ class StagedCompute:
         mesh: the strategy's `replica_mesh` (tensor groups inside stages).
 
     Attributes:
+        gather: for `GATHER`, a function from a stage's weights to their
+            full values (in the dtypes its layers compute with).
         scatter: for `REDUCE_SCATTER`, a function from (indices in the
             model's trainable weights, their gradients) to this replica's
             shards of the reduced gradients.
@@ -92,7 +95,7 @@ class StagedCompute:
     ```
     """
 
-    scatter = None
+    gather = scatter = None
 
     def __init__(self, model, stages, devices, device_of, runners, mesh):
         self.model = model
@@ -195,20 +198,16 @@ class _Run:
         self.out_grads = [{} for _ in slices]                   # gradients by id(symbolic)
         self.held = [{} for _ in devices]                       # (stage, mb) -> Activations
         self.deferred = {}                                      # (stage, mb) -> StageGradients
+        self.gathered = {}                                      # stage -> full parameters
         self.totals = [[None] * weights for _ in compute.stages]  # whole, per stage
         self.shards = [None] * weights                          # reduce-scattered
         self.metrics = None
         self.moved = [None] * len(compute.stages)               # BatchNormalization statistics
         self.starts = []
         self.done = [[] for _ in devices]                       # each device's blocks' work
-        refreshed = [[] for _ in devices]   # the tied weights' copies, before any block
         for s, runner in enumerate(compute.runners):
             with tf.device(devices[compute.device_of[s]]):
                 self.starts.append(runner.moving.start())
-                refreshed[compute.device_of[s]] += runner.refresh_copies(local)
-        for done, assigns in zip(self.done, refreshed):
-            if assigns:
-                done.append(assigns)
 
     def result(self):
         """(gradients, metrics, each stage's statistics at the start, their
@@ -226,11 +225,12 @@ class _Run:
         waits = done[-program.window] if len(done) >= program.window else []
         recording = (_recording(self.devices[d]) if program.wait_for_all_ops
                      else contextlib.nullcontext())
-        with tf.name_scope(block[0].scope(program.name)), tf.device(self.devices[d]), \
+        lead = program.lead(block)
+        with tf.name_scope(lead.scope(program.name)), tf.device(self.devices[d]), \
                 tf.control_dependencies(waits), self.mesh.stage(d), recording as built:
             results = []
             for instruction in block:
-                with tf.name_scope(instruction.scope(program.name)) if instruction.joins \
+                with tf.name_scope(instruction.kind) if instruction is not lead \
                         else contextlib.nullcontext():
                     results = getattr(self, instruction.op)(instruction) or results
         if program.wait_for_all_ops:
@@ -244,12 +244,22 @@ class _Run:
             return None
         return functools.partial(self.compute._last_stage_loss, self.slices[i], track)
 
+    def refresh(self, instruction):
+        return self.compute.runners[instruction.stage].refresh_copies(self.local)
+
+    def gather(self, instruction):
+        runner = self.compute.runners[instruction.stage]
+        full = self.compute.gather([v for _, v in runner.weights])
+        self.gathered[instruction.stage] = full
+        return full
+
     def forward(self, instruction):
         s, i, d = instruction.stage, instruction.microbatch, instruction.device
         runner = self.compute.runners[s]
         runner.moving.reset(self.starts[s])  # every microbatch from the step's start
         # The loss is tracked by the forward, not again by a remat replay.
-        kept = runner.forward(self.env[i], self._head(s, i, True), remat=instruction.remat)
+        kept = runner.forward(self.env[i], self._head(s, i, True), remat=instruction.remat,
+                              full=self.gathered.pop(s, None))
         self.moved[s] = runner.moving.add(self.moved[s], self.slices[i][4])
         self.held[d][s, i] = kept
         peak = self.compute.peak_held
@@ -265,7 +275,7 @@ class _Run:
         runner = self.compute.runners[s]
         kept = self.held[d][s, i] if instruction.defer else self.held[d].pop((s, i))
         if instruction.remat:
-            kept = runner.replay(kept, self._head(s, i, False))
+            kept = runner.replay(kept, self._head(s, i, False), full=self.gathered.pop(s, None))
         grads = runner.backward(kept, self.out_grads[i], instruction.defer)
         if instruction.defer:
             self.deferred[s, i] = grads
@@ -368,9 +378,17 @@ class PipelineCompute(StagedCompute):
             model, stages, devices, device_of,
             [StageRunner(stage, model.trainable_weights, xla=xla, copies=copies, shared=shared)
              for stage in stages], mesh)
+        self._program = self._program.first_refreshing(
+            [s for s, runner in enumerate(self.runners) if runner.copies], device_of)
 
     def program(self, microbatches):
         return self._program
+
+    def gather_stages(self, gather):
+        """Gathers each stage's parameters (`gather`: the `gather` attribute)
+        for each of its forwards and replays (ZeRO-3's stages)."""
+        self.gather = gather
+        self._program = self._program.then_gather()
 
     def reduce_scatter_stages(self, scatter):
         """Reduce-scatters each stage's gradients on its device once every

@@ -6,9 +6,13 @@ Pipeline stages (`tfdist.pipeline.compute`) and ZeRO-3's units
 them. A stage is a pipeline stage or a ZeRO-3 unit alike (a `Stage` of the
 model's layers, run by its `StageRunner`). The instructions:
 
-- `FORWARD` s, i: stage s's forward of microbatch i (its parameters gathered
-  first when they are sharded; the last stage's ends in the microbatch's
-  loss). With `remat` it keeps only its inputs.
+- `REFRESH` s: stage s's copies of the weights it shares with an earlier
+  stage (a tied embedding) set to their values, before its first action.
+- `GATHER` s, i: stage s's sharded parameters all-gathered over the data
+  group (ZeRO-3), for the `FORWARD` or remat `BACKWARD` it leads.
+- `FORWARD` s, i: stage s's forward of microbatch i (with the parameters its
+  `GATHER` gave; the last stage's ends in the microbatch's loss). With
+  `remat` it keeps only its inputs.
 - `BACKWARD` s, i: its backward, with `remat` after replaying the forward
   under a tape. With `defer` (a zero-bubble "B") the ops only the weight
   gradients need wait for the later `WEIGHTS` s, i.
@@ -18,19 +22,27 @@ model's layers, run by its `StageRunner`). The instructions:
   shard of each (ZeRO-3).
 
 An instruction with `joins` runs in the block of the one before it (same
-device, name scope and dependencies: ZeRO-3 reduce-scatters each unit's
-gradients inside its backward). Each block waits for the work of the block
-`window` places before it on its device: the previous one (a pipeline
-device's actions in schedule order), or the one before that (ZeRO-3: two
-units' gathered parameters alive at most). A block's work is the values it
-gives the next (outputs, loss, gradients), or with `wait_for_all_ops` every
-op it built (so its gathered parameters are released). No TensorFlow here.
+device, dependencies and name scope: a block is named by its first
+instruction that is not a gather, its `lead`, and the others' ops are named
+inside it by their kind; ZeRO-3 gathers a unit's parameters and
+reduce-scatters its gradients inside its backward's block). Each block
+waits for the work of the block `window` places before it on its device: the
+previous one (a pipeline device's actions in schedule order), or the one
+before that (ZeRO-3: two units' gathered parameters alive at most). A block's
+work is the values it gives the next (outputs, loss, gradients), or with
+`wait_for_all_ops` every op it built (so its gathered parameters are
+released). No TensorFlow here.
+
+The step's other work stays outside the program: the loss is the last
+stage's forward's (its `head`, under the forward's tape), and the data
+group's reduce and the optimizer's update are the step's reduce and update
+parts (`tfdist.engine.step`).
 
 Example:
 
->>> print(unit_program(units=2, microbatches=1))
-unit0/fwd/mb0 (remat), unit1/fwd/mb0, unit1/bwd/mb0 + reduce_scatter,
-unit0/bwd/mb0 (remat) + reduce_scatter
+>>> print(unit_program(units=2, microbatches=1))  # doctest: +NORMALIZE_WHITESPACE
+gather + unit0/fwd/mb0 (remat), gather + unit1/fwd/mb0, unit1/bwd/mb0 + reduce_scatter,
+gather + unit0/bwd/mb0 (remat) + reduce_scatter
 """
 
 import dataclasses
@@ -40,11 +52,15 @@ from tfdist.pipeline.schedule import FORWARD as _F
 from tfdist.pipeline.schedule import WEIGHTS as _W
 from tfdist.pipeline.schedule import emission_order
 
+REFRESH = "refresh"
+GATHER = "gather"
 FORWARD = "forward"
 BACKWARD = "backward"
 WEIGHTS = "weights"
 REDUCE_SCATTER = "reduce_scatter"
-OPS = (FORWARD, BACKWARD, WEIGHTS, REDUCE_SCATTER)
+OPS = (REFRESH, GATHER, FORWARD, BACKWARD, WEIGHTS, REDUCE_SCATTER)
+_KINDS = {REFRESH: "refresh", GATHER: "gather", FORWARD: "fwd", BACKWARD: "bwd",
+          WEIGHTS: "bwd_weight", REDUCE_SCATTER: "reduce_scatter"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +70,8 @@ class Instruction:
     Attributes:
         op: one of `OPS`.
         stage: the stage (or unit) it runs.
-        microbatch: the microbatch; None for a `REDUCE_SCATTER` of every
-            microbatch's gradients.
+        microbatch: the microbatch; None for a `REFRESH`, or a
+            `REDUCE_SCATTER` of every microbatch's gradients.
         device: the replica's device it runs on (an index into the replica's
             pipeline devices).
         remat: `FORWARD`: keep only the inputs; `BACKWARD`: replay the forward first.
@@ -80,16 +96,23 @@ class Instruction:
         if self.op not in OPS:
             raise ValueError(f"Instruction `op` must be one of {OPS}, got {self.op!r}.")
 
+    @property
+    def kind(self) -> str:
+        """Its name in op names: "fwd", "bwd" ("bwd_input" deferred), ...
+
+        Example:
+
+        >>> Instruction(GATHER, stage=0, microbatch=0, device=0).kind
+        'gather'
+        """
+        return "bwd_input" if self.op == BACKWARD and self.defer else _KINDS[self.op]
+
     def scope(self, name: str) -> str:
-        """Its ops' name scope under a program named `name` ("stage", "unit");
-        a joined instruction's, inside its block's."""
-        kind = {FORWARD: "fwd", BACKWARD: "bwd_input" if self.defer else "bwd",
-                WEIGHTS: "bwd_weight", REDUCE_SCATTER: "reduce_scatter"}[self.op]
-        if self.joins:
-            return kind
+        """Its ops' name scope when it leads its block, under a program named
+        `name` ("stage", "unit"); inside another's block, `kind`."""
         if self.microbatch is None:
-            return f"{name}{self.stage}/{kind}"
-        return f"{name}{self.stage}/{kind}/mb{self.microbatch}"
+            return f"{name}{self.stage}/{self.kind}"
+        return f"{name}{self.stage}/{self.kind}/mb{self.microbatch}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +139,18 @@ class Program:
     window: int = 1
     wait_for_all_ops: bool = False
 
+    @staticmethod
+    def lead(block) -> Instruction:
+        """The instruction that names `block`: its first that is not a gather.
+
+        Example:
+
+        >>> block = unit_program(units=1, microbatches=1).blocks()[0]
+        >>> Program.lead(block).scope("unit")
+        'unit0/fwd/mb0'
+        """
+        return next((i for i in block if i.op != GATHER), block[0])
+
     def blocks(self) -> list[list[Instruction]]:
         """The instructions grouped into blocks (an instruction and those that join it)."""
         blocks = []
@@ -141,14 +176,46 @@ class Program:
         return dataclasses.replace(self, instructions=self.instructions + tuple(
             Instruction(REDUCE_SCATTER, s, None, d) for s, d in enumerate(device_of)))
 
+    def then_gather(self) -> "Program":
+        """This program with a `GATHER` leading each forward and each remat
+        backward (sharded stages: ZeRO-3 under `pipeline`).
+
+        Example:
+
+        >>> from tfdist.pipeline.schedule import stage_orders
+        >>> print(pipeline_program(stage_orders("gpipe", 1, 1), [0], remat=True).then_gather())
+        gather + stage0/fwd/mb0 (remat), gather + stage0/bwd/mb0 (remat)
+        """
+        instructions = []
+        for i in self.instructions:
+            gathered = i.op == FORWARD or (i.op == BACKWARD and i.remat)
+            if gathered:
+                instructions.append(Instruction(GATHER, i.stage, i.microbatch, i.device,
+                                                joins=i.joins))
+            instructions.append(dataclasses.replace(i, joins=i.joins or gathered))
+        return dataclasses.replace(self, instructions=tuple(instructions))
+
+    def first_refreshing(self, stages, device_of) -> "Program":
+        """This program after a `REFRESH` of each of `stages` (those with
+        copies of another stage's weights) on its device `device_of[s]`.
+
+        Example:
+
+        >>> from tfdist.pipeline.schedule import stage_orders
+        >>> print(pipeline_program(stage_orders("gpipe", 2, 1), [0, 1])
+        ...       .first_refreshing([1], [0, 1]))  # doctest: +NORMALIZE_WHITESPACE
+        stage1/refresh, stage0/fwd/mb0, stage1/fwd/mb0, stage1/bwd/mb0, stage0/bwd/mb0
+        """
+        return dataclasses.replace(self, instructions=tuple(
+            Instruction(REFRESH, s, None, device_of[s]) for s in stages) + self.instructions)
+
     def __str__(self):
         parts = []
-        for instruction in self.instructions:
-            text = instruction.scope(self.name) + " (remat)" * instruction.remat
-            if instruction.joins and parts:
-                parts[-1] += " + " + text
-            else:
-                parts.append(text)
+        for block in self.blocks():
+            lead = self.lead(block)
+            parts.append(" + ".join(
+                (i.scope(self.name) if i is lead else i.kind) + " (remat)" * i.remat
+                for i in block))
         return ", ".join(parts)
 
 
@@ -174,17 +241,18 @@ def pipeline_program(orders, device_of, remat: bool = False) -> Program:
 
 def unit_program(units: int, microbatches: int) -> Program:
     """ZeRO-3's program on one device: for each microbatch, every unit's
-    forward in order, then their backwards in reverse, each followed by the
-    reduce-scatter of its gradients. Every unit but the last keeps only its
-    inputs (its backward replays it; the last unit's backward follows its
-    forward at once). Two blocks in flight at most.
+    parameters gathered and its forward run, in order, then their backwards
+    in reverse, each followed by the reduce-scatter of its gradients. Every
+    unit but the last keeps only its inputs (its backward gathers again and
+    replays it; the last unit's backward follows its forward at once, with
+    its gathered parameters). Two blocks in flight at most.
 
     Example:
 
     >>> print(unit_program(units=3, microbatches=1))  # doctest: +NORMALIZE_WHITESPACE
-    unit0/fwd/mb0 (remat), unit1/fwd/mb0 (remat), unit2/fwd/mb0,
-    unit2/bwd/mb0 + reduce_scatter, unit1/bwd/mb0 (remat) + reduce_scatter,
-    unit0/bwd/mb0 (remat) + reduce_scatter
+    gather + unit0/fwd/mb0 (remat), gather + unit1/fwd/mb0 (remat), gather + unit2/fwd/mb0,
+    unit2/bwd/mb0 + reduce_scatter, gather + unit1/bwd/mb0 (remat) + reduce_scatter,
+    gather + unit0/bwd/mb0 (remat) + reduce_scatter
     """
     last = units - 1
     instructions = []
@@ -193,4 +261,4 @@ def unit_program(units: int, microbatches: int) -> Program:
         for u in reversed(range(units)):
             instructions += [Instruction(BACKWARD, u, i, 0, remat=u != last),
                              Instruction(REDUCE_SCATTER, u, i, 0, joins=True)]
-    return Program("unit", tuple(instructions), window=2, wait_for_all_ops=True)
+    return Program("unit", tuple(instructions), window=2, wait_for_all_ops=True).then_gather()

@@ -186,10 +186,6 @@ class StageRunner:
             stage, replica and microbatch shape; the order stays the engine's).
         copies: the copies of the stage's `tied` layers' weights, by `id` of
             the Keras variable (`place_stages`).
-        gather: with sharded parameters (ZeRO-3), a function from the
-            stage's weights to their full values: called by every forward
-            and replay, whose layers compute with those values (nothing kept
-            from one call to the next) and whose backward differentiates them.
         shared: trace the stage's layer calls once for every replica,
             microbatch and replay, each calling that trace with its own
             variables and collective keys (`ReplicaSharedFunction`; tensor
@@ -212,10 +208,8 @@ class StageRunner:
     ```
     """
 
-    def __init__(self, stage, trainable_weights, xla=False, copies=None, gather=None,
-                 shared=False):
+    def __init__(self, stage, trainable_weights, xla=False, copies=None, shared=False):
         self.stage = stage
-        self.gather = gather
         self.state = [v for layer in stage.layers
                       for v in getattr(layer, "non_trainable_variables", ())]
         self.moving = MovingStatistics(stage.layers)
@@ -261,29 +255,34 @@ class StageRunner:
                 for v, copy in self.copies]
 
     def forward(self, values: dict, head: Callable | None = None,
-                remat: bool = False) -> Activations:
+                remat: bool = False, full=None) -> Activations:
         """The stage's forward on `values` (by `id` of symbolic tensor).
 
         `head`, given for the last stage, maps the stage's input and output
         values to (loss, scaled loss, metrics); it runs under the tape. With
-        `remat` nothing is recorded: `replay` computes it again.
+        `remat` nothing is recorded: `replay` computes it again. `full`, with
+        sharded parameters (ZeRO-3), are the full values of `weights`
+        (gathered for this call): the layers compute with them and the
+        backward differentiates them.
         """
         # remat replays this forward later: keep the stage's state (random-seed
         # counters) as it was before it.
         state = [tf.identity(v.value) for v in self.state] if remat else None
-        activations = self._record(values, head, record=not remat)
+        activations = self._record(values, head, record=not remat, full=full)
         activations.state = state
         return activations
 
-    def replay(self, activations: Activations, head: Callable | None = None) -> Activations:
-        """The remat forward: the stage's forward again, under a tape, with
-        its state set to what the first run saw and restored afterwards, so
-        dropout draws the same masks and no statistic is updated twice."""
+    def replay(self, activations: Activations, head: Callable | None = None,
+               full=None) -> Activations:
+        """The remat forward: the stage's forward again (with `full` as in
+        `forward`), under a tape, with its state set to what the first run
+        saw and restored afterwards, so dropout draws the same masks and no
+        statistic is updated twice."""
         now = [tf.identity(v.value) for v in self.state]
         with tf.control_dependencies(now):
             started = [v.assign(value) for v, value in zip(self.state, activations.state)]
         with tf.control_dependencies(tf.nest.flatten(started)):
-            replayed = self._record(activations.inputs, head, record=True)
+            replayed = self._record(activations.inputs, head, record=True, full=full)
         with tf.control_dependencies(tf.nest.flatten(replayed.outputs)):
             for v, value in zip(self.state, now):
                 v.assign(value)
@@ -348,12 +347,12 @@ class StageRunner:
                     out_grads[id(sym)] = grad if known is None else known + grad
         return result
 
-    def _record(self, values, head, record):
-        """Runs the stage (and `head`) on `values`, under a tape if `record`."""
+    def _record(self, values, head, record, full):
+        """Runs the stage (and `head`) on `values`, with the weights' `full`
+        values if given, under a tape if `record`."""
         inputs = {id(sym): values[id(sym)] for sym in self.stage.inputs}
         sources = [inputs[id(sym)] for sym in self.stage.inputs]
         tape = tf.GradientTape() if record else None
-        full = None if self.gather is None else self.gather([v for _, v in self.weights])
         with tape if record else contextlib.nullcontext():
             if record:
                 tape.watch([t for t in sources if t.dtype.is_floating] + (full or []))
