@@ -17,7 +17,7 @@ from tfdist.pipeline import schedule as pipeline_schedule
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = tuple(pipeline_schedule.SCHEDULES)  # names `stage_orders` knows
 ZERO_STAGES = (0, 1, 2, 3)
-COMPRESSIONS = ("none", "bf16", "fp16", "topk:<fraction>")
+COMPRESSIONS = ("none", "bf16", "fp16", "int8", "topk:<fraction>")
 # The values a field takes from a fixed list (the command line's choices).
 CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES}
 # The strategies a config can be validated for (`validate(strategy=...)`).
@@ -82,7 +82,9 @@ class ParallelConfig:
         compression: what the gradients cross devices as: "none" (the
             default), "bf16" or "fp16" (each floating gradient cast for the
             step's gradient collective, summed in that dtype, and cast back:
-            half the bytes on the wire), or "topk:<fraction>" such as
+            half the bytes on the wire), "int8" (each block of 256 elements
+            as int8 with its own scale, gathered and summed by each
+            replica: about a quarter of the bytes), or "topk:<fraction>" such as
             "topk:0.01" (each replica sends that fraction of each gradient's
             elements, its largest, as values and indices, and keeps the rest
             as an error-feedback residual added to its next gradient);
@@ -258,8 +260,8 @@ class ParallelConfig:
                 f"this version: zero=3 gathers parameters and reduce-scatters gradients "
                 f"unit by unit, uncompressed. Use zero <= 2 with compression, or "
                 f"compression='none'.")
-        if self.topk_fraction is not None:
-            self._check_topk()
+        if self.compression == "int8" or self.topk_fraction is not None:
+            self._check_gathered_compression()
         if self.zero3_unit_params and self.pipeline > 1:
             raise ValueError(
                 f"`zero3_unit_params={self.zero3_unit_params}` sizes units, but with "
@@ -360,22 +362,26 @@ class ParallelConfig:
         """
         return self.topk_fraction is not None
 
-    def _check_topk(self):
-        """Top-K's residuals are each replica's whole local gradient: refused
-        where a replica's gradients are not whole (tensor slices, pipeline
-        stages, zero=2's reduce-scatter, zero=3's units) and under loss
-        scaling (the residual would mix gradients of different scales)."""
+    def _check_gathered_compression(self):
+        """int8 and Top-K gather each replica's whole local gradient and sum
+        it on every replica: refused where a replica's gradients are not
+        whole (tensor slices, pipeline stages, zero=2's reduce-scatter,
+        zero=3's units); Top-K also under loss scaling (its residual would
+        mix gradients of different scales)."""
+        topk = self.topk_fraction is not None
         off = [f"`{name}={value!r}`" for name, value, plain in (
             ("zero", self.zero, self.zero < 2), ("tensor", self.tensor, self.tensor == 1),
             ("pipeline", self.pipeline, self.pipeline == 1),
-            ("precision", self.precision, self.precision != "mixed_float16")) if not plain]
+            ("precision", self.precision, not topk or self.precision != "mixed_float16"))
+            if not plain]
         if off:
             raise NotImplementedError(
                 f"`compression={self.compression!r}` with {' and '.join(off)} is not "
-                f"available in this version: Top-K keeps each replica's whole local "
-                f"gradient as its error-feedback residual, which needs data "
-                f"parallelism (with microbatches, zero <= 1, precision float32 or "
-                f"mixed_bfloat16). Use 'bf16' or 'fp16' compression there, or drop "
+                f"available in this version: it gathers each replica's whole local "
+                f"gradient{' and keeps the rest as its residual' if topk else ''}, "
+                f"which needs data parallelism (with microbatches, zero <= 1"
+                f"{', precision float32 or mixed_bfloat16' if topk else ''}). Use 'bf16' "
+                f"or 'fp16' compression there, or drop "
                 f"{'that option' if len(off) == 1 else 'those options'}.")
 
     def _check_strategy(self, strategy):

@@ -1,7 +1,7 @@
 """Benchmark: gradient compression's bytes on the wire and its convergence.
 
     python tools/bench_compression.py [--models=gpt2,convnet]
-        [--compressions=none,bf16,fp16,topk:0.01] [--steps=400] [--out=results.jsonl]
+        [--compressions=none,bf16,fp16,int8,topk:0.01] [--steps=400] [--out=results.jsonl]
 
 For each model and `compression`, `tfdist.Strategy(data=4, compression=...)` on 4
 logical CPU devices trains the same model from the same weights on the same
@@ -30,7 +30,7 @@ from results import emit
 
 MODELS = ("gpt2", "convnet")
 flags.DEFINE_list("models", list(MODELS), f"Models: {', '.join(MODELS)}.")
-flags.DEFINE_list("compressions", ["none", "bf16", "fp16", "topk:0.01"],
+flags.DEFINE_list("compressions", ["none", "bf16", "fp16", "int8", "topk:0.01"],
                   "Compressions to run (the first \"none\" is the reference).")
 flags.DEFINE_integer("steps", 400, "Training steps per run.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")

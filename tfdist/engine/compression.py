@@ -13,7 +13,9 @@ overflow is a non-finite gradient, and the step is skipped as any other).
 The metric states summed with the gradients stay in their own dtype (a
 collective of their own).
 
-"topk:<fraction>" sparsifies instead (`TopKCompression`): each replica adds
+"int8" quantises each block of 256 elements to int8 with its own scale
+(`Int8Compression`): about a quarter of the bytes. "topk:<fraction>"
+sparsifies instead (`TopKCompression`): each replica adds
 its error-feedback residual to each gradient, sends only the largest
 `fraction` of its elements (values and their indices: 2 x fraction of the
 bytes), and keeps the rest as its next residual, so that nothing is dropped,
@@ -25,6 +27,7 @@ Example:
 
 ```python
 strategy = tfdist.Strategy(data=4, compression="bf16")
+strategy = tfdist.Strategy(data=4, compression="int8")
 strategy = tfdist.Strategy(data=4, compression="topk:0.01")
 ```
 """
@@ -103,23 +106,100 @@ class CastCompression:
             reduced, lambda v: tf.cast(v, sparse_gradients.values(grad).dtype))
 
 
-class TopKCompression:
+class GatheredCompression:
+    """The base of the reduce parts whose gradients cross devices in a form
+    no collective can sum on the way (each replica's Top-K picks its own
+    elements, each int8 block has its own scale): every replica all-gathers
+    what every other sent, and sums it itself.
+
+    Every floating gradient (an Embedding's slices made dense) is flattened;
+    `encode` turns this replica's flat gradients into a few 1-D tensors of
+    the same shapes on every replica (one all-gather each, whatever the
+    number of gradients), and `decode` turns the gathered ones (N rows, one
+    per replica of the data group) into the flat dense sum of every
+    gradient, concatenated. The metric states, and gradients that are not
+    floating, are summed by `inner`.
+
+    Args:
+        inner: the reduce part it stands for (`AllReduce`).
+        mesh: the strategy's `replica_mesh` (the gathers are over its data group).
+
+    Example:
+
+    ```python
+    reduce = Int8Compression(AllReduce(), strategy.replica_mesh)
+    reduce.init(state_of(model), model.trainable_weights)
+    reduced = reduce(grads)   # in replica context: dense, summed
+    ```
+    """
+
+    name = "gathered"
+
+    def __init__(self, inner, mesh):
+        self.inner = inner
+        self.mesh = mesh
+        self.shapes = None
+
+    def init(self, state: ReplicaState, weights):
+        """Takes the gradients' shapes (aligned with `weights`, the model's
+        trainable ones); a subclass also makes the state it keeps in `state`."""
+        self.shapes = [tf.TensorShape(w.shape) for w in weights]
+
+    def __call__(self, grads):
+        return self.with_states(grads, [])[0]
+
+    def with_states(self, grads, states):
+        """(the summed `grads`, dense; `states` summed by the inner part)."""
+        if self.shapes is None:
+            raise RuntimeError(f"Call `{type(self).__name__}.init` before the step.")
+        sent = [k for k, g in enumerate(grads)
+                if g is not None and sparse_gradients.values(g).dtype.is_floating]
+        others = [k for k, g in enumerate(grads) if g is not None and k not in sent]
+        out = list(grads)
+        if sent:
+            with tf.name_scope(self.name):
+                shapes = [self.shapes[k] for k in sent]
+                flats = [tf.reshape(tf.convert_to_tensor(grads[k]), [-1]) for k in sent]
+                launcher = self.mesh.data_launcher()
+                gathered = [all_gather(t, launcher) for t in self.encode(flats, sent)]
+                sizes = [shape.num_elements() for shape in shapes]
+                dense = self.decode(gathered, sum(sizes))
+                for k, part, shape in zip(sent, tf.split(dense, sizes), shapes):
+                    out[k] = tf.cast(tf.reshape(part, shape),
+                                     sparse_gradients.values(grads[k]).dtype)
+        reduced, states = self.inner.with_states([grads[k] for k in others], states)
+        for k, g in zip(others, reduced):
+            out[k] = g
+        return out, states
+
+    def encode(self, flats, positions) -> list:
+        """What this replica sends of its flat gradients `flats` (at
+        `positions` among the model's trainable weights): 1-D tensors."""
+        raise NotImplementedError
+
+    def decode(self, gathered, size: int):
+        """The flat float32 sum (`size` elements) of what every replica sent
+        (`gathered`: each sent tensor's (N, m) rows)."""
+        raise NotImplementedError
+
+
+class TopKCompression(GatheredCompression):
     """A reduce part whose gradients cross devices as each replica's Top-K
     elements, the rest kept as its error-feedback residual.
 
-    Every floating gradient (an Embedding's slices made dense) plus the
-    replica's residual for it is flattened; its `ceil(fraction * size)`
-    elements of largest magnitude are sent, the others become the new
-    residual. All the gradients' values go in one all-gather and their
-    indices (into the concatenation of the gradients) in another; each
-    replica sums what every replica sent into the dense reduced gradients.
-    The metric states are summed by `inner` (in their own collective).
+    Every floating gradient plus the replica's residual for it is flattened;
+    its `ceil(fraction * size)` elements of largest magnitude are sent, the
+    others become the new residual. All the gradients' values go in one
+    all-gather (float32) and their indices (into the concatenation of the
+    gradients, int32) in another; each replica sums what every replica sent
+    into the dense reduced gradients (`GatheredCompression`).
 
     Args:
-        inner: the reduce part it stands for (`AllReduce`): it sums the
-            metric states and any gradient that is not floating.
+        inner: the reduce part it stands for (`AllReduce`).
         fraction: the share of each gradient's elements sent, in (0, 1).
-        mesh: the strategy's `replica_mesh` (the gather is over its data group).
+        mesh: the strategy's `replica_mesh`.
+        error_feedback: keep what was not sent as a residual (without it,
+            it is dropped).
 
     Example:
 
@@ -130,59 +210,34 @@ class TopKCompression:
     ```
     """
 
+    name = "topk"
+
     def __init__(self, inner, fraction: float, mesh, error_feedback: bool = True):
-        self.inner = inner
+        super().__init__(inner, mesh)
         self.fraction = fraction
-        self.mesh = mesh
         self.error_feedback = error_feedback
-        self.shapes = self.residuals = None
+        self.residuals = None
 
     def init(self, state: ReplicaState, weights):
-        """Creates a zero residual per floating weight (aligned with the
-        gradients, `weights` being the model's trainable ones) in `state`;
-        none without error feedback."""
-        self.shapes = [tf.TensorShape(w.shape) for w in weights]
+        """Also creates a zero residual per floating weight in `state`; none
+        without error feedback."""
+        super().init(state, weights)
         self.residuals = [
             state.add(f"topk_residual/{i}", w.shape, w.dtype)
             if self.error_feedback and tf.as_dtype(w.dtype).is_floating else None
             for i, w in enumerate(weights)]
 
-    def __call__(self, grads):
-        return self.with_states(grads, [])[0]
-
-    def with_states(self, grads, states):
-        """(the summed `grads`, dense, from every replica's Top-K; `states`
-        summed by the inner part)."""
-        if self.residuals is None:
-            raise RuntimeError("Call `TopKCompression.init` before the step: it "
-                               "creates the residuals.")
-        sent = [k for k, g in enumerate(grads)
-                if g is not None and sparse_gradients.values(g).dtype.is_floating]
-        others = [k for k, g in enumerate(grads) if g is not None and k not in sent]
-        out = list(grads)
-        if sent:
-            with tf.name_scope("topk"):
-                for k, reduced in zip(sent, self._sum_of_top_k(
-                        [grads[k] for k in sent], [self.shapes[k] for k in sent],
-                        [self.residuals[k] for k in sent])):
-                    out[k] = reduced
-        reduced, states = self.inner.with_states([grads[k] for k in others], states)
-        for k, g in zip(others, reduced):
-            out[k] = g
-        return out, states
-
-    def _sum_of_top_k(self, grads, shapes, residuals):
-        """The dense sums over the data group of every replica's Top-K of
-        `grads` (of `shapes`; plus `residuals`, which keep what was not sent)."""
-        sizes = [shape.num_elements() for shape in shapes]
-        index_dtype = tf.int32 if sum(sizes) < 2 ** 31 else tf.int64
+    def encode(self, flats, positions):
+        """[values (float32), indices into the concatenated gradients]."""
+        index_dtype = tf.int32 if sum(f.shape[0] for f in flats) < 2 ** 31 else tf.int64
         values, indices, offset = [], [], 0
-        for grad, residual, size in zip(grads, residuals, sizes):
-            flat = tf.reshape(tf.convert_to_tensor(grad), [-1])  # (slices made dense)
+        for flat, k in zip(flats, positions):
+            residual = self.residuals[k]
             if residual is not None:
                 flat += tf.reshape(ReplicaState.own(residual), [-1])
-            k = max(1, math.ceil(self.fraction * size))
-            _, top = tf.math.top_k(tf.abs(flat), k, sorted=False)
+            size = flat.shape[0]
+            _, top = tf.math.top_k(tf.abs(flat), max(1, math.ceil(self.fraction * size)),
+                                   sorted=False)
             chosen = tf.gather(flat, top)
             if residual is not None:
                 ReplicaState.assign_own(residual, tf.tensor_scatter_nd_update(
@@ -190,13 +245,66 @@ class TopKCompression:
             values.append(tf.cast(chosen, tf.float32))
             indices.append(tf.cast(top, index_dtype) + offset)
             offset += size
-        launcher = self.mesh.data_launcher()
-        every_value = all_gather(tf.concat(values, 0), launcher)
-        every_index = all_gather(tf.concat(indices, 0), launcher)
-        dense = tf.scatter_nd(tf.reshape(every_index, [-1, 1]), tf.reshape(every_value, [-1]),
-                              tf.constant([offset], index_dtype))
-        return [tf.cast(tf.reshape(part, shape), sparse_gradients.values(grad).dtype)
-                for part, shape, grad in zip(tf.split(dense, sizes), shapes, grads)]
+        return [tf.concat(values, 0), tf.concat(indices, 0)]
+
+    def decode(self, gathered, size):
+        values, indices = gathered
+        return tf.scatter_nd(tf.reshape(indices, [-1, 1]), tf.reshape(values, [-1]),
+                             tf.constant([size], indices.dtype))
+
+
+class Int8Compression(GatheredCompression):
+    """A reduce part whose gradients cross devices as int8, each block of
+    `block` elements scaled by its largest magnitude (blockwise absmax
+    quantisation, as ZeRO++'s qgZ): a quarter of the bytes, plus one float32
+    scale per block.
+
+    The replica's floating gradients are concatenated in float32 and cut into
+    blocks; each element is rounded to the nearest of 255 levels of its
+    block's scale, `max |x| / 127` (error at most half a level). The int8
+    values travel packed four to an int32 (TensorFlow's gather has no int8
+    kernel), the scales in float32; each replica sums every replica's
+    dequantised blocks in float32.
+
+    Args:
+        inner: the reduce part it stands for (`AllReduce`).
+        mesh: the strategy's `replica_mesh`.
+        block: elements per scale (a multiple of 4).
+
+    Example:
+
+    ```python
+    reduce = Int8Compression(AllReduce(), strategy.replica_mesh)
+    reduce.init(state_of(model), model.trainable_weights)
+    reduced = reduce(grads)   # in replica context
+    ```
+    """
+
+    name = "int8"
+
+    def __init__(self, inner, mesh, block: int = 256):
+        super().__init__(inner, mesh)
+        if block % 4:
+            raise ValueError(f"`block` must be a multiple of 4, got {block}.")
+        self.block = block
+
+    def encode(self, flats, positions):
+        """[the int8 values packed in int32, each block's float32 scale]."""
+        flat = tf.concat([tf.cast(f, tf.float32) for f in flats], 0)
+        blocks = tf.reshape(tf.pad(flat, [[0, -flat.shape[0] % self.block]]),
+                            [-1, self.block])
+        scales = tf.reduce_max(tf.abs(blocks), axis=1) / 127.0
+        safe = tf.where(scales > 0, scales, tf.ones_like(scales))
+        levels = tf.cast(tf.round(blocks / safe[:, tf.newaxis]), tf.int8)
+        return [tf.reshape(tf.bitcast(tf.reshape(levels, [-1, 4]), tf.int32), [-1]), scales]
+
+    def decode(self, gathered, size):
+        packed, scales = gathered  # (N, values / 4), (N, blocks)
+        levels = tf.bitcast(packed, tf.int8)  # (N, values / 4, 4)
+        replicas = tf.shape(scales)[0]
+        blocks = tf.reshape(tf.cast(levels, tf.float32), [replicas, -1, self.block])
+        summed = tf.reduce_sum(blocks * scales[:, :, tf.newaxis], axis=0)
+        return tf.reshape(summed, [-1])[:size]
 
 
 def _packed(values):

@@ -51,7 +51,12 @@ import tensorflow as tf
 
 from tfdist._compat.keras_functional import nested_sublayers
 from tfdist.config import ParallelConfig
-from tfdist.engine.compression import CAST_DTYPES, CastCompression, TopKCompression
+from tfdist.engine.compression import (
+    CAST_DTYPES,
+    CastCompression,
+    Int8Compression,
+    TopKCompression,
+)
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
 from tfdist.engine.reduce import AllReduce, AlreadyReduced, DataGroupAllReduce, ShardedReduce
 from tfdist.engine.tf_keras import (
@@ -438,9 +443,10 @@ class Zero(Mode):
 
 class Compression(Mode):
     """`compression`: the step's gradient collectives in a narrower dtype, or
-    as each replica's Top-K: wraps the whole reduce after `tensor` chose it,
-    and ZeRO's reduce after `zero` built it (after both in the table's
-    order). Top-K's residuals are the step's `ReplicaState`, made here."""
+    gathered as int8 blocks or each replica's Top-K: wraps the whole reduce
+    after `tensor` chose it, and ZeRO's reduce after `zero` built it (after
+    both in the table's order). Top-K's residuals are the step's
+    `ReplicaState`, made here."""
 
     name = "compression"
 
@@ -450,15 +456,16 @@ class Compression(Mode):
     def split(self, plan):
         # The whole reduce: the all-reduce, and the gather of sparse slices
         # ZeRO's reduce hands it (every gradient under zero=1).
-        fraction = plan.config.topk_fraction
-        if fraction is None:
-            plan.whole = CastCompression(plan.whole, CAST_DTYPES[plan.config.compression])
+        compression, fraction = plan.config.compression, plan.config.topk_fraction
+        if compression in CAST_DTYPES:
+            plan.whole = CastCompression(plan.whole, CAST_DTYPES[compression])
             return
-        plan.whole = TopKCompression(plan.whole, fraction, plan.mesh)
+        plan.whole = (Int8Compression(plan.whole, plan.mesh) if fraction is None else
+                      TopKCompression(plan.whole, fraction, plan.mesh))
         plan.whole.init(state_of(plan.model), plan.model.trainable_weights)
 
     def shard(self, plan):
-        if plan.reduce is not None and plan.config.topk_fraction is None:
+        if plan.reduce is not None and plan.config.compression in CAST_DTYPES:
             # ZeRO's reduce-scatter (its whole part compresses)
             plan.reduce = CastCompression(plan.reduce, CAST_DTYPES[plan.config.compression],
                                           sparse=False)
