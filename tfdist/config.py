@@ -17,7 +17,7 @@ from tfdist.pipeline import schedule as pipeline_schedule
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = tuple(pipeline_schedule.SCHEDULES)  # names `stage_orders` knows
 ZERO_STAGES = (0, 1, 2, 3)
-COMPRESSIONS = ("none", "bf16", "fp16", "int8", "topk:<fraction>")
+COMPRESSIONS = ("none", "bf16", "fp16", "int8", "topk:<fraction>", "powersgd:<rank>")
 # The values a field takes from a fixed list (the command line's choices).
 CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES}
 # The strategies a config can be validated for (`validate(strategy=...)`).
@@ -84,11 +84,13 @@ class ParallelConfig:
             step's gradient collective, summed in that dtype, and cast back:
             half the bytes on the wire), "int8" (each block of 256 elements
             as int8 with its own scale, gathered and summed by each
-            replica: about a quarter of the bytes), or "topk:<fraction>" such as
+            replica: about a quarter of the bytes), "topk:<fraction>" such as
             "topk:0.01" (each replica sends that fraction of each gradient's
             elements, its largest, as values and indices, and keeps the rest
-            as an error-feedback residual added to its next gradient);
-            `tfdist.engine.compression`.
+            as an error-feedback residual added to its next gradient), or
+            "powersgd:<rank>" such as "powersgd:4" (each matrix gradient
+            all-reduced as two rank-`rank` factors, PowerSGD, with error
+            feedback); `tfdist.engine.compression`.
 
     Every rule on how the fields combine is checked by `validate`, which
     every entry point runs (the strategies, `tfdist config`, `tfdist launch`,
@@ -224,10 +226,12 @@ class ParallelConfig:
                 f"`schedule` must be one of {SCHEDULES}, got {self.schedule!r}."
             )
         if not isinstance(self.compression, str) or (
-                self.compression not in COMPRESSIONS[:-1] and self.topk_fraction is None):
+                self.compression not in COMPRESSIONS[:4] and self.topk_fraction is None
+                and self.powersgd_rank is None):
             raise ValueError(
                 f"`compression` must be one of {COMPRESSIONS} (a fraction in (0, 1), "
-                f"such as 'topk:0.01'), got {self.compression!r}.")
+                f"such as 'topk:0.01'; a rank >= 1, such as 'powersgd:4'), got "
+                f"{self.compression!r}.")
 
     def _check_combinations(self):
         if self.zero and self.data == 1:
@@ -260,7 +264,7 @@ class ParallelConfig:
                 f"this version: zero=3 gathers parameters and reduce-scatters gradients "
                 f"unit by unit, uncompressed. Use zero <= 2 with compression, or "
                 f"compression='none'.")
-        if self.compression == "int8" or self.topk_fraction is not None:
+        if self.compression == "int8" or self.keeps_replica_state:
             self._check_gathered_compression()
         if self.zero3_unit_params and self.pipeline > 1:
             raise ValueError(
@@ -350,37 +354,52 @@ class ParallelConfig:
         return value if value is not None and 0 < value < 1 else None
 
     @property
+    def powersgd_rank(self) -> int | None:
+        """The rank of `compression="powersgd:<rank>"`, else None.
+
+        Example:
+
+        >>> ParallelConfig(data=4, compression="powersgd:4").powersgd_rank
+        4
+        """
+        kind, _, rank = self.compression.partition(":")
+        if kind != "powersgd" or not rank.isdigit() or int(rank) < 1:
+            return None
+        return int(rank)
+
+    @property
     def keeps_replica_state(self) -> bool:
         """Whether the step keeps state of its own on each replica beside the
-        model's and optimizer's (`compression="topk:..."`'s residuals): its
-        checkpoints are `tfdist.checkpoint.ShardedCheckpoint`s, which save it.
+        model's and optimizer's (the residuals of `compression="topk:..."`
+        and `"powersgd:..."`): its checkpoints are
+        `tfdist.checkpoint.ShardedCheckpoint`s, which save it.
 
         Example:
 
         >>> ParallelConfig(data=4, compression="topk:0.01").keeps_replica_state
         True
         """
-        return self.topk_fraction is not None
+        return self.topk_fraction is not None or self.powersgd_rank is not None
 
     def _check_gathered_compression(self):
-        """int8 and Top-K gather each replica's whole local gradient and sum
-        it on every replica: refused where a replica's gradients are not
-        whole (tensor slices, pipeline stages, zero=2's reduce-scatter,
-        zero=3's units); Top-K also under loss scaling (its residual would
-        mix gradients of different scales)."""
-        topk = self.topk_fraction is not None
+        """int8, Top-K and PowerSGD take each replica's whole local gradient
+        (and keep their residual of it): refused where a replica's gradients
+        are not whole (tensor slices, pipeline stages, zero=2's
+        reduce-scatter, zero=3's units); Top-K and PowerSGD also under loss
+        scaling (the residual would mix gradients of different scales)."""
+        residual = self.keeps_replica_state
         off = [f"`{name}={value!r}`" for name, value, plain in (
             ("zero", self.zero, self.zero < 2), ("tensor", self.tensor, self.tensor == 1),
             ("pipeline", self.pipeline, self.pipeline == 1),
-            ("precision", self.precision, not topk or self.precision != "mixed_float16"))
+            ("precision", self.precision, not residual or self.precision != "mixed_float16"))
             if not plain]
         if off:
             raise NotImplementedError(
                 f"`compression={self.compression!r}` with {' and '.join(off)} is not "
-                f"available in this version: it gathers each replica's whole local "
-                f"gradient{' and keeps the rest as its residual' if topk else ''}, "
+                f"available in this version: it compresses each replica's whole local "
+                f"gradient{' and keeps the rest as its residual' if residual else ''}, "
                 f"which needs data parallelism (with microbatches, zero <= 1"
-                f"{', precision float32 or mixed_bfloat16' if topk else ''}). Use 'bf16' "
+                f"{', precision float32 or mixed_bfloat16' if residual else ''}). Use 'bf16' "
                 f"or 'fp16' compression there, or drop "
                 f"{'that option' if len(off) == 1 else 'those options'}.")
 

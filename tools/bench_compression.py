@@ -1,7 +1,8 @@
 """Benchmark: gradient compression's bytes on the wire and its convergence.
 
     python tools/bench_compression.py [--models=gpt2,convnet]
-        [--compressions=none,bf16,fp16,int8,topk:0.01] [--steps=400] [--out=results.jsonl]
+        [--compressions=none,bf16,fp16,int8,topk:0.01,powersgd:4] [--steps=400]
+        [--out=results.jsonl]
 
 For each model and `compression`, `tfdist.Strategy(data=4, compression=...)` on 4
 logical CPU devices trains the same model from the same weights on the same
@@ -10,7 +11,9 @@ bytes replica 0 sends into the reduce part's collectives per step (the
 gradients and the metric states; a sparse gradient's gathered slices, inside
 functions tf.distribute builds, are not counted) and takes the mean training
 loss of the last 20 steps. One JSON line per run, with the ratios to the
-uncompressed run of the same model; then a markdown table.
+uncompressed run of the same model and optimizer; then a markdown table.
+PowerSGD runs with SGD 0.05 (momentum 0.9), as in its paper, beside an
+uncompressed SGD run; the others with Adam.
 
 Models: keras-hub `GPT2Backbone` (vocabulary 512, 2 blocks, width 64, 4
 heads, MLP 128, sequence 32) with a Dense token classifier, tokens whose
@@ -30,7 +33,7 @@ from results import emit
 
 MODELS = ("gpt2", "convnet")
 flags.DEFINE_list("models", list(MODELS), f"Models: {', '.join(MODELS)}.")
-flags.DEFINE_list("compressions", ["none", "bf16", "fp16", "int8", "topk:0.01"],
+flags.DEFINE_list("compressions", ["none", "bf16", "fp16", "int8", "topk:0.01", "powersgd:4"],
                   "Compressions to run (the first \"none\" is the reference).")
 flags.DEFINE_integer("steps", 400, "Training steps per run.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
@@ -39,13 +42,15 @@ DEVICES = 4
 VOCAB, SEQ = 512, 32
 
 
-def make(name):
-    """(model, inputs, labels, batch size) of `name`, weights from seed 0."""
+def make(name, optimizer_name="adam"):
+    """(model, inputs, labels, batch size) of `name`, weights from seed 0,
+    compiled with Adam 1e-3 or ("sgd") SGD 0.05 with momentum 0.9."""
     import keras
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
-    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer = (keras.optimizers.Adam(1e-3) if optimizer_name == "adam" else
+                 keras.optimizers.SGD(0.05, momentum=0.9))
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if name == "gpt2":
         import keras_hub
@@ -78,12 +83,12 @@ def reduce_bytes(model):
                and "tfdist/reduce/" in op.name)
 
 
-def run(name, compression):
+def run(name, compression, optimizer):
     import keras
 
     strategy = tfdist.Strategy(data=DEVICES, compression=compression)
     with strategy.scope():
-        model, inputs, labels, batch = make(name)
+        model, inputs, labels, batch = make(name, optimizer)
     losses = []
     record = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda step, logs: losses.append(float(logs["loss"])))
@@ -92,7 +97,7 @@ def run(name, compression):
     model.fit(inputs, labels, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
               callbacks=[record])
     seconds = time.perf_counter() - start
-    return dict(bench="compression", model=name, compression=compression,
+    return dict(bench="compression", model=name, compression=compression, optimizer=optimizer,
                 steps=len(losses), reduce_bytes_per_step=reduce_bytes(model),
                 final_loss=float(np.mean(losses[-20:])), fit_seconds=round(seconds, 1))
 
@@ -101,21 +106,27 @@ def main(argv):
     del argv
     tfdist.use_virtual_devices(DEVICES)
     rows = []
+    # PowerSGD with SGD, as its paper, beside an uncompressed SGD run.
+    runs = [(c, "adam") for c in FLAGS.compressions if not c.startswith("powersgd")]
+    sgd = [(c, "sgd") for c in FLAGS.compressions if c.startswith("powersgd")]
+    runs += [("none", "sgd")] + sgd if sgd else []
     for name in FLAGS.models:
-        plain = None
-        for compression in FLAGS.compressions:
-            result = run(name, compression)
-            plain = plain or (result if compression == "none" else None)
+        plains = {}
+        for compression, optimizer in runs:
+            result = run(name, compression, optimizer)
+            if compression == "none":
+                plains[optimizer] = result
+            plain = plains.get(optimizer)
             if plain is not None:
                 result["bytes_ratio"] = round(result["reduce_bytes_per_step"]
                                               / plain["reduce_bytes_per_step"], 4)
                 result["loss_ratio"] = round(result["final_loss"] / plain["final_loss"], 4)
             emit(result, FLAGS.out)
             rows.append(result)
-    print("\n| model | compression | steps | bytes per step (reduce) | x none | final loss "
-          "(last 20 steps) | x none | fit s |\n|---|---|---|---|---|---|---|---|")
+    print("\n| model | compression | optimizer | steps | bytes per step (reduce) | x none | "
+          "final loss (last 20 steps) | x none | fit s |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['compression']} | {r['steps']} | "
+        print(f"| {r['model']} | {r['compression']} | {r['optimizer']} | {r['steps']} | "
               f"{r['reduce_bytes_per_step']:,} | {r.get('bytes_ratio', '-')} | "
               f"{r['final_loss']:.4f} | {r.get('loss_ratio', '-')} | {r['fit_seconds']} |")
 

@@ -155,9 +155,30 @@ def test_int8_sends_a_quarter_of_the_bytes_and_trains_as_uncompressed(
         np.testing.assert_allclose(ours, theirs, atol=2e-2)
 
 
-def _fit_topk(strategy, epochs, error_feedback=True, initial_epoch=0, restore=None):
-    """The helpers' MLP trained for `epochs` under `strategy`, Top-K 1% with or
-    without error feedback; restored first from `restore` (a directory)."""
+def test_powersgd_sends_rank_r_factors_of_each_matrix_and_trains_as_uncompressed(uncompressed):
+    losses, weights, model = _run(dict(data=4), "powersgd:4")
+    plain_losses, _, plain = uncompressed["data"]
+    # Each matrix gradient (n x m) crosses as P (n x 4) and Q (m x 4), each in
+    # a packed all-reduce of its own; what would not shrink (the 32 x 4
+    # classifier: 4 x 36 >= 128) and the vectors go as they are.
+    factors = [(w.shape[0], w.shape.num_elements() // w.shape[0])
+               for w in model.trainable_weights if len(w.shape) == 2]
+    shrunk = [(n, m) for n, m in factors if 4 * (n + m) < n * m]
+    assert shrunk == [(16, 32), (32, 32)]
+    saved = sum(4 * (n * m - 4 * (n + m)) for n, m in shrunk)
+    assert wire_bytes(model) == wire_bytes(plain) - saved
+    assert len(reduce_collectives(model)) == 3  # P's, Q's, the rest
+    # The residuals and the Q's: each replica's, saved like the weights.
+    names = sorted(state_of(model).variables)
+    assert names == ["powersgd_q/0", "powersgd_q/2", "powersgd_residual/0",
+                     "powersgd_residual/2"]
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-2)
+
+
+def _fit_compressed(strategy, epochs, error_feedback=True, initial_epoch=0, restore=None):
+    """The helpers' MLP trained for `epochs` under `strategy` (without
+    `error_feedback`, Top-K 1% dropping what it does not send); restored
+    first from `restore` (a directory)."""
     x, y = data(640)
     with strategy.scope():
         model = make_model()
@@ -180,7 +201,7 @@ def test_topk_error_feedback_keeps_up_with_uncompressed_and_dropping_it_does_not
     # next step does not: 80 steps of SGD with momentum.
     def final_loss(compression, **kwargs):
         strategy = tfdist.Strategy(devices=devices(4), compression=compression)
-        return _fit_topk(strategy, 4, **kwargs)[0][-1]
+        return _fit_compressed(strategy, 4, **kwargs)[0][-1]
 
     plain = final_loss("none")
     with_feedback = final_loss("topk:0.01")
@@ -189,14 +210,15 @@ def test_topk_error_feedback_keeps_up_with_uncompressed_and_dropping_it_does_not
     assert with_feedback < 1.5 * plain
 
 
-def test_topk_residuals_survive_a_checkpoint_and_the_resumed_run_equals_the_whole_one(
-        tmp_path):
+@pytest.mark.parametrize("compression", ["topk:0.01", "powersgd:2"])
+def test_residuals_survive_a_checkpoint_and_the_resumed_run_equals_the_whole_one(
+        compression, tmp_path):
     def strategy():
-        return tfdist.Strategy(devices=devices(4), compression="topk:0.01")
+        return tfdist.Strategy(devices=devices(4), compression=compression)
 
     # Uninterrupted: 2 epochs, a checkpoint after the first.
     whole = strategy()
-    _, model = _fit_topk(whole, 1)
+    _, model = _fit_compressed(whole, 1)
     saved = {k: v.numpy() for k, v in state_of(model).variables.items()}
     assert any(np.abs(v).sum() > 0 for v in saved.values())
     ShardedCheckpoint(model, tmp_path, asynchronous=False).save()
@@ -204,7 +226,7 @@ def test_topk_residuals_survive_a_checkpoint_and_the_resumed_run_equals_the_whol
     model.fit(x, y, batch_size=32, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
     # Resumed: a new model restores before its first step (as fit's backups
     # do), so the residuals are restored when the step makes them.
-    resumed_losses, resumed = _fit_topk(strategy(), 2, initial_epoch=1, restore=tmp_path)
+    resumed_losses, resumed = _fit_compressed(strategy(), 2, initial_epoch=1, restore=tmp_path)
     restored_at_start = resumed.optimizer.iterations.numpy()
     assert restored_at_start == 2 * 20  # (20 steps per epoch)
     for ours, theirs in zip(resumed.weights, model.weights):
@@ -213,27 +235,42 @@ def test_topk_residuals_survive_a_checkpoint_and_the_resumed_run_equals_the_whol
         np.testing.assert_allclose(variable.numpy(), state_of(model).variables[name].numpy(),
                                    rtol=1e-6, atol=1e-7)
     # Onto another number of replicas, the residuals are refused by name.
-    other = tfdist.Strategy(devices=devices(2), compression="topk:0.01")
-    with pytest.raises(ValueError, match=r"state/topk_residual/0 of 4 replicas .* this job "
+    other = tfdist.Strategy(devices=devices(2), compression=compression)
+    with pytest.raises(ValueError, match=r"state/\w+/0 of 4 replicas .* this job "
                                          r"has 2: resume on 4 replicas"):
-        _fit_topk(other, 2, initial_epoch=1, restore=tmp_path)
+        _fit_compressed(other, 2, initial_epoch=1, restore=tmp_path)
+
+
+@pytest.mark.parametrize("compression, rtol", [("int8", 1e-2), ("powersgd:4", 5e-2),
+                                               ("topk:0.01", None)])
+def test_an_embeddings_slices_are_compressed_dense(compression, rtol, uncompressed_lm):
+    # int8, PowerSGD and Top-K take an Embedding's slices as its dense
+    # gradient (its table's shape), and the LM trains.
+    losses, _, model = _lm_run(0, compression)
+    plain_losses = uncompressed_lm[0][0]
+    assert not gathered_dtypes(model) - {"float32", "int32"}
+    assert losses[-1] < losses[0]
+    if rtol is not None:
+        np.testing.assert_allclose(losses, plain_losses, rtol=rtol)
 
 
 def test_compression_is_refused_where_it_cannot_apply():
     with pytest.raises(NotImplementedError, match=r"`compression='bf16'` with `zero=3`"):
         tfdist.ParallelConfig(data=2, zero=3, compression="bf16")
     with pytest.raises(ValueError, match=r"`compression` must be one of \('none', 'bf16', "
-                                         r"'fp16', 'int8', 'topk:<fraction>'\) .*, got 'int4'"):
+                                         r"'fp16', 'int8', 'topk:<fraction>', 'powersgd:<rank>'\)"
+                                         r" .*, got 'int4'"):
         tfdist.ParallelConfig(compression="int4")
-    with pytest.raises(ValueError, match=r"got 'topk:1.5'"):
-        tfdist.ParallelConfig(compression="topk:1.5")
+    for bad in ("topk:1.5", "powersgd:0", "powersgd:two"):
+        with pytest.raises(ValueError, match=rf"got '{bad}'"):
+            tfdist.ParallelConfig(compression=bad)
     for option in (dict(zero=2), dict(tensor=2), dict(precision="mixed_float16")):
         name, value = next(iter(option.items()))
         with pytest.raises(NotImplementedError, match=rf"`compression='topk:0.01'` with "
                                                       rf"`{name}={value!r}` is not available"):
             tfdist.ParallelConfig(data=2, compression="topk:0.01", **option)
     with pytest.raises(NotImplementedError, match=r"`compression='int8'` with `zero=2` is not "
-                                                  r"available .* gathers each replica's whole"):
+                                                  r"available .* compresses each replica's whole"):
         tfdist.ParallelConfig(data=2, zero=2, compression="int8")
     tfdist.ParallelConfig(data=2, compression="int8", precision="mixed_float16")  # accepted
     with pytest.raises(ValueError, match=r"`compression='fp16'` is not available under "

@@ -14,7 +14,9 @@ The metric states summed with the gradients stay in their own dtype (a
 collective of their own).
 
 "int8" quantises each block of 256 elements to int8 with its own scale
-(`Int8Compression`): about a quarter of the bytes. "topk:<fraction>"
+(`Int8Compression`): about a quarter of the bytes. "powersgd:<rank>" sends
+each matrix gradient as two rank-`rank` factors (`PowerSGDCompression`),
+with error feedback and warm start. "topk:<fraction>"
 sparsifies instead (`TopKCompression`): each replica adds
 its error-feedback residual to each gradient, sends only the largest
 `fraction` of its elements (values and their indices: 2 x fraction of the
@@ -159,7 +161,9 @@ class GatheredCompression:
         if sent:
             with tf.name_scope(self.name):
                 shapes = [self.shapes[k] for k in sent]
-                flats = [tf.reshape(tf.convert_to_tensor(grads[k]), [-1]) for k in sent]
+                # (an Embedding's slices made dense have no static shape)
+                flats = [tf.reshape(tf.convert_to_tensor(grads[k]), [shape.num_elements()])
+                         for k, shape in zip(sent, shapes)]
                 launcher = self.mesh.data_launcher()
                 gathered = [all_gather(t, launcher) for t in self.encode(flats, sent)]
                 sizes = [shape.num_elements() for shape in shapes]
@@ -305,6 +309,105 @@ class Int8Compression(GatheredCompression):
         blocks = tf.reshape(tf.cast(levels, tf.float32), [replicas, -1, self.block])
         summed = tf.reduce_sum(blocks * scales[:, :, tf.newaxis], axis=0)
         return tf.reshape(summed, [-1])[:size]
+
+
+class PowerSGDCompression:
+    """A reduce part whose matrix gradients cross devices as rank-`rank`
+    factors (PowerSGD: Vogels et al. 2019), with error feedback and warm start.
+
+    Each floating gradient of rank >= 2, seen as a matrix M (its first axis
+    by the rest, n x m), plus the replica's residual: P = M Q is all-reduced
+    (Q, m x rank, the same on every replica), orthonormalised (QR), then
+    Q = M^T P all-reduced, and P Q^T is the summed gradient's rank-`rank`
+    approximation. Each replica keeps M minus its share of it (1/N of the
+    sum) as its next residual, and Q as the next step's start (one power
+    iteration per step, warm-started). The P's of every matrix go in one
+    packed all-reduce, their Q's in a second; gradients of rank <= 1 (biases,
+    norms) and matrices that would not shrink (rank x (n + m) >= n x m) are
+    summed by `inner` as they are, with the metric states.
+
+    Args:
+        inner: the reduce part it stands for (`AllReduce`).
+        rank: the factors' rank (>= 1).
+        mesh: the strategy's `replica_mesh` (N: its data group's size).
+
+    Example:
+
+    ```python
+    reduce = PowerSGDCompression(AllReduce(), 4, strategy.replica_mesh)
+    reduce.init(state_of(model), model.trainable_weights)   # residuals, Q's
+    reduced = reduce(grads)   # in replica context
+    ```
+    """
+
+    name = "powersgd"
+
+    def __init__(self, inner, rank: int, mesh):
+        self.inner = inner
+        self.rank = rank
+        self.mesh = mesh
+        self.factors = None  # position -> (residual, Q) of each compressed matrix
+
+    def init(self, state: ReplicaState, weights):
+        """Creates each compressed matrix's zero residual and its first Q
+        (normal, seeded by its position: the same on every replica)."""
+        self.factors = {}
+        for i, w in enumerate(weights):
+            shape = tf.TensorShape(w.shape)
+            if shape.rank < 2 or not tf.as_dtype(w.dtype).is_floating:
+                continue
+            n, m = shape[0], shape.num_elements() // shape[0]
+            if self.rank * (n + m) >= n * m:
+                continue
+            self.factors[i] = (
+                state.add(f"powersgd_residual/{i}", shape, w.dtype),
+                state.add(f"powersgd_q/{i}", (m, self.rank), "float32",
+                          initial=tf.random.stateless_normal((m, self.rank), seed=[0, i])))
+
+    def __call__(self, grads):
+        return self.with_states(grads, [])[0]
+
+    def with_states(self, grads, states):
+        """(the summed `grads`, matrices as their rank-`rank` approximation;
+        `states` summed by the inner part with the other gradients)."""
+        if self.factors is None:
+            raise RuntimeError("Call `PowerSGDCompression.init` before the step.")
+        matrices = [k for k, g in enumerate(grads) if g is not None and k in self.factors]
+        others = [k for k, g in enumerate(grads) if g is not None and k not in self.factors]
+        out = list(grads)
+        if matrices:
+            with tf.name_scope(self.name):
+                for k, approx in zip(matrices, self._approximations(
+                        [grads[k] for k in matrices], [self.factors[k] for k in matrices])):
+                    out[k] = approx
+        reduced, states = self.inner.with_states([grads[k] for k in others], states)
+        for k, g in zip(others, reduced):
+            out[k] = g
+        return out, states
+
+    def _approximations(self, grads, factors):
+        """The summed gradients' low-rank approximations (dense, each its
+        gradient's shape and dtype); updates the residuals and Q's."""
+        summed = lambda tensors: self.inner.with_states(tensors, [])[0]  # noqa: E731
+        ms, qs = [], []
+        for grad, (residual, q) in zip(grads, factors):
+            shape = residual.layout.shape[1:]  # (slices made dense have no static shape)
+            matrix = tf.reshape(tf.convert_to_tensor(grad), shape) + ReplicaState.own(residual)
+            ms.append(tf.reshape(tf.cast(matrix, tf.float32), [shape[0], -1]))
+            qs.append(ReplicaState.own(q))
+        ps = [tf.linalg.qr(p).q for p in summed([tf.matmul(m, q) for m, q in zip(ms, qs)])]
+        qs = summed([tf.matmul(m, p, transpose_a=True) for m, p in zip(ms, ps)])
+        replicas = tf.cast(self.mesh.data, tf.float32)
+        approximations = []
+        for grad, (residual, q), matrix, p, new_q in zip(grads, factors, ms, ps, qs):
+            approx = tf.matmul(p, new_q, transpose_b=True)
+            ReplicaState.assign_own(residual, tf.cast(
+                tf.reshape(matrix - approx / replicas, residual.layout.shape[1:]),
+                residual.dtype))
+            ReplicaState.assign_own(q, new_q)
+            approximations.append(tf.cast(tf.reshape(approx, residual.layout.shape[1:]),
+                                          sparse_gradients.values(grad).dtype))
+        return approximations
 
 
 def _packed(values):

@@ -55,6 +55,7 @@ from tfdist.engine.compression import (
     CAST_DTYPES,
     CastCompression,
     Int8Compression,
+    PowerSGDCompression,
     TopKCompression,
 )
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
@@ -456,12 +457,16 @@ class Compression(Mode):
     def split(self, plan):
         # The whole reduce: the all-reduce, and the gather of sparse slices
         # ZeRO's reduce hands it (every gradient under zero=1).
-        compression, fraction = plan.config.compression, plan.config.topk_fraction
-        if compression in CAST_DTYPES:
-            plan.whole = CastCompression(plan.whole, CAST_DTYPES[compression])
+        config = plan.config
+        if config.compression in CAST_DTYPES:
+            plan.whole = CastCompression(plan.whole, CAST_DTYPES[config.compression])
             return
-        plan.whole = (Int8Compression(plan.whole, plan.mesh) if fraction is None else
-                      TopKCompression(plan.whole, fraction, plan.mesh))
+        if config.topk_fraction is not None:
+            plan.whole = TopKCompression(plan.whole, config.topk_fraction, plan.mesh)
+        elif config.powersgd_rank is not None:
+            plan.whole = PowerSGDCompression(plan.whole, config.powersgd_rank, plan.mesh)
+        else:
+            plan.whole = Int8Compression(plan.whole, plan.mesh)
         plan.whole.init(state_of(plan.model), plan.model.trainable_weights)
 
     def shard(self, plan):

@@ -54,9 +54,10 @@ class ReplicaState:
         self.variables = {}  # name -> ShardedStorage, in creation order
         self.pending = {}  # name -> restore(variable), from a checkpoint not yet used
 
-    def add(self, name: str, shape, dtype="float32") -> ShardedStorage:
-        """A new variable `name` of `shape` on every replica, zeros (or the
-        rows a checkpoint restored before it existed); kept under `name`.
+    def add(self, name: str, shape, dtype="float32", initial=None) -> ShardedStorage:
+        """A new variable `name` of `shape` on every replica, each replica's
+        value `initial` (default zeros), or the rows a checkpoint restored
+        before it existed; kept under `name`.
 
         Example:
 
@@ -69,8 +70,10 @@ class ReplicaState:
             raise ValueError(f"The step's replica state already has a variable {name!r}.")
         replicas = self.strategy.num_replicas_in_sync
         layout = AxisLayout((replicas, *shape), 0, replicas)
-        variable = ShardedStorage.create(self.strategy, layout, None, f"replica_state/{name}",
-                                         tf.as_dtype(dtype))
+        if initial is not None:
+            initial = tf.broadcast_to(tf.cast(initial, dtype), layout.shape)
+        variable = ShardedStorage.create(self.strategy, layout, initial,
+                                         f"replica_state/{name}", tf.as_dtype(dtype))
         self.variables[name] = variable
         restore = self.pending.pop(name, None)
         if restore is not None:
