@@ -13,7 +13,9 @@ functions tf.distribute builds, are not counted) and takes the mean training
 loss of the last 20 steps. One JSON line per run, with the ratios to the
 uncompressed run of the same model and optimizer; then a markdown table.
 PowerSGD runs with SGD 0.05 (momentum 0.9), as in its paper, beside an
-uncompressed SGD run; the others with Adam.
+uncompressed SGD run; the others with Adam; and `tfdist.optim.OneBitAdam`
+(`--one_bit_adam_warmup` steps, then its momenta as signs) beside Adam, its
+bytes those of a step after the warm-up.
 
 Models: keras-hub `GPT2Backbone` (vocabulary 512, 2 blocks, width 64, 4
 heads, MLP 128, sequence 32) with a Dense token classifier, tokens whose
@@ -36,6 +38,8 @@ flags.DEFINE_list("models", list(MODELS), f"Models: {', '.join(MODELS)}.")
 flags.DEFINE_list("compressions", ["none", "bf16", "fp16", "int8", "topk:0.01", "powersgd:4"],
                   "Compressions to run (the first \"none\" is the reference).")
 flags.DEFINE_integer("steps", 400, "Training steps per run.")
+flags.DEFINE_integer("one_bit_adam_warmup", 100,
+                     "Warm-up steps of a OneBitAdam run beside the Adam ones (0: none).")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 FLAGS = flags.FLAGS
 DEVICES = 4
@@ -44,13 +48,16 @@ VOCAB, SEQ = 512, 32
 
 def make(name, optimizer_name="adam"):
     """(model, inputs, labels, batch size) of `name`, weights from seed 0,
-    compiled with Adam 1e-3 or ("sgd") SGD 0.05 with momentum 0.9."""
+    compiled with Adam 1e-3, ("sgd") SGD 0.05 with momentum 0.9, or
+    ("one_bit_adam") `tfdist.optim.OneBitAdam` 1e-3."""
     import keras
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
-    optimizer = (keras.optimizers.Adam(1e-3) if optimizer_name == "adam" else
-                 keras.optimizers.SGD(0.05, momentum=0.9))
+    optimizer = {"adam": lambda: keras.optimizers.Adam(1e-3),
+                 "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+                 "one_bit_adam": lambda: tfdist.optim.OneBitAdam(
+                     1e-3, warmup_steps=FLAGS.one_bit_adam_warmup)}[optimizer_name]()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if name == "gpt2":
         import keras_hub
@@ -76,11 +83,15 @@ def make(name, optimizer_name="adam"):
 
 
 def reduce_bytes(model):
-    """Bytes replica 0 sends into the reduce part's collectives per step."""
+    """Bytes replica 0 sends into the reduce part's collectives per step; of
+    a cond's branches (OneBitAdam's), those of the one after its warm-up."""
+    graph = step_graph(model)
+    branches = [f.graph for name, f in graph._functions.items()
+                if "cond_false" in name and "replica_" not in name]
     return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
-               for op in step_graph(model).get_operations()
-               if op.type.startswith("Collective") and op.device.endswith("CPU:0")
-               and "tfdist/reduce/" in op.name)
+               for g in [graph] + branches for op in g.get_operations()
+               if op.type.startswith("Collective") and "tfdist/reduce/" in op.name
+               and (g is not graph or op.device.endswith("CPU:0")))
 
 
 def run(name, compression, optimizer):
@@ -110,13 +121,15 @@ def main(argv):
     runs = [(c, "adam") for c in FLAGS.compressions if not c.startswith("powersgd")]
     sgd = [(c, "sgd") for c in FLAGS.compressions if c.startswith("powersgd")]
     runs += [("none", "sgd")] + sgd if sgd else []
+    if FLAGS.one_bit_adam_warmup:  # against the Adam runs' "none"
+        runs.append(("none", "one_bit_adam"))
     for name in FLAGS.models:
         plains = {}
         for compression, optimizer in runs:
             result = run(name, compression, optimizer)
-            if compression == "none":
+            if compression == "none" and optimizer != "one_bit_adam":
                 plains[optimizer] = result
-            plain = plains.get(optimizer)
+            plain = plains.get("adam" if optimizer == "one_bit_adam" else optimizer)
             if plain is not None:
                 result["bytes_ratio"] = round(result["reduce_bytes_per_step"]
                                               / plain["reduce_bytes_per_step"], 4)

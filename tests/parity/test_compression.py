@@ -175,13 +175,14 @@ def test_powersgd_sends_rank_r_factors_of_each_matrix_and_trains_as_uncompressed
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-2)
 
 
-def _fit_compressed(strategy, epochs, error_feedback=True, initial_epoch=0, restore=None):
-    """The helpers' MLP trained for `epochs` under `strategy` (without
-    `error_feedback`, Top-K 1% dropping what it does not send); restored
-    first from `restore` (a directory)."""
+def _fit_compressed(strategy, epochs, error_feedback=True, initial_epoch=0, restore=None,
+                    optimizer=None):
+    """The helpers' MLP (compiled with `optimizer()` if given) trained for
+    `epochs` under `strategy` (without `error_feedback`, Top-K 1% dropping
+    what it does not send); restored first from `restore` (a directory)."""
     x, y = data(640)
     with strategy.scope():
-        model = make_model()
+        model = make_model(optimizer=optimizer and optimizer())
     if restore is not None:
         ShardedCheckpoint(model, restore).restore()
     if not error_feedback:
@@ -210,15 +211,18 @@ def test_topk_error_feedback_keeps_up_with_uncompressed_and_dropping_it_does_not
     assert with_feedback < 1.5 * plain
 
 
-@pytest.mark.parametrize("compression", ["topk:0.01", "powersgd:2"])
+@pytest.mark.parametrize("compression, optimizer", [
+    ("topk:0.01", None), ("powersgd:2", None),
+    ("none", lambda: tfdist.optim.OneBitAdam(1e-2, warmup_steps=5))],
+    ids=["topk", "powersgd", "one_bit_adam"])
 def test_residuals_survive_a_checkpoint_and_the_resumed_run_equals_the_whole_one(
-        compression, tmp_path):
+        compression, optimizer, tmp_path):
     def strategy():
         return tfdist.Strategy(devices=devices(4), compression=compression)
 
     # Uninterrupted: 2 epochs, a checkpoint after the first.
     whole = strategy()
-    _, model = _fit_compressed(whole, 1)
+    _, model = _fit_compressed(whole, 1, optimizer=optimizer)
     saved = {k: v.numpy() for k, v in state_of(model).variables.items()}
     assert any(np.abs(v).sum() > 0 for v in saved.values())
     ShardedCheckpoint(model, tmp_path, asynchronous=False).save()
@@ -226,7 +230,8 @@ def test_residuals_survive_a_checkpoint_and_the_resumed_run_equals_the_whole_one
     model.fit(x, y, batch_size=32, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
     # Resumed: a new model restores before its first step (as fit's backups
     # do), so the residuals are restored when the step makes them.
-    resumed_losses, resumed = _fit_compressed(strategy(), 2, initial_epoch=1, restore=tmp_path)
+    resumed_losses, resumed = _fit_compressed(strategy(), 2, initial_epoch=1, restore=tmp_path,
+                                              optimizer=optimizer)
     restored_at_start = resumed.optimizer.iterations.numpy()
     assert restored_at_start == 2 * 20  # (20 steps per epoch)
     for ours, theirs in zip(resumed.weights, model.weights):
@@ -238,7 +243,7 @@ def test_residuals_survive_a_checkpoint_and_the_resumed_run_equals_the_whole_one
     other = tfdist.Strategy(devices=devices(2), compression=compression)
     with pytest.raises(ValueError, match=r"state/\w+/0 of 4 replicas .* this job "
                                          r"has 2: resume on 4 replicas"):
-        _fit_compressed(other, 2, initial_epoch=1, restore=tmp_path)
+        _fit_compressed(other, 2, initial_epoch=1, restore=tmp_path, optimizer=optimizer)
 
 
 @pytest.mark.parametrize("compression, rtol", [("int8", 1e-2), ("powersgd:4", 5e-2),

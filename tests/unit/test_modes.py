@@ -19,7 +19,19 @@ def test_each_step_level_field_turns_on_its_own_mode(field, value):
     on = {mode.name for mode in modes.active(ParallelConfig(**{field: value}))}
     assert off == {"data", "precision"}
     assert field in on - off
-    assert all(mode.name in ParallelConfig.__dataclass_fields__ for mode in modes.MODES)
+    # Every mode is a config field's, but the one an optimizer turns on.
+    assert [mode.name for mode in modes.MODES
+            if mode.name not in ParallelConfig.__dataclass_fields__] == ["one_bit_adam"]
+
+
+def test_one_bit_adam_is_the_mode_its_optimizer_turns_on():
+    optimizer = tfdist.optim.OneBitAdam()
+    assert [mode.name for mode in modes.active(ParallelConfig(), optimizer)] == [
+        "data", "precision", "one_bit_adam"]
+    scaled = keras.optimizers.LossScaleOptimizer(optimizer)  # on, to be refused by its check
+    assert "one_bit_adam" in {mode.name for mode in modes.active(ParallelConfig(), scaled)}
+    assert "one_bit_adam" not in {mode.name for mode in modes.active(
+        ParallelConfig(), keras.optimizers.Adam())}
 
 
 def test_preparation_runs_every_place_then_every_split_then_every_shard(monkeypatch):
@@ -29,7 +41,7 @@ def test_preparation_runs_every_place_then_every_split_then_every_shard(monkeypa
         def __init__(self, name):
             self.name = name
 
-        def on(self, config):
+        def on(self, config, optimizer=None):
             return True
 
         def place(self, plan):

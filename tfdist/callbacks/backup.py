@@ -11,6 +11,7 @@ from tfdist._compat.keras_trainer import resume_at_epoch
 from tfdist.checkpoint import ShardedCheckpoint
 from tfdist.cluster.agreement import gather_from_tasks
 from tfdist.cluster.tf_config import read_tf_config
+from tfdist.engine import modes
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -32,8 +33,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     `backup_dir/sharded`: each task writes its own shards while training goes
     on, no task gathers a whole tensor, and the restarted job (on any layout)
     reads only its own; so it is too when the step keeps state on each
-    replica (`compression="topk:..."`'s residuals, which it saves and the
-    restarted job continues). Otherwise, and with one task, it is Keras's
+    replica (the residuals of `compression="topk:..."` / `"powersgd:..."` and
+    of `tfdist.optim.OneBitAdam`, which it saves and the restarted job
+    continues). Otherwise, and with one task, it is Keras's
     callback.
 
     Args: as `keras.callbacks.BackupAndRestore`; `backup_dir` must be a
@@ -54,7 +56,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_train_begin(self, logs=None):
         config = getattr(self.model.distribute_strategy, "config", None)
         self._checkpoints = None
-        if config is not None and (config.shards_state or config.keeps_replica_state):
+        if config is not None and (config.shards_state or
+                                   modes.keeps_replica_state(self.model, config)):
             self._checkpoints = ShardedCheckpoint(
                 self.model, os.path.join(self.backup_dir, "sharded"),
                 max_to_keep=2 if self.double_checkpoint else 1)

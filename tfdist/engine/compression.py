@@ -167,7 +167,7 @@ class GatheredCompression:
                 launcher = self.mesh.data_launcher()
                 gathered = [all_gather(t, launcher) for t in self.encode(flats, sent)]
                 sizes = [shape.num_elements() for shape in shapes]
-                dense = self.decode(gathered, sum(sizes))
+                dense = self.decode(gathered, sizes, sent)
                 for k, part, shape in zip(sent, tf.split(dense, sizes), shapes):
                     out[k] = tf.cast(tf.reshape(part, shape),
                                      sparse_gradients.values(grads[k]).dtype)
@@ -181,9 +181,10 @@ class GatheredCompression:
         `positions` among the model's trainable weights): 1-D tensors."""
         raise NotImplementedError
 
-    def decode(self, gathered, size: int):
-        """The flat float32 sum (`size` elements) of what every replica sent
-        (`gathered`: each sent tensor's (N, m) rows)."""
+    def decode(self, gathered, sizes, positions):
+        """The flat float32 sum of what every replica sent (`gathered`: each
+        sent tensor's (N, m) rows): the gradients at `positions`, of `sizes`
+        elements, concatenated."""
         raise NotImplementedError
 
 
@@ -251,10 +252,10 @@ class TopKCompression(GatheredCompression):
             offset += size
         return [tf.concat(values, 0), tf.concat(indices, 0)]
 
-    def decode(self, gathered, size):
+    def decode(self, gathered, sizes, positions):
         values, indices = gathered
         return tf.scatter_nd(tf.reshape(indices, [-1, 1]), tf.reshape(values, [-1]),
-                             tf.constant([size], indices.dtype))
+                             tf.constant([sum(sizes)], indices.dtype))
 
 
 class Int8Compression(GatheredCompression):
@@ -302,13 +303,13 @@ class Int8Compression(GatheredCompression):
         levels = tf.cast(tf.round(blocks / safe[:, tf.newaxis]), tf.int8)
         return [tf.reshape(tf.bitcast(tf.reshape(levels, [-1, 4]), tf.int32), [-1]), scales]
 
-    def decode(self, gathered, size):
+    def decode(self, gathered, sizes, positions):
         packed, scales = gathered  # (N, values / 4), (N, blocks)
         levels = tf.bitcast(packed, tf.int8)  # (N, values / 4, 4)
         replicas = tf.shape(scales)[0]
         blocks = tf.reshape(tf.cast(levels, tf.float32), [replicas, -1, self.block])
         summed = tf.reduce_sum(blocks * scales[:, :, tf.newaxis], axis=0)
-        return tf.reshape(summed, [-1])[:size]
+        return tf.reshape(summed, [-1])[:sum(sizes)]
 
 
 class PowerSGDCompression:

@@ -2,7 +2,8 @@
 
 Every mode of `ParallelConfig` is one `Mode` in `MODES`. A mode says:
 
-- `on(config)`: whether the config turns it on;
+- `on(config, optimizer)`: whether the config (or the model's optimizer:
+  `OneBitAdam`) turns it on;
 - `check(model, config, flavour)`: what it refuses in a compiled model, before
   the first step (`keras3_only(config)`: every tf_keras model);
 - `place`, `split`, `shard` (on a `StepPlan`): what it does to the model when
@@ -70,6 +71,7 @@ from tfdist.engine.tf_keras import (
 )
 from tfdist.engine.update import KerasApply
 from tfdist.optim import zero3
+from tfdist.optim.one_bit_adam import OneBitAdam, OneBitReduce
 from tfdist.optim.tf_keras_zero import TfKerasShardedUpdate, check_tf_keras_shardable
 from tfdist.optim.zero import ShardedUpdate, check_shardable
 from tfdist.pipeline import schedule as pipeline_schedule
@@ -243,13 +245,14 @@ class Mode:
     ```python
     class Compression(Mode):
         name = "compression"
-        def on(self, config): return config.compression != "none"
+        def on(self, config, optimizer=None): return config.compression != "none"
     ```
     """
 
     name = ""
 
-    def on(self, config) -> bool:
+    def on(self, config, optimizer=None) -> bool:
+        """Whether `config` (or `optimizer`, the model's) turns it on."""
         return False
 
     def keras3_only(self, config) -> bool:
@@ -284,7 +287,7 @@ class Data(Mode):
 
     name = "data"
 
-    def on(self, config):
+    def on(self, config, optimizer=None):
         return True
 
     def check(self, model, config, flavour):
@@ -296,7 +299,7 @@ class Precision(Mode):
 
     name = "precision"
 
-    def on(self, config):
+    def on(self, config, optimizer=None):
         return True
 
     def check(self, model, config, flavour):
@@ -308,7 +311,7 @@ class Microbatches(Mode):
 
     name = "microbatches"
 
-    def on(self, config):
+    def on(self, config, optimizer=None):
         return config.microbatches > 1
 
     def check(self, model, config, flavour):
@@ -320,7 +323,7 @@ class Xla(Mode):
 
     name = "xla"
 
-    def on(self, config):
+    def on(self, config, optimizer=None):
         return config.xla
 
 
@@ -330,7 +333,7 @@ class Pipeline(Mode):
 
     name = "pipeline"
 
-    def on(self, config):
+    def on(self, config, optimizer=None):
         return config.pipeline > 1
 
     def keras3_only(self, config):
@@ -352,7 +355,7 @@ class Schedule(Mode):
 
     name = "schedule"
 
-    def on(self, config):
+    def on(self, config, optimizer=None):
         return config.pipeline > 1
 
     def describe(self, layout):
@@ -371,7 +374,7 @@ class Tensor(Mode):
 
     name = "tensor"
 
-    def on(self, config):
+    def on(self, config, optimizer=None):
         return config.tensor > 1
 
     def keras3_only(self, config):
@@ -402,7 +405,7 @@ class Zero(Mode):
 
     name = "zero"
 
-    def on(self, config):
+    def on(self, config, optimizer=None):
         return config.zero > 0
 
     def keras3_only(self, config):
@@ -451,7 +454,7 @@ class Compression(Mode):
 
     name = "compression"
 
-    def on(self, config):
+    def on(self, config, optimizer=None):
         return config.compression != "none"
 
     def split(self, plan):
@@ -476,20 +479,73 @@ class Compression(Mode):
                                           sparse=False)
 
 
+class OneBit(Mode):
+    """A `tfdist.optim.OneBitAdam` optimizer turns it on: after its warm-up
+    the replicas' momenta cross devices as signs, `OneBitReduce` standing in
+    for the whole reduce; its residuals are the step's `ReplicaState`, made
+    here."""
+
+    name = "one_bit_adam"
+
+    def on(self, config, optimizer=None):
+        return isinstance(getattr(optimizer, "inner_optimizer", optimizer), OneBitAdam)
+
+    def named(self, config):
+        return "tfdist.optim.OneBitAdam"
+
+    def check(self, model, config, flavour):
+        if not isinstance(flavour.optimizer, OneBitAdam):  # a LossScaleOptimizer's
+            raise NotImplementedError(
+                "`tfdist.optim.OneBitAdam` under loss scaling (`precision="
+                "'mixed_float16'`) is not available in this version: its momentum "
+                "residuals would mix gradients of different scales. Use "
+                "precision='mixed_bfloat16' or 'float32'.")
+        off = [f"`{name}={value!r}`" for name, value, plain in (
+            ("compression", config.compression, config.compression == "none"),
+            ("zero", config.zero, config.zero == 0), ("tensor", config.tensor, config.tensor == 1),
+            ("pipeline", config.pipeline, config.pipeline == 1)) if not plain]
+        if off:
+            raise NotImplementedError(
+                f"`tfdist.optim.OneBitAdam` with {' and '.join(off)} is not available in "
+                f"this version: it sends each replica's whole momentum as signs, which "
+                f"needs plain data parallelism (with microbatches) and no other "
+                f"compression. Drop {'that option' if len(off) == 1 else 'those options'}, "
+                f"or use keras.optimizers.Adam.")
+
+    def split(self, plan):
+        plan.whole = OneBitReduce(plan.whole, plan.flavour.optimizer, plan.mesh)
+        plan.whole.init(state_of(plan.model), plan.model.trainable_weights)
+
+
 # The table, in the order modes are checked, prepared within a phase, and described.
 MODES = (Data(), Precision(), Microbatches(), Xla(), Pipeline(), Zero(), Tensor(),
-         Compression(), Schedule())
+         Compression(), OneBit(), Schedule())
 
 
-def active(config) -> list[Mode]:
-    """The modes `config` turns on, in the table's order.
+def keeps_replica_state(model, config) -> bool:
+    """Whether `model`'s step under `config` keeps state on each replica (its
+    checkpoints must be `ShardedCheckpoint`s): a compression with residuals,
+    or `OneBitAdam`'s.
+
+    Example:
+
+    >>> keeps_replica_state(keras.Sequential(), ParallelConfig(compression="topk:0.01"))
+    True
+    """
+    return config.keeps_replica_state or isinstance(getattr(model, "optimizer", None),
+                                                    OneBitAdam)
+
+
+def active(config, optimizer=None) -> list[Mode]:
+    """The modes `config` (and `optimizer`, the model's) turn on, in the
+    table's order.
 
     Example:
 
     >>> [mode.name for mode in active(ParallelConfig(tensor=2, xla=False))]
     ['data', 'precision', 'tensor']
     """
-    return [mode for mode in MODES if mode.on(config)]
+    return [mode for mode in MODES if mode.on(config, optimizer)]
 
 
 def check(model, config: ParallelConfig, optimizer=None):
@@ -504,7 +560,7 @@ def check(model, config: ParallelConfig, optimizer=None):
     ```
     """
     flavour = flavour_of(model, optimizer=optimizer)
-    on = active(config)
+    on = active(config, flavour.optimizer)
     if isinstance(flavour, TfKeras):
         refused = [mode.named(config) for mode in on if mode.keras3_only(config)]
         if refused:
@@ -582,7 +638,7 @@ def assemble(model, config: ParallelConfig, sequence_length=None, loss=None, opt
         raise RuntimeError(
             "The optimizer is not built: call `TrainStep.build(...)` "
             "(or `model.fit`, which builds it) before running the step.")
-    on = active(config)
+    on = active(config, flavour.optimizer)
     for mode in on:
         mode.place(plan)
     with tf.init_scope():
@@ -605,7 +661,7 @@ def evaluating(fn, model, config: ParallelConfig):
     fn = evaluating(model.test_step, model, strategy.config)
     ```
     """
-    for mode in active(config):
+    for mode in active(config, getattr(model, "optimizer", None)):
         fn = mode.evaluating(fn, model, config)
     return fn
 
@@ -642,7 +698,8 @@ def describe(strategy, model, sequence_length=None, batch_size=None) -> str:
     ```
     """
     layout = layout_of(strategy, model, sequence_length)
-    parts = [line for mode in active(strategy.config) for line in mode.describe(layout)]
+    parts = [line for mode in active(strategy.config, getattr(model, "optimizer", None))
+             for line in mode.describe(layout)]
     if not parts:
         parts.append(tensor_plan.describe(tensor_plan.plan(
             model, 1, strategy.config.vocab_parallel_classifier, strategy.layout_map)))

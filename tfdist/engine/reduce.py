@@ -102,7 +102,7 @@ class DataGroupAllReduce:
         if mesh.data > 1:
             launcher = mesh.data_launcher()
             present, states = _summed_together(
-                lambda values: _data_group_sum(values, launcher), present, states)
+                lambda values: data_group_sum(values, launcher), present, states)
         present = [sparse_gradients.map_values(g, lambda v: v * tf.cast(mesh.tensor, v.dtype))
                    for g in present]
         if self.share_non_finite and present:
@@ -157,9 +157,17 @@ def _summed_together(sum_, present, states):
     return summed[:len(present)], summed[len(present):]
 
 
-def _data_group_sum(grads, launcher):
-    """The sum of `grads` over a data group: dense ones in one packed
-    all-reduce, the slices of sparse ones gathered (as `tf.distribute` does)."""
+def data_group_sum(grads, launcher):
+    """The sum of `grads` over a data group (`launcher`'s): dense ones in one
+    packed all-reduce, the slices of sparse ones gathered (as `tf.distribute`
+    does). No merge call: it also runs inside a `tf.cond`'s branch.
+
+    Example:
+
+    ```python
+    summed = data_group_sum(grads, strategy.replica_mesh.data_launcher())
+    ```
+    """
     dense = [g for g in grads if not sparse_gradients.is_sparse(g)]
     summed = iter(launcher.batch_all_reduce([dense]) if dense else [])
     return [tf_collectives.all_gather_slices(launcher, g) if sparse_gradients.is_sparse(g)

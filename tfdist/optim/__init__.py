@@ -1,5 +1,5 @@
 """Sharded optimizer state (ZeRO): the sharded update (layouts and storage from
-`tfdist.sharding`).
+`tfdist.sharding`); and `OneBitAdam`, Adam whose momenta cross devices as signs.
 
 Example:
 
@@ -12,8 +12,9 @@ model.fit(x, y)
 ```
 """
 
+from tfdist.optim.one_bit_adam import OneBitAdam
 from tfdist.optim.zero import ELEMENTWISE, elementwise
 from tfdist.sharding.layout import ShardLayout
 from tfdist.sharding.storage import ShardedStorage
 
-__all__ = ["ELEMENTWISE", "ShardLayout", "ShardedStorage", "elementwise"]
+__all__ = ["ELEMENTWISE", "OneBitAdam", "ShardLayout", "ShardedStorage", "elementwise"]

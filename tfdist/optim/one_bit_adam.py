@@ -1,0 +1,236 @@
+"""1-bit Adam: Adam whose momentum, not gradient, crosses devices, as signs.
+
+`OneBitAdam` (Tang et al. 2021, "1-bit Adam: Communication Efficient
+Large-Scale Training with Adam's Convergence Speed"; DeepSpeed's
+`OneBitAdam`) is Adam for its first `warmup_steps` steps, then Adam with its
+variance frozen at the warm-up's last value: with the variance fixed, Adam's
+update is linear in its momentum, so the replicas can average their momenta
+instead of their gradients, and the momentum tolerates compression with error
+feedback.
+
+Alone (one device, or a strategy that does not compress) it is exactly that
+optimizer. Under a tfdist strategy's data parallelism its step's reduce part
+is `OneBitReduce`: during the warm-up the gradients are all-reduced as they
+are; then each replica computes its own momentum from its gradient,
+`beta_1 * m + (1 - beta_1) * N * g` (the mean of which is Adam's momentum of
+the global batch), adds its residual, and sends the signs, one bit per
+element packed 32 to an int32, and one scale per tensor (its L2 norm over
+the square root of its size); what the signs leave out is its next residual.
+Each replica averages what every replica sent and hands the optimizer the
+gradient that makes its momentum that average. After the warm-up a step
+moves 1/32 of the gradient's bytes.
+
+Example:
+
+```python
+strategy = tfdist.Strategy(data=4)
+with strategy.scope():
+    model = build_model()
+    model.compile(optimizer=tfdist.optim.OneBitAdam(1e-3, warmup_steps=100), loss="mse")
+model.fit(x, y)
+```
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from tfdist._compat.keras_optimizer import variable_index
+from tfdist.engine.compression import GatheredCompression
+from tfdist.engine.reduce import data_group_sum
+from tfdist.optim.zero import elementwise
+from tfdist.sharding.replica_state import ReplicaState
+
+_BITS = np.array([1, 2, 4, 8, 16, 32, 64, 128], np.int32)  # (no tensor at import)
+
+
+@elementwise  # (its update is; the sharded modes refuse it for its communication)
+class OneBitAdam(keras.optimizers.Optimizer):
+    """Adam for `warmup_steps` steps, then Adam with its variance frozen; under
+    a tfdist strategy's data parallelism, the replicas' momenta then cross
+    devices as signs with error feedback (see the module).
+
+    Args:
+        learning_rate, beta_1, beta_2, epsilon: as `keras.optimizers.Adam`.
+        warmup_steps: the steps of plain Adam (full-precision gradients)
+            before the variance freezes and compression starts (>= 1).
+        **kwargs: the base optimizer's (`weight_decay`, `clipnorm`, ...).
+
+    Example:
+
+    ```python
+    model.compile(optimizer=tfdist.optim.OneBitAdam(1e-3, warmup_steps=100), loss="mse")
+    ```
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 warmup_steps=100, name="one_bit_adam", **kwargs):
+        if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 1:
+            raise ValueError(f"`warmup_steps` must be an int >= 1, got {warmup_steps!r}.")
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+        self.warmup_steps = int(warmup_steps)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self.momentums, self.velocities = self.add_optimizer_variables(
+            var_list, ["momentum", "velocity"])
+
+    def momentum(self, variable):
+        """The momentum slot of `variable`.
+
+        Example:
+
+        ```python
+        optimizer.momentum(model.layers[0].kernel)
+        ```
+        """
+        return self.momentums[variable_index(self, variable)]
+
+    def warming_up(self):
+        """Whether the coming step is one of the warm-up's (a boolean tensor).
+
+        Example:
+
+        >>> OneBitAdam(warmup_steps=2).warming_up().numpy()
+        True
+        """
+        return self.iterations + 1 <= self.warmup_steps
+
+    def update_step(self, gradient, variable, learning_rate):
+        dtype = variable.dtype
+        lr = ops.cast(learning_rate, dtype)
+        gradient = ops.cast(gradient, dtype)
+        step = ops.cast(self.iterations + 1, dtype)
+        index = variable_index(self, variable)
+        m, v = self.momentums[index], self.velocities[index]
+        self.assign_add(m, ops.multiply(ops.subtract(gradient, m), 1 - self.beta_1))
+        # The variance follows the gradients during the warm-up only, and
+        # keeps the warm-up's bias correction after it.
+        warm = ops.cast(ops.less_equal(step, self.warmup_steps), dtype)
+        self.assign_add(v, ops.multiply(ops.subtract(ops.square(gradient), v),
+                                        (1 - self.beta_2) * warm))
+        frozen = ops.minimum(step, ops.cast(self.warmup_steps, dtype))
+        alpha = lr * ops.sqrt(1 - ops.power(ops.cast(self.beta_2, dtype), frozen)) / (
+            1 - ops.power(ops.cast(self.beta_1, dtype), step))
+        self.assign_sub(variable, ops.divide(ops.multiply(m, alpha),
+                                             ops.add(ops.sqrt(v), self.epsilon)))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon,
+                      warmup_steps=self.warmup_steps)
+        return config
+
+
+class OneBitReduce(GatheredCompression):
+    """The reduce part of a step whose optimizer is `OneBitAdam`: the
+    gradients all-reduced by `inner` during the warm-up; then each replica's
+    momentum as signs and a scale per tensor, with error feedback, averaged
+    by every replica (see the module).
+
+    Args:
+        inner: the reduce part it stands for (`AllReduce`).
+        optimizer: the model's `OneBitAdam` (built).
+        mesh: the strategy's `replica_mesh` (N: its data group's size).
+
+    Example:
+
+    ```python
+    reduce = OneBitReduce(AllReduce(), model.optimizer, strategy.replica_mesh)
+    reduce.init(state_of(model), model.trainable_weights)   # the residuals
+    ```
+    """
+
+    name = "one_bit"
+
+    def __init__(self, inner, optimizer: OneBitAdam, mesh):
+        super().__init__(inner, mesh)
+        self.optimizer = optimizer
+        self.weights = self.residuals = None
+
+    def init(self, state, weights):
+        """Also creates each floating weight's zero residual in `state`."""
+        super().init(state, weights)
+        self.weights = list(weights)
+        self.residuals = [state.add(f"one_bit_residual/{i}", w.shape, w.dtype)
+                          if tf.as_dtype(w.dtype).is_floating else None
+                          for i, w in enumerate(weights)]
+
+    def with_states(self, grads, states):
+        """During the warm-up the gradients summed whole, then the compressed
+        momenta's (each gradient dense either way: one structure for both);
+        `states` summed by `inner`, in a collective of their own."""
+        _, states = self.inner.with_states([], states)
+        present = [k for k, g in enumerate(grads) if g is not None]
+        dense = [None] * len(grads)
+        for k in present:
+            dense[k] = tf.convert_to_tensor(grads[k])
+        launcher = self.mesh.data_launcher()  # (a merge call cannot run in a cond)
+
+        def full():
+            return data_group_sum([dense[k] for k in present], launcher)
+
+        def compressed():
+            reduced, _ = GatheredCompression.with_states(self, dense, [])
+            return [reduced[k] for k in present]
+
+        out = [None] * len(grads)
+        for k, g in zip(present, tf.cond(self.optimizer.warming_up(), full, compressed)):
+            out[k] = g
+        return out, states
+
+    def encode(self, flats, positions):
+        """[each momentum's signs, 32 to an int32; a float32 scale per tensor]."""
+        beta = self.optimizer.beta_1
+        replicas = tf.cast(self.mesh.data, tf.float32)
+        signs, scales = [], []
+        for flat, k in zip(flats, positions):
+            momentum = tf.reshape(tf.cast(self.optimizer.momentum(self.weights[k]), tf.float32),
+                                  [-1])
+            local = beta * momentum + (1 - beta) * replicas * tf.cast(flat, tf.float32)
+            local += tf.reshape(ReplicaState.own(self.residuals[k]), [-1])
+            scale = tf.norm(local) / tf.sqrt(tf.cast(tf.size(local), tf.float32))
+            sign = tf.where(local >= 0, 1.0, -1.0)
+            ReplicaState.assign_own(self.residuals[k], local - scale * sign)
+            signs.append(local >= 0)
+            scales.append(scale)
+        return [_packed_bits(tf.concat(signs, 0)), tf.stack(scales)]
+
+    def decode(self, gathered, sizes, positions):
+        """The gradients that make each momentum the replicas' average."""
+        packed, scales = gathered  # (N, words), (N, tensors)
+        replicas = tf.shape(scales)[0]
+        total = sum(sizes)
+        signs = tf.reshape(_unpacked_bits(packed), [replicas, -1])[:, :total]
+        average = tf.reduce_mean(signs * tf.repeat(scales, sizes, axis=1), axis=0)
+        beta = self.optimizer.beta_1
+        momenta = tf.concat([tf.reshape(tf.cast(self.optimizer.momentum(self.weights[k]),
+                                                tf.float32), [-1]) for k in positions], 0)
+        return (average - beta * momenta) / (1 - beta)
+
+
+def _packed_bits(bits):
+    """Booleans `bits` (n,) as int32 words, 32 to a word (zero-padded).
+
+    Example:
+
+    >>> words = _packed_bits(tf.constant([True, False, True] * 15))
+    >>> words.shape, _unpacked_bits(words[tf.newaxis])[0, :4].numpy().tolist()
+    (TensorShape([2]), [1.0, -1.0, 1.0, 1.0])
+    """
+    padded = tf.pad(tf.cast(bits, tf.int32), [[0, -bits.shape[0] % 32]])
+    octets = tf.cast(tf.reduce_sum(tf.reshape(padded, [-1, 8]) * _BITS, axis=1), tf.uint8)
+    return tf.bitcast(tf.reshape(octets, [-1, 4]), tf.int32)
+
+
+def _unpacked_bits(words):
+    """+1.0 / -1.0 for each bit of the int32 `words` (N, w): (N, 32 w)."""
+    octets = tf.cast(tf.bitcast(words, tf.uint8), tf.int32)  # (N, w, 4)
+    bits = tf.bitwise.bitwise_and(octets[..., tf.newaxis], _BITS) > 0  # (N, w, 4, 8)
+    return tf.reshape(tf.where(bits, 1.0, -1.0), [tf.shape(words)[0], -1])
