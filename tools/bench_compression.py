@@ -91,7 +91,7 @@ def reduce_bytes(model):
     return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
                for g in [graph] + branches for op in g.get_operations()
                if op.type.startswith("Collective") and "tfdist/reduce/" in op.name
-               and (g is not graph or op.device.endswith("CPU:0")))
+               and (op.device.endswith("CPU:0") if g is graph else "/one_bit/" in op.name))
 
 
 def run(name, compression, optimizer):

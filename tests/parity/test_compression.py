@@ -18,6 +18,8 @@ from tfdist.sharding.replica_state import state_of
 
 CONFIGS = {"data": dict(data=4), "zero2": dict(data=4, zero=2),
            "tensor": dict(data=2, tensor=2)}
+# Where the gathered compressions (int8, Top-K) apply: data, zero=1 x microbatches.
+GATHERED = [dict(data=4), dict(data=4, zero=1, microbatches=2)]
 
 
 def reduce_collectives(model):
@@ -111,10 +113,9 @@ def test_sparse_embedding_gradients_are_gathered_compressed(zero, compression,
         np.testing.assert_allclose(ours, theirs, atol=1e-2)
 
 
-@pytest.mark.parametrize("name, config", [("data", dict(data=4)),
-                                          ("zero1", dict(data=4, zero=1, microbatches=2))])
+@pytest.mark.parametrize("config", GATHERED, ids=["data", "zero1"])
 def test_topk_sends_its_fraction_of_the_bytes_and_trains_close_to_uncompressed(
-        name, config, uncompressed):
+        config, uncompressed):
     losses, weights, model = _run(config, "topk:0.01")
     plain_losses, _, plain = uncompressed["data"]
     # Per replica: 1% of each gradient's elements (at least one) as float32
@@ -137,10 +138,9 @@ def test_topk_sends_its_fraction_of_the_bytes_and_trains_close_to_uncompressed(
     np.testing.assert_allclose(losses[-1], plain_losses[-1], rtol=5e-2)
 
 
-@pytest.mark.parametrize("name, config", [("data", dict(data=4)),
-                                          ("zero1", dict(data=4, zero=1, microbatches=2))])
+@pytest.mark.parametrize("config", GATHERED, ids=["data", "zero1"])
 def test_int8_sends_a_quarter_of_the_bytes_and_trains_as_uncompressed(
-        name, config, uncompressed):
+        config, uncompressed):
     losses, weights, model = _run(config, "int8")
     plain_losses, plain_weights, plain = uncompressed["data"]
     # int8 values packed four to an int32, and a float32 scale per block of

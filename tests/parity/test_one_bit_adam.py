@@ -85,6 +85,23 @@ def test_what_it_cannot_combine_with_is_refused_before_the_first_step(config, me
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
+def test_an_element_without_gradients_in_the_warmup_takes_a_bounded_step_after():
+    # Element 1 has no gradient during the warm-up (a dead ReLU unit's
+    # weight): its frozen variance is 0, and a later gradient would divide by
+    # epsilon alone (a step of ~1e3 x the learning rate; the convnet of
+    # tools/bench_compression.py turned NaN). The variance floor bounds it.
+    optimizer = OneBitAdam(1e-3, warmup_steps=3)
+    variable = keras.Variable([0.0, 0.0])
+    optimizer.build([variable])
+    for _ in range(3):
+        optimizer.apply([np.array([1.0, 0.0], "float32")], [variable])
+    before = variable.numpy()
+    optimizer.apply([np.array([1.0, 1.0], "float32")], [variable])
+    step = np.abs(variable.numpy() - before)
+    assert np.isfinite(step).all() and step[1] < 10 * 1e-3, step
+    assert optimizer.velocities[0].numpy()[1] == 0.0  # frozen as it was
+
+
 def test_warmup_steps_must_be_a_positive_int():
     with pytest.raises(ValueError, match=r"`warmup_steps` must be an int >= 1, got 0"):
         OneBitAdam(warmup_steps=0)

@@ -518,8 +518,11 @@ class OneBit(Mode):
 
 
 # The table, in the order modes are checked, prepared within a phase, and described.
-MODES = (Data(), Precision(), Microbatches(), Xla(), Pipeline(), Zero(), Tensor(),
-         Compression(), OneBit(), Schedule())
+# (`one_bit_adam` is checked before `zero`, which would ask for an
+# elementwise optimizer: it refuses zero itself, and tensor and compression,
+# whose parts it would replace.)
+MODES = (Data(), Precision(), Microbatches(), Xla(), OneBit(), Pipeline(), Zero(), Tensor(),
+         Compression(), Schedule())
 
 
 def keeps_replica_state(model, config) -> bool:

@@ -39,22 +39,26 @@ from keras import ops
 from tfdist._compat.keras_optimizer import variable_index
 from tfdist.engine.compression import GatheredCompression
 from tfdist.engine.reduce import data_group_sum
-from tfdist.optim.zero import elementwise
 from tfdist.sharding.replica_state import ReplicaState
 
 _BITS = np.array([1, 2, 4, 8, 16, 32, 64, 128], np.int32)  # (no tensor at import)
 
 
-@elementwise  # (its update is; the sharded modes refuse it for its communication)
 class OneBitAdam(keras.optimizers.Optimizer):
     """Adam for `warmup_steps` steps, then Adam with its variance frozen; under
     a tfdist strategy's data parallelism, the replicas' momenta then cross
     devices as signs with error feedback (see the module).
 
+    A frozen variance of zero (an element whose gradient was zero through the
+    warm-up: a dead ReLU unit's weights) would make any later momentum of it
+    an unbounded step, so after the warm-up each element's variance is taken
+    as at least `variance_floor` times its weight's mean frozen variance.
+
     Args:
         learning_rate, beta_1, beta_2, epsilon: as `keras.optimizers.Adam`.
         warmup_steps: the steps of plain Adam (full-precision gradients)
             before the variance freezes and compression starts (>= 1).
+        variance_floor: the floor's share of the weight's mean variance (>= 0).
         **kwargs: the base optimizer's (`weight_decay`, `clipnorm`, ...).
 
     Example:
@@ -65,14 +69,17 @@ class OneBitAdam(keras.optimizers.Optimizer):
     """
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 warmup_steps=100, name="one_bit_adam", **kwargs):
+                 warmup_steps=100, variance_floor=0.01, name="one_bit_adam", **kwargs):
         if not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 1:
             raise ValueError(f"`warmup_steps` must be an int >= 1, got {warmup_steps!r}.")
+        if not variance_floor >= 0:
+            raise ValueError(f"`variance_floor` must be >= 0, got {variance_floor!r}.")
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
         self.beta_2 = beta_2
         self.epsilon = epsilon
         self.warmup_steps = int(warmup_steps)
+        self.variance_floor = variance_floor
 
     def build(self, var_list):
         if self.built:
@@ -118,13 +125,15 @@ class OneBitAdam(keras.optimizers.Optimizer):
         frozen = ops.minimum(step, ops.cast(self.warmup_steps, dtype))
         alpha = lr * ops.sqrt(1 - ops.power(ops.cast(self.beta_2, dtype), frozen)) / (
             1 - ops.power(ops.cast(self.beta_1, dtype), step))
+        floor = (1 - warm) * self.variance_floor * ops.mean(v)
         self.assign_sub(variable, ops.divide(ops.multiply(m, alpha),
-                                             ops.add(ops.sqrt(v), self.epsilon)))
+                                             ops.add(ops.sqrt(ops.maximum(v, floor)),
+                                                     self.epsilon)))
 
     def get_config(self):
         config = super().get_config()
         config.update(beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon,
-                      warmup_steps=self.warmup_steps)
+                      warmup_steps=self.warmup_steps, variance_floor=self.variance_floor)
         return config
 
 
@@ -169,8 +178,8 @@ class OneBitReduce(GatheredCompression):
         _, states = self.inner.with_states([], states)
         present = [k for k, g in enumerate(grads) if g is not None]
         dense = [None] * len(grads)
-        for k in present:
-            dense[k] = tf.convert_to_tensor(grads[k])
+        for k in present:  # (an Embedding's slices made dense: given their static shape)
+            dense[k] = tf.reshape(tf.convert_to_tensor(grads[k]), self.shapes[k])
         launcher = self.mesh.data_launcher()  # (a merge call cannot run in a cond)
 
         def full():
