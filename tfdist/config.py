@@ -29,6 +29,7 @@ _NOT_UNDER_PS = {
     "tensor": (1, "tensor shards need synchronous collectives"),
     "zero": (0, "optimizer state already lives, unreplicated, on the ps tasks"),
     "compression": ("none", "gradients go to the ps tasks, not through collectives"),
+    "bucket_bytes": (0, "gradients go to the ps tasks, not through collectives"),
 }
 
 # Environment variables through which `tfdist launch` and TFJob manifests pass
@@ -91,6 +92,11 @@ class ParallelConfig:
             "powersgd:<rank>" such as "powersgd:4" (each matrix gradient
             all-reduced as two rank-`rank` factors, PowerSGD, with error
             feedback); `tfdist.engine.compression`.
+        bucket_bytes: 0 (the default): the step's gradient all-reduce sums
+            every gradient of a dtype in one collective; > 0: in buckets of
+            consecutive gradients of at most this many bytes each (a larger
+            gradient alone), one collective per bucket (PyTorch DDP's
+            `bucket_cap_mb`): smaller transient buffers, more collectives.
 
     Every rule on how the fields combine is checked by `validate`, which
     every entry point runs (the strategies, `tfdist config`, `tfdist launch`,
@@ -120,6 +126,7 @@ class ParallelConfig:
     vocab_parallel_classifier: bool = False
     zero3_unit_params: int = 0
     compression: str = "none"
+    bucket_bytes: int = 0
 
     def __post_init__(self):
         if isinstance(self.stage_boundaries, list):  # from JSON: kept immutable
@@ -239,6 +246,8 @@ class ParallelConfig:
                 f"`zero={self.zero}` shards optimizer state across the "
                 f"data-parallel replicas, but `data=1`: there is nothing to "
                 f"shard. Use data >= 2, or zero=0.")
+        if self.bucket_bytes < 0:
+            raise ValueError(f"`bucket_bytes` must be an int >= 0, got {self.bucket_bytes!r}.")
         if self.zero3_unit_params < 0:
             raise ValueError(
                 f"`zero3_unit_params` must be an int >= 0, got {self.zero3_unit_params!r}.")

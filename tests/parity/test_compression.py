@@ -37,9 +37,9 @@ def wire_bytes(model):
                for op in reduce_collectives(model))
 
 
-def _run(config, compression):
+def _run(config, compression, **fields):
     x, y = data(256)
-    strategy = tfdist.Strategy(devices=devices(4), compression=compression, **config)
+    strategy = tfdist.Strategy(devices=devices(4), compression=compression, **config, **fields)
     return train(strategy, x=x, y=y)
 
 
@@ -111,6 +111,27 @@ def test_sparse_embedding_gradients_are_gathered_compressed(zero, compression,
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-2)
     for ours, theirs in zip(weights, plain_weights):
         np.testing.assert_allclose(ours, theirs, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["data", "tensor"])
+def test_bucket_bytes_sends_the_gradients_in_buckets_of_at_most_that_size(name, uncompressed):
+    losses, weights, model = _run(CONFIGS[name], "none", bucket_bytes=2048)
+    plain_losses, plain_weights, plain = uncompressed[name]
+    sent = [op.inputs[0].shape.num_elements() * 4 for op in reduce_collectives(model)]
+    # The MLP's gradients, in order: 16 x 32 (2,048 B), 32, 32 x 32 (4,096 B),
+    # 32, 32 x 4, 4, then the metric states: buckets of at most 2,048 B but
+    # the 32 x 32 kernel's alone (under tensor=2 each rank's slices are
+    # smaller, so fewer buckets); one collective each, where unbucketed
+    # every gradient goes in one.
+    assert len(reduce_collectives(plain)) == 1
+    if name == "data":
+        assert sent == [2048, 128, 4096, 128 + 512 + 16 + 16], sent  # (4 metric states)
+    else:
+        assert len(sent) > 1 and all(size <= 2048 for size in sent), sent
+    # The same sums: the same training.
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    for ours, theirs in zip(weights, plain_weights):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("config", GATHERED, ids=["data", "zero1"])
@@ -266,6 +287,8 @@ def test_compression_is_refused_where_it_cannot_apply():
                                          r"'fp16', 'int8', 'topk:<fraction>', 'powersgd:<rank>'\)"
                                          r" .*, got 'int4'"):
         tfdist.ParallelConfig(compression="int4")
+    with pytest.raises(ValueError, match=r"`bucket_bytes` must be an int >= 0, got -1"):
+        tfdist.ParallelConfig(bucket_bytes=-1)
     for bad in ("topk:1.5", "powersgd:0", "powersgd:two"):
         with pytest.raises(ValueError, match=rf"got '{bad}'"):
             tfdist.ParallelConfig(compression=bad)

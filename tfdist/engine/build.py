@@ -15,7 +15,7 @@ from tfdist.engine.tf_keras import is_tf_keras
 
 # Fields whose value only tfdist's own step can honour, and their off value.
 _STEP_LEVEL = (("microbatches", 1), ("xla", False), ("zero", 0), ("pipeline", 1),
-               ("tensor", 1), ("compression", "none"))
+               ("tensor", 1), ("compression", "none"), ("bucket_bytes", 0))
 
 
 def check_model(model, config: ParallelConfig):

@@ -14,16 +14,16 @@ The metric states summed with the gradients stay in their own dtype (a
 collective of their own).
 
 "int8" quantises each block of 256 elements to int8 with its own scale
-(`Int8Compression`): about a quarter of the bytes. "powersgd:<rank>" sends
-each matrix gradient as two rank-`rank` factors (`PowerSGDCompression`),
-with error feedback and warm start. "topk:<fraction>"
-sparsifies instead (`TopKCompression`): each replica adds
-its error-feedback residual to each gradient, sends only the largest
-`fraction` of its elements (values and their indices: 2 x fraction of the
-bytes), and keeps the rest as its next residual, so that nothing is dropped,
-only delayed (Stich et al. 2018, "Sparsified SGD with memory"; Lin et al.
-2018, "Deep Gradient Compression"). The residuals are the step's
-`ReplicaState`, saved by `tfdist.checkpoint.ShardedCheckpoint`.
+(`Int8Compression`): about a quarter of the bytes. "topk:<fraction>"
+sparsifies (`TopKCompression`): each replica adds its error-feedback residual
+to each gradient, sends only the largest `fraction` of its elements (values
+and their indices: 2 x fraction of the bytes), and keeps the rest as its next
+residual, so that nothing is dropped, only delayed (Stich et al. 2018,
+"Sparsified SGD with memory"; Lin et al. 2018, "Deep Gradient
+Compression"). "powersgd:<rank>" sends each matrix gradient as two
+rank-`rank` factors (`PowerSGDCompression`, Vogels et al. 2019), with error
+feedback and a warm-started power iteration. Their state (residuals, Q's) is
+the step's `ReplicaState`, saved by `tfdist.checkpoint.ShardedCheckpoint`.
 
 Example:
 
@@ -31,6 +31,7 @@ Example:
 strategy = tfdist.Strategy(data=4, compression="bf16")
 strategy = tfdist.Strategy(data=4, compression="int8")
 strategy = tfdist.Strategy(data=4, compression="topk:0.01")
+strategy = tfdist.Strategy(data=4, compression="powersgd:4")
 ```
 """
 

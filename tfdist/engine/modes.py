@@ -283,7 +283,8 @@ class Mode:
 
 
 class Data(Mode):
-    """Data parallelism: always on; its parts are the default ones."""
+    """Data parallelism: always on; its parts are the default ones, the
+    all-reduce in buckets of `bucket_bytes`."""
 
     name = "data"
 
@@ -292,6 +293,9 @@ class Data(Mode):
 
     def check(self, model, config, flavour):
         check_synchronized_batch_norm(model, config)
+
+    def split(self, plan):
+        plan.whole = AllReduce(plan.config.bucket_bytes)
 
 
 class Precision(Mode):
@@ -391,7 +395,8 @@ class Tensor(Mode):
         # skips the step (ZeRO's update shares it itself).
         share = (not plan.config.zero and
                  isinstance(plan.flavour.optimizer, keras.optimizers.LossScaleOptimizer))
-        plan.whole = DataGroupAllReduce(plan.mesh, share_non_finite=share)
+        plan.whole = DataGroupAllReduce(plan.mesh, share_non_finite=share,
+                                        bucket_bytes=plan.config.bucket_bytes)
         tensor_plan.partition_model(plan.model, plan.mesh)
         if plan.pipeline is not None:
             plan.pipeline.split_copies()  # a tied embedding's, on the last stage

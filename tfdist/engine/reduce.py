@@ -5,8 +5,8 @@ Each is called in replica context with the replica's gradients (aligned with
 `model.trainable_weights`, None where a weight has none) and crosses devices
 once per step, whatever the number of microbatches:
 
-- `AllReduce`: one packed all-reduce (sum) over every replica; the full
-  reduced gradients.
+- `AllReduce`: one packed all-reduce (sum) over every replica (or one per
+  bucket of `bucket_bytes`); the full reduced gradients.
 - `DataGroupAllReduce`: with tensor parallelism, one packed all-reduce over the
   replica's data group (the replicas holding the same shards); under loss
   scaling, a non-finite gradient on any rank of the tensor group is made
@@ -42,12 +42,19 @@ from tfdist.sharding.collectives import non_finite_count, packed_reduce_scatter
 class AllReduce:
     """Sum of every replica's gradients: one packed all-reduce.
 
+    Args:
+        bucket_bytes: > 0: one packed all-reduce per bucket of consecutive
+            gradients of at most this many bytes (`buckets`).
+
     Example:
 
     ```python
     reduced = AllReduce()(grads)   # in replica context
     ```
     """
+
+    def __init__(self, bucket_bytes: int = 0):
+        self.bucket_bytes = bucket_bytes
 
     def __call__(self, grads):
         return self.with_states(grads, [])[0]
@@ -59,7 +66,9 @@ class AllReduce:
         if context is None or context.num_replicas_in_sync == 1:
             return grads, states
         present, states = _summed_together(
-            summed_across_replicas, [g for g in grads if g is not None], states)
+            lambda values: [t for bucket in buckets(values, self.bucket_bytes)
+                            for t in summed_across_replicas(bucket)],
+            [g for g in grads if g is not None], states)
         reduced = iter(present)
         return [None if g is None else next(reduced) for g in grads], states
 
@@ -78,6 +87,7 @@ class DataGroupAllReduce:
         share_non_finite: make the gradients non-finite on every rank of the
             tensor group if they are on any (under loss scaling, so that the
             optimizer skips the step everywhere).
+        bucket_bytes: as `AllReduce`'s.
 
     Example:
 
@@ -86,9 +96,10 @@ class DataGroupAllReduce:
     ```
     """
 
-    def __init__(self, mesh, share_non_finite=False):
+    def __init__(self, mesh, share_non_finite=False, bucket_bytes=0):
         self.mesh = mesh
         self.share_non_finite = share_non_finite
+        self.bucket_bytes = bucket_bytes
 
     def __call__(self, grads):
         return self.with_states(grads, [])[0]
@@ -102,7 +113,8 @@ class DataGroupAllReduce:
         if mesh.data > 1:
             launcher = mesh.data_launcher()
             present, states = _summed_together(
-                lambda values: data_group_sum(values, launcher), present, states)
+                lambda values: data_group_sum(values, launcher, self.bucket_bytes),
+                present, states)
         present = [sparse_gradients.map_values(g, lambda v: v * tf.cast(mesh.tensor, v.dtype))
                    for g in present]
         if self.share_non_finite and present:
@@ -157,10 +169,37 @@ def _summed_together(sum_, present, states):
     return summed[:len(present)], summed[len(present):]
 
 
-def data_group_sum(grads, launcher):
+def buckets(tensors, bucket_bytes: int) -> list[list]:
+    """`tensors` in consecutive buckets of at most `bucket_bytes` bytes (a
+    larger tensor, or one of unknown size, a bucket of its own); all in one
+    when `bucket_bytes` is 0.
+
+    Example:
+
+    >>> [len(b) for b in buckets([tf.zeros(64), tf.zeros(64), tf.zeros(512)], 512)]
+    [2, 1]
+    """
+    if not bucket_bytes:
+        return [list(tensors)] if tensors else []
+    found, size = [], 0
+    for tensor in tensors:
+        elements = (None if sparse_gradients.is_sparse(tensor) else
+                    tensor.shape.num_elements())
+        nbytes = bucket_bytes + 1 if elements is None else elements * tensor.dtype.size
+        if not found or size + nbytes > bucket_bytes:
+            found.append([])
+            size = 0
+        found[-1].append(tensor)
+        size += nbytes
+    return found
+
+
+def data_group_sum(grads, launcher, bucket_bytes=0):
     """The sum of `grads` over a data group (`launcher`'s): dense ones in one
     packed all-reduce, the slices of sparse ones gathered (as `tf.distribute`
-    does). No merge call: it also runs inside a `tf.cond`'s branch.
+    does); the dense ones in a packed all-reduce per bucket of
+    `bucket_bytes` (`buckets`) if given. No merge call: it also runs inside a
+    `tf.cond`'s branch.
 
     Example:
 
@@ -169,7 +208,7 @@ def data_group_sum(grads, launcher):
     ```
     """
     dense = [g for g in grads if not sparse_gradients.is_sparse(g)]
-    summed = iter(launcher.batch_all_reduce([dense]) if dense else [])
+    summed = iter(launcher.batch_all_reduce(buckets(dense, bucket_bytes)) if dense else [])
     return [tf_collectives.all_gather_slices(launcher, g) if sparse_gradients.is_sparse(g)
             else next(summed) for g in grads]
 
