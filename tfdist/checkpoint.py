@@ -21,8 +21,8 @@ the files are written on a thread while training goes on, and the next
 
 The checkpoint's tensors are named `model/<i>` (the i-th of `model.weights`),
 `optimizer/<i>` (of `model.optimizer.variables`) and `state/<name>` (the
-step's per-replica state, `tfdist.sharding.replica_state`: Top-K
-compression's residuals, one row per replica); `index.json` beside them
+step's per-replica state, `tfdist.sharding.replica_state`: error-feedback
+residuals, one row per replica); `index.json` beside them
 records each one's Keras path, shape and dtype, and `metadata`. State saved
 but not yet made when `restore` runs (`fit` restores a backup before its
 first step prepares the step) is restored when the step makes it. Any
@@ -237,7 +237,7 @@ class ShardedCheckpoint:
                 if entry["shape"][0] != variable.shape[0]:
                     raise ValueError(
                         f"The checkpoint {path!r} holds the step's {key} of "
-                        f"{entry['shape'][0]} replicas (one row each: Top-K compression's "
+                        f"{entry['shape'][0]} replicas (one row each: a compression's "
                         f"residuals), but this job has {variable.shape[0]}: resume on "
                         f"{entry['shape'][0]} replicas, or load the weights alone "
                         f"(`model.load_weights`) and start with zero residuals.")

@@ -17,7 +17,8 @@ from tfdist.pipeline import schedule as pipeline_schedule
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = tuple(pipeline_schedule.SCHEDULES)  # names `stage_orders` knows
 ZERO_STAGES = (0, 1, 2, 3)
-COMPRESSIONS = ("none", "bf16", "fp16", "int8", "topk:<fraction>", "powersgd:<rank>")
+_FIXED_COMPRESSIONS = ("none", "bf16", "fp16", "int8")  # (the others take a parameter)
+COMPRESSIONS = _FIXED_COMPRESSIONS + ("topk:<fraction>", "powersgd:<rank>")
 # The values a field takes from a fixed list (the command line's choices).
 CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES}
 # The strategies a config can be validated for (`validate(strategy=...)`).
@@ -233,7 +234,7 @@ class ParallelConfig:
                 f"`schedule` must be one of {SCHEDULES}, got {self.schedule!r}."
             )
         if not isinstance(self.compression, str) or (
-                self.compression not in COMPRESSIONS[:4] and self.topk_fraction is None
+                self.compression not in _FIXED_COMPRESSIONS and self.topk_fraction is None
                 and self.powersgd_rank is None):
             raise ValueError(
                 f"`compression` must be one of {COMPRESSIONS} (a fraction in (0, 1), "
@@ -257,7 +258,7 @@ class ParallelConfig:
                 f"gathers, but `zero={self.zero}`: use zero=3, or drop it.")
         if self.zero == 3 and (self.xla or (self.tensor > 1 and self.pipeline > 1)):
             raise NotImplementedError(
-                f"`zero=3` with {_named_off(self, ('pipeline', 'tensor', 'xla'))} is not "
+                f"`zero=3` with {' and '.join(self.changed('pipeline', 'tensor', 'xla'))} is not "
                 f"supported in this version: zero=3 runs on data parallelism with "
                 f"pipeline stages or tensor groups (and microbatches, precision). Use "
                 f"zero=2 with those options, or drop one.")
@@ -345,6 +346,18 @@ class ParallelConfig:
         (True, False)
         """
         return bool(self.zero) or self.tensor > 1 or self.pipeline > 1
+
+    def changed(self, *names) -> list[str]:
+        """`name=value` of each of the fields `names` not at its default.
+
+        Example:
+
+        >>> ParallelConfig(data=2, zero=1, xla=True).changed("zero", "tensor", "xla")
+        ['zero=1', 'xla=True']
+        """
+        defaults = {field.name: field.default for field in dataclasses.fields(ParallelConfig)}
+        return [f"{name}={getattr(self, name)!r}" for name in names
+                if getattr(self, name) != defaults[name]]
 
     @property
     def topk_fraction(self) -> float | None:
@@ -579,8 +592,3 @@ def check_boundary_count(boundaries, stages: int):
             f"first), got {boundaries!r}.")
 
 
-def _named_off(config, names) -> str:
-    """`name=value` of each of `names` that is not at its default, joined by "and"."""
-    defaults = {field.name: field.default for field in dataclasses.fields(ParallelConfig)}
-    return " and ".join(f"{name}={getattr(config, name)!r}" for name in names
-                        if getattr(config, name) != defaults[name])

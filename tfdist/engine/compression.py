@@ -157,25 +157,25 @@ class GatheredCompression:
             raise RuntimeError(f"Call `{type(self).__name__}.init` before the step.")
         sent = [k for k, g in enumerate(grads)
                 if g is not None and sparse_gradients.values(g).dtype.is_floating]
-        others = [k for k, g in enumerate(grads) if g is not None and k not in sent]
-        out = list(grads)
-        if sent:
-            with tf.name_scope(self.name):
-                shapes = [self.shapes[k] for k in sent]
-                # (an Embedding's slices made dense have no static shape)
-                flats = [tf.reshape(tf.convert_to_tensor(grads[k]), [shape.num_elements()])
-                         for k, shape in zip(sent, shapes)]
-                launcher = self.mesh.data_launcher()
-                gathered = [all_gather(t, launcher) for t in self.encode(flats, sent)]
-                sizes = [shape.num_elements() for shape in shapes]
-                dense = self.decode(gathered, sizes, sent)
-                for k, part, shape in zip(sent, tf.split(dense, sizes), shapes):
-                    out[k] = tf.cast(tf.reshape(part, shape),
-                                     sparse_gradients.values(grads[k]).dtype)
-        reduced, states = self.inner.with_states([grads[k] for k in others], states)
-        for k, g in zip(others, reduced):
-            out[k] = g
-        return out, states
+        return _compressed(grads, states, sent, self._gathered_sum, self.inner, self.name)
+
+    def _gathered_sum(self, grads, positions):
+        """The dense sums of `grads` (at `positions`) over the data group."""
+        shapes = [self.shapes[k] for k in positions]
+        sizes = [shape.num_elements() for shape in shapes]
+        # (an Embedding's slices made dense have no static shape)
+        flats = [tf.reshape(tf.convert_to_tensor(g), [size]) for g, size in zip(grads, sizes)]
+        launcher = self.mesh.data_launcher()
+        gathered = [all_gather(t, launcher) for t in self.encode(flats, positions)]
+        dense = self.decode(gathered, sizes, positions)
+        return [tf.cast(tf.reshape(part, shape), sparse_gradients.values(g).dtype)
+                for part, shape, g in zip(tf.split(dense, sizes), shapes, grads)]
+
+    def _residuals(self, state: ReplicaState, weights, prefix: str) -> list:
+        """A zero residual in `state` per floating weight of `weights`
+        (`prefix/<position>`), None for the others."""
+        return [state.add(f"{prefix}/{i}", w.shape, w.dtype)
+                if tf.as_dtype(w.dtype).is_floating else None for i, w in enumerate(weights)]
 
     def encode(self, flats, positions) -> list:
         """What this replica sends of its flat gradients `flats` (at
@@ -228,10 +228,8 @@ class TopKCompression(GatheredCompression):
         """Also creates a zero residual per floating weight in `state`; none
         without error feedback."""
         super().init(state, weights)
-        self.residuals = [
-            state.add(f"topk_residual/{i}", w.shape, w.dtype)
-            if self.error_feedback and tf.as_dtype(w.dtype).is_floating else None
-            for i, w in enumerate(weights)]
+        self.residuals = (self._residuals(state, weights, "topk_residual")
+                          if self.error_feedback else [None] * len(weights))
 
     def encode(self, flats, positions):
         """[values (float32), indices into the concatenated gradients]."""
@@ -375,21 +373,14 @@ class PowerSGDCompression:
         if self.factors is None:
             raise RuntimeError("Call `PowerSGDCompression.init` before the step.")
         matrices = [k for k, g in enumerate(grads) if g is not None and k in self.factors]
-        others = [k for k, g in enumerate(grads) if g is not None and k not in self.factors]
-        out = list(grads)
-        if matrices:
-            with tf.name_scope(self.name):
-                for k, approx in zip(matrices, self._approximations(
-                        [grads[k] for k in matrices], [self.factors[k] for k in matrices])):
-                    out[k] = approx
-        reduced, states = self.inner.with_states([grads[k] for k in others], states)
-        for k, g in zip(others, reduced):
-            out[k] = g
-        return out, states
+        return _compressed(grads, states, matrices, self._approximations, self.inner,
+                           self.name)
 
-    def _approximations(self, grads, factors):
+    def _approximations(self, grads, positions):
         """The summed gradients' low-rank approximations (dense, each its
-        gradient's shape and dtype); updates the residuals and Q's."""
+        gradient's shape and dtype) of `grads` (at `positions`); updates the
+        residuals and Q's."""
+        factors = [self.factors[k] for k in positions]
         summed = lambda tensors: self.inner.with_states(tensors, [])[0]  # noqa: E731
         ms, qs = [], []
         for grad, (residual, q) in zip(grads, factors):
@@ -410,6 +401,22 @@ class PowerSGDCompression:
             approximations.append(tf.cast(tf.reshape(approx, residual.layout.shape[1:]),
                                           sparse_gradients.values(grad).dtype))
         return approximations
+
+
+def _compressed(grads, states, chosen, compress, inner, name):
+    """(`grads` with those at positions `chosen` replaced by what
+    `compress(those, chosen)` gives, in name scope `name`, the other present
+    ones reduced by `inner`; `states` summed by `inner`)."""
+    out = list(grads)
+    if chosen:
+        with tf.name_scope(name):
+            for k, g in zip(chosen, compress([grads[k] for k in chosen], chosen)):
+                out[k] = g
+    others = [k for k, g in enumerate(grads) if g is not None and k not in chosen]
+    reduced, states = inner.with_states([grads[k] for k in others], states)
+    for k, g in zip(others, reduced):
+        out[k] = g
+    return out, states
 
 
 def _packed(values):

@@ -505,10 +505,8 @@ class OneBit(Mode):
                 "'mixed_float16'`) is not available in this version: its momentum "
                 "residuals would mix gradients of different scales. Use "
                 "precision='mixed_bfloat16' or 'float32'.")
-        off = [f"`{name}={value!r}`" for name, value, plain in (
-            ("compression", config.compression, config.compression == "none"),
-            ("zero", config.zero, config.zero == 0), ("tensor", config.tensor, config.tensor == 1),
-            ("pipeline", config.pipeline, config.pipeline == 1)) if not plain]
+        off = [f"`{item}`" for item in config.changed("compression", "zero", "tensor",
+                                                        "pipeline")]
         if off:
             raise NotImplementedError(
                 f"`tfdist.optim.OneBitAdam` with {' and '.join(off)} is not available in "

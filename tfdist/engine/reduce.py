@@ -196,10 +196,9 @@ def buckets(tensors, bucket_bytes: int) -> list[list]:
 
 def data_group_sum(grads, launcher, bucket_bytes=0):
     """The sum of `grads` over a data group (`launcher`'s): dense ones in one
-    packed all-reduce, the slices of sparse ones gathered (as `tf.distribute`
-    does); the dense ones in a packed all-reduce per bucket of
-    `bucket_bytes` (`buckets`) if given. No merge call: it also runs inside a
-    `tf.cond`'s branch.
+    packed all-reduce (one per bucket of `bucket_bytes` if given: `buckets`),
+    the slices of sparse ones gathered (as `tf.distribute` does). No merge
+    call: it also runs inside a `tf.cond`'s branch.
 
     Example:
 

@@ -167,9 +167,7 @@ class OneBitReduce(GatheredCompression):
         """Also creates each floating weight's zero residual in `state`."""
         super().init(state, weights)
         self.weights = list(weights)
-        self.residuals = [state.add(f"one_bit_residual/{i}", w.shape, w.dtype)
-                          if tf.as_dtype(w.dtype).is_floating else None
-                          for i, w in enumerate(weights)]
+        self.residuals = self._residuals(state, weights, "one_bit_residual")
 
     def with_states(self, grads, states):
         """During the warm-up the gradients summed whole, then the compressed
