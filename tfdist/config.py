@@ -30,6 +30,7 @@ _NOT_UNDER_PS = {
     "tensor": (1, "tensor shards need synchronous collectives"),
     "zero": (0, "optimizer state already lives, unreplicated, on the ps tasks"),
     "compression": ("none", "gradients go to the ps tasks, not through collectives"),
+    "compression_warmup": (0, "gradients go to the ps tasks, not through collectives"),
     "bucket_bytes": (0, "gradients go to the ps tasks, not through collectives"),
 }
 
@@ -92,7 +93,13 @@ class ParallelConfig:
             as an error-feedback residual added to its next gradient), or
             "powersgd:<rank>" such as "powersgd:4" (each matrix gradient
             all-reduced as two rank-`rank` factors, PowerSGD, with error
-            feedback); `tfdist.engine.compression`.
+            feedback); `tfdist.engine.compression`. Under ZeRO, "bf16",
+            "fp16" and "int8" also send the reduce-scatter's gradients and
+            zero=3's gathered parameters so (ZeRO++'s qgZ and qwZ for int8).
+        compression_warmup: with "topk:..." or "powersgd:...", the first this
+            many steps sum the gradients uncompressed, and compression starts
+            after them (PyTorch's `start_powerSGD_iter`, Deep Gradient
+            Compression's warm-up); 0 (the default): from the first step.
         bucket_bytes: 0 (the default): the step's gradient all-reduce sums
             every gradient of a dtype in one collective; > 0: in buckets of
             consecutive gradients of at most this many bytes each (a larger
@@ -127,6 +134,7 @@ class ParallelConfig:
     vocab_parallel_classifier: bool = False
     zero3_unit_params: int = 0
     compression: str = "none"
+    compression_warmup: int = 0
     bucket_bytes: int = 0
 
     def __post_init__(self):
@@ -249,6 +257,14 @@ class ParallelConfig:
                 f"shard. Use data >= 2, or zero=0.")
         if self.bucket_bytes < 0:
             raise ValueError(f"`bucket_bytes` must be an int >= 0, got {self.bucket_bytes!r}.")
+        if self.compression_warmup < 0:
+            raise ValueError(f"`compression_warmup` must be an int >= 0, got "
+                             f"{self.compression_warmup!r}.")
+        if self.compression_warmup and not self.keeps_replica_state:
+            raise ValueError(
+                f"`compression_warmup={self.compression_warmup}` delays Top-K or PowerSGD "
+                f"compression, but `compression={self.compression!r}`: use "
+                f"'topk:<fraction>' or 'powersgd:<rank>', or drop it.")
         if self.zero3_unit_params < 0:
             raise ValueError(
                 f"`zero3_unit_params` must be an int >= 0, got {self.zero3_unit_params!r}.")
@@ -268,12 +284,6 @@ class ParallelConfig:
                 f"stage's parameters are gathered for its forward and again for its "
                 f"backward, which recomputes the forward (what the forward used is "
                 f"not kept).")
-        if self.compression != "none" and self.zero == 3:
-            raise NotImplementedError(
-                f"`compression={self.compression!r}` with `zero=3` is not available in "
-                f"this version: zero=3 gathers parameters and reduce-scatters gradients "
-                f"unit by unit, uncompressed. Use zero <= 2 with compression, or "
-                f"compression='none'.")
         if self.compression == "int8" or self.keeps_replica_state:
             self._check_gathered_compression()
         if self.zero3_unit_params and self.pipeline > 1:
@@ -405,13 +415,16 @@ class ParallelConfig:
 
     def _check_gathered_compression(self):
         """int8, Top-K and PowerSGD take each replica's whole local gradient
-        (and keep their residual of it): refused where a replica's gradients
-        are not whole (tensor slices, pipeline stages, zero=2's
-        reduce-scatter, zero=3's units); Top-K and PowerSGD also under loss
-        scaling (the residual would mix gradients of different scales)."""
+        of a weight: refused where a replica's gradients are not whole
+        (tensor slices, pipeline stages); Top-K and PowerSGD, which keep the
+        rest as their residual, also with zero=2's reduce-scatter and
+        zero=3's units, and under loss scaling (the residual would mix
+        gradients of different scales). int8 under ZeRO quantises its
+        reduce-scatter (and zero=3's gathers) itself."""
         residual = self.keeps_replica_state
         off = [f"`{name}={value!r}`" for name, value, plain in (
-            ("zero", self.zero, self.zero < 2), ("tensor", self.tensor, self.tensor == 1),
+            ("zero", self.zero, not residual or self.zero < 2),
+            ("tensor", self.tensor, self.tensor == 1),
             ("pipeline", self.pipeline, self.pipeline == 1),
             ("precision", self.precision, not residual or self.precision != "mixed_float16"))
             if not plain]
@@ -420,9 +433,9 @@ class ParallelConfig:
                 f"`compression={self.compression!r}` with {' and '.join(off)} is not "
                 f"available in this version: it compresses each replica's whole local "
                 f"gradient{' and keeps the rest as its residual' if residual else ''}, "
-                f"which needs data parallelism (with microbatches, zero <= 1"
-                f"{', precision float32 or mixed_bfloat16' if residual else ''}). Use 'bf16' "
-                f"or 'fp16' compression there, or drop "
+                f"which needs data parallelism (with microbatches"
+                f"{', zero <= 1, precision float32 or mixed_bfloat16' if residual else ', zero'}"
+                f"). Use 'bf16' or 'fp16' compression there, or drop "
                 f"{'that option' if len(off) == 1 else 'those options'}.")
 
     def _check_strategy(self, strategy):

@@ -8,8 +8,17 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from helpers import data, devices, executed_op_counts, make_model, traced_train_function, train
-from test_tensor_transformer import lm_data, make_lm
+from helpers import (
+    CLASSES,
+    FEATURES,
+    data,
+    devices,
+    executed_op_counts,
+    make_model,
+    traced_train_function,
+    train,
+)
+from test_tensor_transformer import SEQ, VOCAB, lm_data, make_lm
 from test_zero import _step_graph
 from tfdist.checkpoint import ShardedCheckpoint
 from tfdist.engine.compression import TopKCompression
@@ -55,10 +64,13 @@ def test_cast_compression_sends_half_the_bytes_and_trains_as_uncompressed(
     losses, weights, model = _run(CONFIGS[name], compression)
     plain_losses, plain_weights, plain = uncompressed[name]
     # The gradient collective (the all-reduce, or ZeRO's reduce-scatter)
-    # carries the cast gradients; the metric states stay float32.
+    # carries the cast gradients (ZeRO's bfloat16 ones packed in pairs into
+    # float32, as its gathers need); the metric states stay float32.
     assert wire_bytes(model) <= 0.51 * wire_bytes(plain), (wire_bytes(model),
                                                           wire_bytes(plain))
-    assert {op.inputs[0].dtype.name for op in reduce_collectives(model)} == {dtype, "float32"}
+    packed = name == "zero2" and dtype == "bfloat16"
+    assert {op.inputs[0].dtype.name for op in reduce_collectives(model)} == (
+        {"float32"} if packed else {dtype, "float32"})
     assert {op.inputs[0].dtype.name for op in reduce_collectives(plain)} == {"float32"}
     # Rounding each gradient to 8 (bf16) or 11 (fp16) bits of mantissa moves
     # the run only slightly: the same losses to 1% over the epoch.
@@ -159,6 +171,19 @@ def test_topk_sends_its_fraction_of_the_bytes_and_trains_close_to_uncompressed(
     np.testing.assert_allclose(losses[-1], plain_losses[-1], rtol=5e-2)
 
 
+@pytest.mark.parametrize("compression", ["topk:0.01", "powersgd:4"])
+def test_compression_warmup_sums_uncompressed_then_compresses(compression, uncompressed):
+    losses, _, model = _run(dict(data=4), compression, compression_warmup=4)
+    plain_losses = uncompressed["data"][0]
+    # Four steps summed whole: the uncompressed run's losses up to the
+    # fifth step's (computed after four updates); then the compression, its
+    # residuals filling, and the runs part.
+    np.testing.assert_allclose(losses[:5], plain_losses[:5], rtol=1e-6)
+    assert not np.allclose(losses[5:], plain_losses[5:], rtol=1e-6)
+    assert any(np.abs(v.numpy()).sum() > 0 for name, v in state_of(model).variables.items()
+               if "residual" in name)
+
+
 @pytest.mark.parametrize("config", GATHERED, ids=["data", "zero1"])
 def test_int8_sends_a_quarter_of_the_bytes_and_trains_as_uncompressed(
         config, uncompressed):
@@ -194,6 +219,59 @@ def test_powersgd_sends_rank_r_factors_of_each_matrix_and_trains_as_uncompressed
     assert names == ["powersgd_q/0", "powersgd_q/2", "powersgd_residual/0",
                      "powersgd_residual/2"]
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-2)
+
+
+def _wide_mlp():
+    """An MLP whose shards are many int8 blocks (256 elements) long."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((FEATURES,)),
+                              keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(256, activation="tanh"),
+                              keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _zero_run(zero, compression):
+    x, y = data(256)
+    strategy = tfdist.Strategy(data=4, zero=zero, compression=compression, devices=devices(4))
+    return train(strategy, make=_wide_mlp, x=x, y=y)
+
+
+@pytest.fixture(scope="module")
+def uncompressed_zero():
+    return {zero: _zero_run(zero, "none") for zero in (2, 3)}
+
+
+def zero_wire_bytes(model):
+    """Bytes replica 0 sends per step into ZeRO's reduce-scatters (their
+    all-to-alls) and zero=3's gathers of each unit's parameters (not
+    zero=2's gather of the updated weights)."""
+    return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
+               for op in _step_graph(model).get_operations()
+               if op.device.endswith("CPU:0")
+               and op.type in ("CollectiveAllToAllV2", "CollectiveGatherV2")
+               and ("tfdist/reduce/" in op.name or "tfdist/unit" in op.name))
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("compression, ratio, rtol", [("bf16", 0.51, 1e-2),
+                                                      ("fp16", 0.51, 1e-2),
+                                                      ("int8", 0.27, 2e-2)])
+def test_zero_reduce_scatters_and_gathers_compressed(zero, compression, ratio, rtol,
+                                                     uncompressed_zero):
+    # ZeRO's reduce-scatter sends each replica its rows cast, or as int8
+    # blocks (qgZ), summed in float32 where they arrive; zero=3's units
+    # gather their parameters so too (qwZ), the shards kept exact.
+    losses, weights, model = _zero_run(zero, compression)
+    plain_losses, plain_weights, plain = uncompressed_zero[zero]
+    assert 0 < zero_wire_bytes(model) <= ratio * zero_wire_bytes(plain), (
+        zero_wire_bytes(model), zero_wire_bytes(plain))
+    np.testing.assert_allclose(losses, plain_losses, rtol=rtol)
+    for ours, theirs in zip(weights, plain_weights):
+        np.testing.assert_allclose(ours, theirs, atol=2e-2)
+    assert all(w.dtype == tf.float32 for w in model.trainable_weights)
 
 
 def _fit_compressed(strategy, epochs, error_feedback=True, initial_epoch=0, restore=None,
@@ -267,11 +345,10 @@ def test_residuals_survive_a_checkpoint_and_the_resumed_run_equals_the_whole_one
         _fit_compressed(other, 2, initial_epoch=1, restore=tmp_path, optimizer=optimizer)
 
 
-@pytest.mark.parametrize("compression, rtol", [("int8", 1e-2), ("powersgd:4", 5e-2),
-                                               ("topk:0.01", None)])
+@pytest.mark.parametrize("compression, rtol", [("powersgd:4", 5e-2), ("topk:0.01", None)])
 def test_an_embeddings_slices_are_compressed_dense(compression, rtol, uncompressed_lm):
-    # int8, PowerSGD and Top-K take an Embedding's slices as its dense
-    # gradient (its table's shape), and the LM trains.
+    # PowerSGD and Top-K take an Embedding's slices as its dense gradient
+    # (its table's shape: the residual's), and the LM trains.
     losses, _, model = _lm_run(0, compression)
     plain_losses = uncompressed_lm[0][0]
     assert not gathered_dtypes(model) - {"float32", "int32"}
@@ -280,9 +357,41 @@ def test_an_embeddings_slices_are_compressed_dense(compression, rtol, uncompress
         np.testing.assert_allclose(losses, plain_losses, rtol=rtol)
 
 
+def _wide_table_lm(rows=256, width=16):
+    """Next-token prediction from a table of more rows than a step looks up."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((SEQ,), dtype="int32"),
+                              keras.layers.Embedding(rows, width),
+                              keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(VOCAB)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_int8_sends_an_embeddings_looked_up_rows_not_its_table():
+    x, y = lm_data(64)
+    runs = {c: train(tfdist.Strategy(data=4, compression=c, devices=devices(4)),
+                     make=_wide_table_lm, x=x, y=y, batch_size=16) for c in ("none", "int8")}
+    (losses, weights, model), (plain_losses, plain_weights, _) = runs["int8"], runs["none"]
+    table = model.trainable_weights[0]
+    rows = 16 // 4 * SEQ  # the replica's tokens
+    # int8 levels four to an int32, then the rows' indices: the step's rows
+    # of the table, quantised with the other gradients, not the whole table.
+    levels = sum(w.shape.num_elements() for w in model.trainable_weights[1:]) + rows * 16
+    int32 = [op.inputs[0].shape.as_list() for op in reduce_collectives(model)
+             if op.inputs[0].dtype == tf.int32]
+    assert int32 == [[1, -(-levels // 256) * 64], [1, rows]], (int32, table.shape)
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-2)
+    for ours, theirs in zip(weights, plain_weights):
+        np.testing.assert_allclose(ours, theirs, atol=2e-2)
+    # A table of fewer rows than a step looks up goes whole (the cheaper).
+    losses, _, model = _lm_run(0, "int8")
+    assert len([op for op in reduce_collectives(model) if op.inputs[0].dtype == tf.int32]) == 1
+    assert losses[-1] < losses[0]
+
+
 def test_compression_is_refused_where_it_cannot_apply():
-    with pytest.raises(NotImplementedError, match=r"`compression='bf16'` with `zero=3`"):
-        tfdist.ParallelConfig(data=2, zero=3, compression="bf16")
     with pytest.raises(ValueError, match=r"`compression` must be one of \('none', 'bf16', "
                                          r"'fp16', 'int8', 'topk:<fraction>', 'powersgd:<rank>'\)"
                                          r" .*, got 'int4'"):
@@ -297,9 +406,14 @@ def test_compression_is_refused_where_it_cannot_apply():
         with pytest.raises(NotImplementedError, match=rf"`compression='topk:0.01'` with "
                                                       rf"`{name}={value!r}` is not available"):
             tfdist.ParallelConfig(data=2, compression="topk:0.01", **option)
-    with pytest.raises(NotImplementedError, match=r"`compression='int8'` with `zero=2` is not "
+    with pytest.raises(NotImplementedError, match=r"`compression='int8'` with `tensor=2` is not "
                                                   r"available .* compresses each replica's whole"):
-        tfdist.ParallelConfig(data=2, zero=2, compression="int8")
+        tfdist.ParallelConfig(data=2, tensor=2, compression="int8")
+    for zero in (2, 3):
+        tfdist.ParallelConfig(data=2, zero=zero, compression="int8")  # accepted
+    with pytest.raises(ValueError, match=r"`compression_warmup=10` delays Top-K or PowerSGD "
+                                         r"compression, but `compression='bf16'`"):
+        tfdist.ParallelConfig(data=2, compression="bf16", compression_warmup=10)
     tfdist.ParallelConfig(data=2, compression="int8", precision="mixed_float16")  # accepted
     with pytest.raises(ValueError, match=r"`compression='fp16'` is not available under "
                                          r"ParameterServerStrategy"):

@@ -40,26 +40,26 @@ import math
 import tensorflow as tf
 
 from tfdist import sparse_gradients
+from tfdist.engine.reduce import data_group_sum
 from tfdist.sharding.collectives import all_gather
 from tfdist.sharding.replica_state import ReplicaState
+from tfdist.sharding.wire import Int8Wire, packed_bfloat16, unpacked_bfloat16
 
 # The dtype each cast compression sends.
 CAST_DTYPES = {"bf16": tf.bfloat16, "fp16": tf.float16}
 
 
 class CastCompression:
-    """A reduce part whose floating gradients cross devices as `dtype`.
+    """A reduce part whose floating gradients cross devices as `dtype`,
+    the slices of sparse ones too (gathered, not summed: bfloat16 values
+    travel as pairs packed in float32, bit for bit, TensorFlow's gather
+    having no bfloat16 kernel on CPU).
 
     Args:
-        inner: the reduce part it wraps (`AllReduce`, `DataGroupAllReduce`,
-            `ShardedReduce`): what it returns for each gradient is cast back
-            to that gradient's dtype.
+        inner: the reduce part it wraps (`AllReduce`, `DataGroupAllReduce`):
+            what it returns for each gradient is cast back to that
+            gradient's dtype.
         dtype: the dtype sent, narrower than the gradients'.
-        sparse: also the slices of sparse gradients (gathered, not summed:
-            bfloat16 values travel as pairs packed in float32, bit for bit,
-            TensorFlow's gather having no bfloat16 kernel on CPU). False for
-            a part that hands them to an inner whole reduce compressing them
-            itself (ZeRO's `ShardedReduce`, which keeps each replica's rows).
 
     Example:
 
@@ -69,10 +69,9 @@ class CastCompression:
     ```
     """
 
-    def __init__(self, inner, dtype, sparse=True):
+    def __init__(self, inner, dtype):
         self.inner = inner
         self.dtype = tf.as_dtype(dtype)
-        self.sparse = sparse
 
     def __call__(self, grads):
         return self.with_states(grads, [])[0]
@@ -91,20 +90,19 @@ class CastCompression:
             return grad
         if not sparse_gradients.is_sparse(grad):
             return tf.cast(grad, self.dtype)
-        if not self.sparse:
-            return grad
         values = tf.cast(grad.values, self.dtype)
         if self.dtype == tf.bfloat16:
-            values = _packed(values)
+            values = packed_bfloat16(values)
         return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
 
     def _widen(self, reduced, grad):
         """`reduced` (the inner part's result for `grad`) in `grad`'s dtype."""
         if reduced is None or not sparse_gradients.values(grad).dtype.is_floating:
             return reduced
-        if self.sparse and self.dtype == tf.bfloat16 and sparse_gradients.is_sparse(grad):
-            reduced = tf.IndexedSlices(_unpacked(reduced.values, grad.values.shape[-1]),
-                                       reduced.indices, reduced.dense_shape)
+        if self.dtype == tf.bfloat16 and sparse_gradients.is_sparse(grad):
+            reduced = tf.IndexedSlices(
+                unpacked_bfloat16(reduced.values, grad.values.shape[-1]),
+                reduced.indices, reduced.dense_shape)
         return sparse_gradients.map_values(
             reduced, lambda v: tf.cast(v, sparse_gradients.values(grad).dtype))
 
@@ -120,8 +118,9 @@ class GatheredCompression:
     the same shapes on every replica (one all-gather each, whatever the
     number of gradients), and `decode` turns the gathered ones (N rows, one
     per replica of the data group) into the flat dense sum of every
-    gradient, concatenated. The metric states, and gradients that are not
-    floating, are summed by `inner`.
+    gradient, concatenated (`Int8Compression`, which also keeps slices as
+    slices, gives its own `_gathered_sum` instead). The metric states, and
+    gradients that are not floating, are summed by `inner`.
 
     Args:
         inner: the reduce part it stands for (`AllReduce`).
@@ -132,7 +131,7 @@ class GatheredCompression:
     ```python
     reduce = Int8Compression(AllReduce(), strategy.replica_mesh)
     reduce.init(state_of(model), model.trainable_weights)
-    reduced = reduce(grads)   # in replica context: dense, summed
+    reduced = reduce(grads)   # in replica context: summed
     ```
     """
 
@@ -152,7 +151,8 @@ class GatheredCompression:
         return self.with_states(grads, [])[0]
 
     def with_states(self, grads, states):
-        """(the summed `grads`, dense; `states` summed by the inner part)."""
+        """(the summed `grads`, aligned with the model's trainable weights;
+        `states` summed by the inner part)."""
         if self.shapes is None:
             raise RuntimeError(f"Call `{type(self).__name__}.init` before the step.")
         sent = [k for k, g in enumerate(grads)
@@ -268,7 +268,10 @@ class Int8Compression(GatheredCompression):
     block's scale, `max |x| / 127` (error at most half a level). The int8
     values travel packed four to an int32 (TensorFlow's gather has no int8
     kernel), the scales in float32; each replica sums every replica's
-    dequantised blocks in float32.
+    dequantised blocks in float32. An Embedding's gradient of fewer rows than
+    its table stays slices: its rows' values are quantised with the rest and
+    their indices gathered beside them (one more all-gather, int32), so a
+    step sends the rows it looked up, not the table.
 
     Args:
         inner: the reduce part it stands for (`AllReduce`).
@@ -288,35 +291,46 @@ class Int8Compression(GatheredCompression):
 
     def __init__(self, inner, mesh, block: int = 256):
         super().__init__(inner, mesh)
-        if block % 4:
-            raise ValueError(f"`block` must be a multiple of 4, got {block}.")
-        self.block = block
+        self.wire = Int8Wire(block)
 
-    def encode(self, flats, positions):
-        """[the int8 values packed in int32, each block's float32 scale]."""
-        flat = tf.concat([tf.cast(f, tf.float32) for f in flats], 0)
-        blocks = tf.reshape(tf.pad(flat, [[0, -flat.shape[0] % self.block]]),
-                            [-1, self.block])
-        scales = tf.reduce_max(tf.abs(blocks), axis=1) / 127.0
-        safe = tf.where(scales > 0, scales, tf.ones_like(scales))
-        levels = tf.cast(tf.round(blocks / safe[:, tf.newaxis]), tf.int8)
-        return [tf.reshape(tf.bitcast(tf.reshape(levels, [-1, 4]), tf.int32), [-1]), scales]
-
-    def decode(self, gathered, sizes, positions):
-        packed, scales = gathered  # (N, values / 4), (N, blocks)
-        levels = tf.bitcast(packed, tf.int8)  # (N, values / 4, 4)
-        replicas = tf.shape(scales)[0]
-        blocks = tf.reshape(tf.cast(levels, tf.float32), [replicas, -1, self.block])
-        summed = tf.reduce_sum(blocks * scales[:, :, tf.newaxis], axis=0)
-        return tf.reshape(summed, [-1])[:sum(sizes)]
+    def _gathered_sum(self, grads, positions):
+        """The dense sums of `grads` (at `positions`) over the data group;
+        of slices that `_sends_rows`, every replica's rows."""
+        shapes = [self.shapes[k] for k in positions]
+        sliced = [_sends_rows(g, shape) for g, shape in zip(grads, shapes)]
+        sizes = [g.indices.shape[0] * shape[1:].num_elements() if rows else shape.num_elements()
+                 for g, rows, shape in zip(grads, sliced, shapes)]
+        flats = [tf.reshape(g.values if rows else tf.convert_to_tensor(g), [size])
+                 for g, rows, size in zip(grads, sliced, sizes)]
+        sent = self.wire.encode(tf.concat([tf.cast(f, tf.float32) for f in flats], 0))
+        indices = [g.indices for g, rows in zip(grads, sliced) if rows]
+        if indices:
+            sent.append(tf.concat([tf.cast(i, tf.int32) for i in indices], 0))
+        launcher = self.mesh.data_launcher()
+        gathered = [all_gather(t, launcher) for t in sent]
+        rows_of = iter(tf.split(gathered[2], [i.shape[0] for i in indices], axis=1)
+                       if indices else [])
+        values = self.wire.decode(gathered[:2], sum(sizes), tf.float32)  # (N, every element)
+        out = []
+        for part, g, rows, shape in zip(tf.split(values, sizes, axis=1), grads, sliced, shapes):
+            dtype = sparse_gradients.values(g).dtype
+            if rows:
+                out.append(tf.IndexedSlices(
+                    tf.cast(tf.reshape(part, [-1, *shape[1:]]), dtype),
+                    tf.reshape(next(rows_of), [-1]), g.dense_shape))
+            else:
+                out.append(tf.cast(tf.reshape(tf.reduce_sum(part, 0), shape), dtype))
+        return out
 
 
 class PowerSGDCompression:
     """A reduce part whose matrix gradients cross devices as rank-`rank`
     factors (PowerSGD: Vogels et al. 2019), with error feedback and warm start.
 
-    Each floating gradient of rank >= 2, seen as a matrix M (its first axis
-    by the rest, n x m), plus the replica's residual: P = M Q is all-reduced
+    Each floating gradient of rank >= 2, seen as a matrix M (its other axes
+    by its last, n x m: a Dense kernel as it is, a convolution's kernel as
+    kernel positions x input channels by output channels), plus the
+    replica's residual: P = M Q is all-reduced
     (Q, m x rank, the same on every replica), orthonormalised (QR), then
     Q = M^T P all-reduced, and P Q^T is the summed gradient's rank-`rank`
     approximation. Each replica keeps M minus its share of it (1/N of the
@@ -356,7 +370,7 @@ class PowerSGDCompression:
             shape = tf.TensorShape(w.shape)
             if shape.rank < 2 or not tf.as_dtype(w.dtype).is_floating:
                 continue
-            n, m = shape[0], shape.num_elements() // shape[0]
+            n, m = shape.num_elements() // shape[-1], shape[-1]
             if self.rank * (n + m) >= n * m:
                 continue
             self.factors[i] = (
@@ -381,12 +395,13 @@ class PowerSGDCompression:
         gradient's shape and dtype) of `grads` (at `positions`); updates the
         residuals and Q's."""
         factors = [self.factors[k] for k in positions]
-        summed = lambda tensors: self.inner.with_states(tensors, [])[0]  # noqa: E731
+        launcher = self.mesh.data_launcher()  # (no merge call: it also runs in a cond)
+        summed = lambda tensors: data_group_sum(tensors, launcher)  # noqa: E731
         ms, qs = [], []
         for grad, (residual, q) in zip(grads, factors):
             shape = residual.layout.shape[1:]  # (slices made dense have no static shape)
             matrix = tf.reshape(tf.convert_to_tensor(grad), shape) + ReplicaState.own(residual)
-            ms.append(tf.reshape(tf.cast(matrix, tf.float32), [shape[0], -1]))
+            ms.append(tf.reshape(tf.cast(matrix, tf.float32), [-1, shape[-1]]))
             qs.append(ReplicaState.own(q))
         ps = [tf.linalg.qr(p).q for p in summed([tf.matmul(m, q) for m, q in zip(ms, qs)])]
         qs = summed([tf.matmul(m, p, transpose_a=True) for m, p in zip(ms, ps)])
@@ -401,6 +416,62 @@ class PowerSGDCompression:
             approximations.append(tf.cast(tf.reshape(approx, residual.layout.shape[1:]),
                                           sparse_gradients.values(grad).dtype))
         return approximations
+
+
+class WarmUp:
+    """A reduce part that sums the gradients whole while `warming_up()`
+    holds, and hands them to `compressed` after: compressing from the first
+    step, while the gradients change fastest, costs the most (PyTorch's
+    `start_powerSGD_iter`, Deep Gradient Compression's warm-up, 1-bit
+    Adam's). Both phases are branches of one `tf.cond` (every gradient dense
+    in both: one structure); the metric states are summed before it, by
+    `compressed.inner`, in a collective of their own.
+
+    Args:
+        compressed: the compressing reduce part (`TopKCompression`,
+            `PowerSGDCompression`, `OneBitReduce`), its `init` called.
+        warming_up: returns whether the coming step is a warm-up one (a
+            boolean tensor), such as `lambda: optimizer.iterations < 100`.
+        mesh: the strategy's `replica_mesh` (the sums are over its data group).
+        weights: the model's trainable weights (the gradients' shapes).
+
+    Example:
+
+    ```python
+    reduce = WarmUp(TopKCompression(AllReduce(), 0.01, mesh),
+                    lambda: model.optimizer.iterations < 100, mesh, model.trainable_weights)
+    ```
+    """
+
+    def __init__(self, compressed, warming_up, mesh, weights):
+        self.compressed = compressed
+        self.warming_up = warming_up
+        self.mesh = mesh
+        self.shapes = [tf.TensorShape(w.shape) for w in weights]
+
+    def __call__(self, grads):
+        return self.with_states(grads, [])[0]
+
+    def with_states(self, grads, states):
+        """(the summed `grads`, dense; `states` summed)."""
+        _, states = self.compressed.inner.with_states([], states)
+        present = [k for k, g in enumerate(grads) if g is not None]
+        dense = [None] * len(grads)
+        for k in present:  # (an Embedding's slices made dense: given their static shape)
+            dense[k] = tf.reshape(tf.convert_to_tensor(grads[k]), self.shapes[k])
+        launcher = self.mesh.data_launcher()  # (a merge call cannot run in a cond)
+
+        def whole():
+            return data_group_sum([dense[k] for k in present], launcher)
+
+        def compressed():
+            reduced, _ = self.compressed.with_states(dense, [])
+            return [reduced[k] for k in present]
+
+        out = [None] * len(grads)
+        for k, g in zip(present, tf.cond(self.warming_up(), whole, compressed)):
+            out[k] = g
+        return out, states
 
 
 def _compressed(grads, states, chosen, compress, inner, name):
@@ -419,24 +490,9 @@ def _compressed(grads, states, chosen, compress, inner, name):
     return out, states
 
 
-def _packed(values):
-    """bfloat16 `values` [..., d] as float32 [..., ceil(d / 2)]: each pair's
-    bits (gathered as they are: a gather copies, it never computes).
-
-    Example:
-
-    >>> v = tf.constant([[1.0, -2.0, 3.5]], tf.bfloat16)
-    >>> _unpacked(_packed(v), 3).numpy().tolist()
-    [[1.0, -2.0, 3.5]]
-    """
-    if values.shape[-1] % 2:
-        values = tf.pad(values, [[0, 0]] * (values.shape.rank - 1) + [[0, 1]])
-    pairs = tf.reshape(values, tf.concat([tf.shape(values)[:-1], [-1, 2]], 0))
-    return tf.bitcast(pairs, tf.float32)
-
-
-def _unpacked(packed, width):
-    """The bfloat16 values `_packed` made, `width` of them per row."""
-    halves = tf.bitcast(packed, tf.bfloat16)
-    flat = tf.reshape(halves, tf.concat([tf.shape(halves)[:-2], [-1]], 0))
-    return flat[..., :width]
+def _sends_rows(grad, shape) -> bool:
+    """Whether `grad` (of a weight of `shape`) is slices of fewer rows than
+    the weight whose number the trace knows (each replica's then have the
+    same: all-gathered as they are)."""
+    return (sparse_gradients.is_sparse(grad) and grad.indices.shape.is_fully_defined()
+            and grad.indices.shape[0] < shape[0])

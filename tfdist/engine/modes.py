@@ -58,6 +58,7 @@ from tfdist.engine.compression import (
     Int8Compression,
     PowerSGDCompression,
     TopKCompression,
+    WarmUp,
 )
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
 from tfdist.engine.reduce import AllReduce, AlreadyReduced, DataGroupAllReduce, ShardedReduce
@@ -81,6 +82,7 @@ from tfdist.sharding.creation import whole_where_not_kept
 from tfdist.sharding.layout import AxisLayout
 from tfdist.sharding.peak import predict_peak
 from tfdist.sharding.replica_state import state_of
+from tfdist.sharding.wire import CastWire, Wire
 from tfdist.tensor import plan as tensor_plan
 
 
@@ -193,6 +195,8 @@ class StepPlan:
         pipeline: the `PipelineCompute` once stages are placed.
         compute, reduce, update: the step's parts (None: the default's).
         whole: the reduce part of gradients reduced whole.
+        wire: how ZeRO's reduce-scatters and zero=3's parameter gathers
+            send values (`tfdist.sharding.wire`).
 
     Example:
 
@@ -211,6 +215,7 @@ class StepPlan:
     reduce: Any = None
     update: Any = None
     whole: Any = dataclasses.field(default_factory=AllReduce)
+    wire: Wire = dataclasses.field(default_factory=Wire)
 
     @property
     def strategy(self):
@@ -427,13 +432,14 @@ class Zero(Mode):
             plan.update = plan.flavour.sharded_update(config.zero, mesh)
         layouts = plan.update.layouts
         if config.zero < 3:
-            plan.reduce = ShardedReduce(layouts, config.zero, mesh, plan.whole)
+            plan.reduce = ShardedReduce(layouts, config.zero, mesh, plan.whole, plan.wire)
             return
         if plan.pipeline is not None:  # the stages gather and reduce-scatter
-            zero3.gather_stage_parameters(plan.pipeline, layouts, plan.whole)
+            zero3.gather_stage_parameters(plan.pipeline, layouts, plan.whole, plan.wire)
         else:  # the units gather them
             units = zero3.GatheredUnits(plan.model, layouts, plan.strategy.pipeline_devices,
-                                        mesh, plan.whole, config.zero3_unit_params)
+                                        mesh, plan.whole, config.zero3_unit_params,
+                                        plan.wire)
             plan.compute = PipelinedCompute(plan.model, config.microbatches, units, mesh)
         plan.reduce = AlreadyReduced(plan.whole)
 
@@ -452,10 +458,11 @@ class Zero(Mode):
 
 class Compression(Mode):
     """`compression`: the step's gradient collectives in a narrower dtype, or
-    gathered as int8 blocks or each replica's Top-K: wraps the whole reduce
-    after `tensor` chose it, and ZeRO's reduce after `zero` built it (after
-    both in the table's order). Top-K's residuals are the step's
-    `ReplicaState`, made here."""
+    gathered as int8 blocks or each replica's Top-K, or PowerSGD's factors:
+    wraps the whole reduce after `tensor` chose it, and gives the wire of
+    ZeRO's reduce-scatters and zero=3's gathers, which `zero` builds after
+    (the shard phase follows the split). The residuals of Top-K and
+    PowerSGD are the step's `ReplicaState`, made here."""
 
     name = "compression"
 
@@ -468,20 +475,23 @@ class Compression(Mode):
         config = plan.config
         if config.compression in CAST_DTYPES:
             plan.whole = CastCompression(plan.whole, CAST_DTYPES[config.compression])
+            plan.wire = CastWire(CAST_DTYPES[config.compression])
             return
+        inner = plan.whole
+        if config.compression_warmup:  # (compressing in a cond's branch: no merge call)
+            inner = DataGroupAllReduce(plan.mesh, bucket_bytes=config.bucket_bytes)
         if config.topk_fraction is not None:
-            plan.whole = TopKCompression(plan.whole, config.topk_fraction, plan.mesh)
+            plan.whole = TopKCompression(inner, config.topk_fraction, plan.mesh)
         elif config.powersgd_rank is not None:
-            plan.whole = PowerSGDCompression(plan.whole, config.powersgd_rank, plan.mesh)
+            plan.whole = PowerSGDCompression(inner, config.powersgd_rank, plan.mesh)
         else:
             plan.whole = Int8Compression(plan.whole, plan.mesh)
-        plan.whole.init(state_of(plan.model), plan.model.trainable_weights)
-
-    def shard(self, plan):
-        if plan.reduce is not None and plan.config.compression in CAST_DTYPES:
-            # ZeRO's reduce-scatter (its whole part compresses)
-            plan.reduce = CastCompression(plan.reduce, CAST_DTYPES[plan.config.compression],
-                                          sparse=False)
+            plan.wire = plan.whole.wire
+        weights = plan.model.trainable_weights
+        plan.whole.init(state_of(plan.model), weights)
+        if config.compression_warmup:
+            iterations, steps = plan.flavour.optimizer.iterations, config.compression_warmup
+            plan.whole = WarmUp(plan.whole, lambda: iterations < steps, plan.mesh, weights)
 
 
 class OneBit(Mode):
@@ -516,8 +526,10 @@ class OneBit(Mode):
                 f"or use keras.optimizers.Adam.")
 
     def split(self, plan):
-        plan.whole = OneBitReduce(plan.whole, plan.flavour.optimizer, plan.mesh)
-        plan.whole.init(state_of(plan.model), plan.model.trainable_weights)
+        optimizer, weights = plan.flavour.optimizer, plan.model.trainable_weights
+        compressed = OneBitReduce(plan.whole, optimizer, plan.mesh)
+        compressed.init(state_of(plan.model), weights)
+        plan.whole = WarmUp(compressed, optimizer.warming_up, plan.mesh, weights)
 
 
 # The table, in the order modes are checked, prepared within a phase, and described.

@@ -226,6 +226,8 @@ class ShardedReduce:
         whole: the reduce part for what is reduced whole (every gradient
             under `zero=1`, sparse ones, the metric states): `AllReduce`, or
             with tensor groups `DataGroupAllReduce`.
+        wire: how the reduce-scatter's gradients travel (a
+            `tfdist.sharding.wire.Wire`; as they are if None).
 
     Example:
 
@@ -234,11 +236,12 @@ class ShardedReduce:
     ```
     """
 
-    def __init__(self, layouts, zero: int, mesh, whole):
+    def __init__(self, layouts, zero: int, mesh, whole, wire=None):
         self.layouts = layouts
         self.zero = zero
         self.mesh = mesh
         self._full = whole
+        self.wire = wire
 
     def __call__(self, grads):
         return self.with_states(grads, [])[0]
@@ -251,27 +254,23 @@ class ShardedReduce:
         positions = [i for i, g in enumerate(grads) if g is not None]
         if not positions:
             raise ValueError("No gradients provided for any variable.")
-        present = [grads[i] for i in positions]
-        layouts = [self.layouts[i] for i in positions]
         context = tf.distribute.get_replica_context()
         # This replica's shard index: its place in its data group.
         index = context.replica_id_in_sync_group // mesh.tensor
         # Sparse gradients are gathered whole (their slices, as tf.distribute
         # does), and each replica keeps the parts inside its shard.
-        gathered = [k for k, g in enumerate(present)
-                    if self.zero == 1 or sparse_gradients.is_sparse(g)]
-        scattered = [k for k in range(len(present)) if k not in gathered]
-        shards = [None] * len(present)
-        full, states = self._full.with_states([present[k] for k in gathered], states)
-        for k, g in zip(gathered, full):
-            shards[k] = layouts[k].shard(g, index)
+        gathered = [i for i in positions
+                    if self.zero == 1 or sparse_gradients.is_sparse(grads[i])]
+        scattered = [i for i in positions if i not in gathered]
+        shards = {}
+        full, states = self._full.with_states(
+            [g if i in gathered else None for i, g in enumerate(grads)], states)
+        for i in gathered:
+            shards[i] = self.layouts[i].shard(full[i], index)
         if scattered:
-            parts = packed_reduce_scatter([present[k] for k in scattered],
-                                          [layouts[k] for k in scattered],
-                                          mesh.data_launcher())
-            for k, g in zip(scattered, parts):  # times t: see DataGroupAllReduce
-                shards[k] = g * tf.cast(mesh.tensor, g.dtype) if mesh.tensor > 1 else g
-        out = [None] * len(grads)
-        for i, shard in zip(positions, shards):
-            out[i] = shard
-        return out, states
+            parts = packed_reduce_scatter([grads[i] for i in scattered],
+                                          [self.layouts[i] for i in scattered],
+                                          mesh.data_launcher(), self.wire)
+            for i, g in zip(scattered, parts):  # times t: see DataGroupAllReduce
+                shards[i] = g * tf.cast(mesh.tensor, g.dtype) if mesh.tensor > 1 else g
+        return [shards.get(i) for i in range(len(grads))], states

@@ -10,8 +10,8 @@ feedback.
 
 Alone (one device, or a strategy that does not compress) it is exactly that
 optimizer. Under a tfdist strategy's data parallelism its step's reduce part
-is `OneBitReduce`: during the warm-up the gradients are all-reduced as they
-are; then each replica computes its own momentum from its gradient,
+is `OneBitReduce` after a `WarmUp`: during the warm-up the gradients are
+all-reduced as they are; then each replica computes its own momentum from its gradient,
 `beta_1 * m + (1 - beta_1) * N * g` (the mean of which is Adam's momentum of
 the global batch), adds its residual, and sends the signs, one bit per
 element packed 32 to an int32, and one scale per tensor (its L2 norm over
@@ -38,7 +38,6 @@ from keras import ops
 
 from tfdist._compat.keras_optimizer import variable_index
 from tfdist.engine.compression import GatheredCompression
-from tfdist.engine.reduce import data_group_sum
 from tfdist.sharding.replica_state import ReplicaState
 
 _BITS = np.array([1, 2, 4, 8, 16, 32, 64, 128], np.int32)  # (no tensor at import)
@@ -138,10 +137,10 @@ class OneBitAdam(keras.optimizers.Optimizer):
 
 
 class OneBitReduce(GatheredCompression):
-    """The reduce part of a step whose optimizer is `OneBitAdam`: the
-    gradients all-reduced by `inner` during the warm-up; then each replica's
-    momentum as signs and a scale per tensor, with error feedback, averaged
-    by every replica (see the module).
+    """The reduce part of a step whose optimizer is `OneBitAdam`, after its
+    warm-up (`tfdist.engine.compression.WarmUp`): each replica's momentum as
+    signs and a scale per tensor, with error feedback, averaged by every
+    replica (see the module).
 
     Args:
         inner: the reduce part it stands for (`AllReduce`).
@@ -153,6 +152,8 @@ class OneBitReduce(GatheredCompression):
     ```python
     reduce = OneBitReduce(AllReduce(), model.optimizer, strategy.replica_mesh)
     reduce.init(state_of(model), model.trainable_weights)   # the residuals
+    reduce = WarmUp(reduce, model.optimizer.warming_up, strategy.replica_mesh,
+                    model.trainable_weights)
     ```
     """
 
@@ -168,29 +169,6 @@ class OneBitReduce(GatheredCompression):
         super().init(state, weights)
         self.weights = list(weights)
         self.residuals = self._residuals(state, weights, "one_bit_residual")
-
-    def with_states(self, grads, states):
-        """During the warm-up the gradients summed whole, then the compressed
-        momenta's (each gradient dense either way: one structure for both);
-        `states` summed by `inner`, in a collective of their own."""
-        _, states = self.inner.with_states([], states)
-        present = [k for k, g in enumerate(grads) if g is not None]
-        dense = [None] * len(grads)
-        for k in present:  # (an Embedding's slices made dense: given their static shape)
-            dense[k] = tf.reshape(tf.convert_to_tensor(grads[k]), self.shapes[k])
-        launcher = self.mesh.data_launcher()  # (a merge call cannot run in a cond)
-
-        def full():
-            return data_group_sum([dense[k] for k in present], launcher)
-
-        def compressed():
-            reduced, _ = GatheredCompression.with_states(self, dense, [])
-            return [reduced[k] for k in present]
-
-        out = [None] * len(grads)
-        for k, g in zip(present, tf.cond(self.optimizer.warming_up(), full, compressed)):
-            out[k] = g
-        return out, states
 
     def encode(self, flats, positions):
         """[each momentum's signs, 32 to an int32; a float32 scale per tensor]."""

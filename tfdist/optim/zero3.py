@@ -211,11 +211,11 @@ def unit_weights(unit):
                  for v in getattr(layer, "trainable_weights", ())}.values())
 
 
-def gather(variables, layouts, dtypes, launcher=None):
+def gather(variables, layouts, dtypes, launcher=None, wire=None):
     """The full values of sharded `variables` (their `ShardLayout`s
     `layouts`) in `dtypes` (each shard cast before it is sent), all-gathered
     in one packed collective per dtype (replica context; over `launcher`'s
-    group if given, else every replica).
+    group if given, else every replica; sent as `wire` encodes them).
 
     Example:
 
@@ -224,10 +224,10 @@ def gather(variables, layouts, dtypes, launcher=None):
     ```
     """
     return packed_all_gather([tf.cast(storage_of(v).value(), dtype)
-                              for v, dtype in zip(variables, dtypes)], layouts, launcher)
+                              for v, dtype in zip(variables, dtypes)], layouts, launcher, wire)
 
 
-def gather_stage_parameters(pipeline, layouts, whole):
+def gather_stage_parameters(pipeline, layouts, whole, wire=None):
     """Makes a `PipelineCompute` (its stages placed, its model's parameters
     then sharded by `ShardedUpdate(model, 3, mesh)`, `layouts` aligned with
     the trainable weights) compute with gathered parameters: each stage's
@@ -235,8 +235,9 @@ def gather_stage_parameters(pipeline, layouts, whole):
     device of every replica), on the stage's device, for every forward and
     replay; and reduce-scatter each stage's gradients there, over the same
     group, so that no device holds more than its stage's whole gradients
-    (`whole`: the reduce part of those reduced whole, sparse ones). The
-    step's reduce part is then `AlreadyReduced`.
+    (`whole`: the reduce part of those reduced whole, sparse ones), both
+    sent as `wire` encodes them. The step's reduce part is then
+    `AlreadyReduced`.
 
     Example:
 
@@ -257,24 +258,30 @@ def gather_stage_parameters(pipeline, layouts, whole):
             "`zero=3` with `pipeline` runs in one process in this version (its "
             "replicas' stage devices all local): use zero <= 2 across workers.")
     mesh = pipeline.mesh  # (its data launcher is the current stage's: `mesh.stage`)
-    pipeline.gather_stages(_gathering(model, layouts, mesh))
+    pipeline.gather_stages(_gathering(model, layouts, mesh, wire))
     # (no weight is on two stages)
-    pipeline.reduce_scatter_stages(_scattering(layouts, mesh, whole))
+    pipeline.reduce_scatter_stages(_scattering(layouts, mesh, whole, wire))
 
 
-def _scattering(layouts, mesh, whole):
+def _scattering(layouts, mesh, whole, wire):
     """A staged compute's `scatter`: this replica's shards of the reduced
     gradients of weights given by index (`layouts` aligned with the model's
     trainable weights), reduce-scattered over the data group of `mesh` (the
     current stage's)."""
+    reduce = ShardedReduce(layouts, 2, mesh, whole, wire)
 
     def scatter(indices, grads):
-        return ShardedReduce([layouts[index] for index in indices], 2, mesh, whole)(grads)
+        # (aligned with the model's weights, as the whole reduce takes them)
+        aligned = [None] * len(layouts)
+        for index, grad in zip(indices, grads):
+            aligned[index] = grad
+        shards = reduce(aligned)
+        return [shards[index] for index in indices]
 
     return scatter
 
 
-def _gathering(model, layouts, mesh):
+def _gathering(model, layouts, mesh, wire):
     """A runner's `gather`: the full values of its weights from their shards
     (`layouts` aligned with `model.trainable_weights`), in the dtypes their
     layers compute with, over the data group of `mesh` (the current stage's:
@@ -284,7 +291,7 @@ def _gathering(model, layouts, mesh):
 
     def gather_weights(variables):
         return gather(variables, [layouts[index[id(v)]] for v in variables],
-                      [dtypes[id(v)] for v in variables], mesh.data_launcher())
+                      [dtypes[id(v)] for v in variables], mesh.data_launcher(), wire)
 
     return gather_weights
 
@@ -332,6 +339,8 @@ class GatheredUnits(StagedCompute):
         whole: the reduce part of gradients reduced whole (sparse ones):
             `AllReduce`, or with tensor groups `DataGroupAllReduce`.
         min_params: the fewest parameters of a unit (`plan_units`).
+        wire: how the units' parameters and gradients travel (a
+            `tfdist.sharding.wire.Wire`; as they are if None).
 
     Called in replica context with one (x, y, sample_weight, share, size)
     per microbatch; returns (this replica's shard of each reduced gradient,
@@ -346,13 +355,13 @@ class GatheredUnits(StagedCompute):
     ```
     """
 
-    def __init__(self, model, layouts, devices, mesh, whole, min_params=0):
+    def __init__(self, model, layouts, devices, mesh, whole, min_params=0, wire=None):
         units = plan_units(model, min_params)
         super().__init__(model, units, devices, [0] * len(units),
                          [StageRunner(unit, model.trainable_weights, shared=True)
                           for unit in units], mesh)
-        self.gather = _gathering(model, layouts, mesh)
-        self.scatter = _scattering(layouts, mesh, whole)
+        self.gather = _gathering(model, layouts, mesh, wire)
+        self.scatter = _scattering(layouts, mesh, whole, wire)
 
     def program(self, microbatches):
         return unit_program(len(self.runners), microbatches)

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfdist._compat import tf_collectives
 from tfdist._compat.tf_distribute import current_local_replica_id
+from tfdist.sharding.wire import Wire
 
 
 def _launcher():
@@ -33,10 +34,12 @@ def _launcher():
                                             current_local_replica_id())
 
 
-def reduce_scatter(rows, launcher=None):
+def reduce_scatter(rows, launcher=None, wire=None):
     """Sums `rows` (shape `(N, m)`, N replicas) across replicas; returns this
     replica's row of the sum, shape `(m,)` (with a subgroup's `launcher`: N
-    is the group's size, the row the replica's place in it).
+    is the group's size, the row the replica's place in it). With a `wire`
+    (`tfdist.sharding.wire`), the rows travel as it encodes them and are
+    summed decoded.
 
     Example (in replica context, 4 replicas):
 
@@ -46,8 +49,10 @@ def reduce_scatter(rows, launcher=None):
     ```
     """
     launcher = launcher or _launcher()
+    wire = wire or Wire()
     with tf.device(tf_collectives.launcher_device(launcher)):
-        return tf.reduce_sum(tf_collectives.all_to_all(launcher, rows), axis=0)
+        received = [tf_collectives.all_to_all(launcher, part) for part in wire.encode(rows)]
+        return tf.reduce_sum(wire.decode(received, rows.shape[1], rows.dtype), axis=0)
 
 
 def all_gather(row, launcher=None):
@@ -66,9 +71,10 @@ def all_gather(row, launcher=None):
                                      tf_collectives.launcher_options(launcher))
 
 
-def packed_reduce_scatter(grads, layouts, launcher=None):
+def packed_reduce_scatter(grads, layouts, launcher=None, wire=None):
     """Reduce-scatter of every gradient, one collective per dtype (over
-    `launcher`'s group if given, else every replica).
+    `launcher`'s group if given, else every replica; one per tensor `wire`
+    encodes with).
 
     Example:
 
@@ -77,13 +83,14 @@ def packed_reduce_scatter(grads, layouts, launcher=None):
     ```
     """
     return _per_dtype(grads, layouts,
-                      lambda rows: reduce_scatter(tf.concat(rows, 1), launcher),
+                      lambda rows: reduce_scatter(tf.concat(rows, 1), launcher, wire),
                       lambda layout, g: layout.rows(g))
 
 
-def packed_all_gather(shards, layouts, launcher=None):
+def packed_all_gather(shards, layouts, launcher=None, wire=None):
     """Every replica's shards (of `launcher`'s group if given), gathered into
-    full values; one collective per dtype.
+    full values; one collective per dtype (per tensor `wire` encodes with:
+    the shards travel as it encodes them).
 
     Example:
 
@@ -91,8 +98,12 @@ def packed_all_gather(shards, layouts, launcher=None):
     full = packed_all_gather(updated_shards, layouts)   # in replica context
     ```
     """
+    wire = wire or Wire()
+
     def gather(parts):
-        return all_gather(tf.concat(parts, 0), launcher)
+        row = tf.concat(parts, 0)
+        return wire.decode([all_gather(t, launcher) for t in wire.encode(row)],
+                           row.shape[0], row.dtype)
 
     gathered = _per_dtype(shards, layouts, gather, lambda layout, s: s, axis=1)
     return [layout.unshard(rows) for layout, rows in zip(layouts, gathered)]
