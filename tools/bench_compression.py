@@ -2,26 +2,28 @@
 
     python tools/bench_compression.py [--models=gpt2,convnet]
         [--compressions=none,bf16,fp16,int8,topk:0.01,powersgd:4] [--steps=400]
-        [--out=results.jsonl]
+        [--out=results.jsonl] [--plot=docs/compression_loss.png]
 
 For each model and `compression`, `tfdist.Strategy(data=4, compression=...)` on 4
 logical CPU devices trains the same model from the same weights on the same
 batches for `--steps` steps of `model.fit`, then reads from the traced step the
 bytes replica 0 sends into the reduce part's collectives per step (the
-gradients and the metric states; a sparse gradient's gathered slices, inside
-functions tf.distribute builds, are not counted) and takes the mean training
-loss of the last 20 steps. One JSON line per run, with the ratios to the
+gradients, a sparse gradient's gathered slices, the metric states) and takes
+the mean training loss of the last 20 steps. One JSON line per run, with the ratios to the
 uncompressed run of the same model and optimizer; then a markdown table.
 PowerSGD runs with SGD 0.05 (momentum 0.9), as in its paper, beside an
 uncompressed SGD run; the others with Adam; and `tfdist.optim.OneBitAdam`
-(`--one_bit_adam_warmup` steps, then its momenta as signs) beside Adam, its
-bytes those of a step after the warm-up.
+(`--one_bit_adam_warmup` steps, then its momenta as signs) beside Adam. Top-K
+and PowerSGD start after `--compression_warmup` steps; the bytes of these
+three are those of a step after the warm-up.
 
-Models: keras-hub `GPT2Backbone` (vocabulary 512, 2 blocks, width 64, 4
-heads, MLP 128, sequence 32) with a Dense token classifier, tokens whose
-next token is a fixed function of them, Adam 1e-3, batch 32; and a small
-keras-io style convnet (two Conv2D, pooling, Dense) on random 16x16 images
-labelled by their mean, Adam 1e-3, batch 64.
+Models, each seeing every batch once (the loss falls towards the data's own
+floor, as on real data, not to zero): keras-hub `GPT2Backbone` (vocabulary
+512, 2 blocks, width 64, 4 heads, MLP 128, sequence 32) with a Dense token
+classifier, on the text of a random Markov chain (each token followed by one
+of 8 with its own odds), Adam 1e-3, batch 32; and keras-io's simple MNIST
+convnet (Conv2D 32, pooling, Conv2D 64, pooling, Dense) on random 16x16
+images labelled by the tercile of their mean plus noise, Adam 1e-3, batch 64.
 """
 
 import time
@@ -38,18 +40,24 @@ flags.DEFINE_list("models", list(MODELS), f"Models: {', '.join(MODELS)}.")
 flags.DEFINE_list("compressions", ["none", "bf16", "fp16", "int8", "topk:0.01", "powersgd:4"],
                   "Compressions to run (the first \"none\" is the reference).")
 flags.DEFINE_integer("steps", 400, "Training steps per run.")
+flags.DEFINE_integer("compression_warmup", 100,
+                     "`compression_warmup` of the Top-K and PowerSGD runs.")
 flags.DEFINE_integer("one_bit_adam_warmup", 100,
                      "Warm-up steps of a OneBitAdam run beside the Adam ones (0: none).")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
+flags.DEFINE_string("plot", None, "Also plot every run's loss curve into this PNG file.")
 FLAGS = flags.FLAGS
 DEVICES = 4
 VOCAB, SEQ = 512, 32
+# The name scopes of the compressions that follow a warm-up.
+COMPRESSED_SCOPES = ("/topk/", "/powersgd/", "/one_bit/")
 
 
 def make(name, optimizer_name="adam"):
     """(model, inputs, labels, batch size) of `name`, weights from seed 0,
     compiled with Adam 1e-3, ("sgd") SGD 0.05 with momentum 0.9, or
-    ("one_bit_adam") `tfdist.optim.OneBitAdam` 1e-3."""
+    ("one_bit_adam") `tfdist.optim.OneBitAdam` 1e-3; `--steps` batches of
+    data, each seen once."""
     import keras
 
     keras.utils.set_random_seed(0)
@@ -66,51 +74,99 @@ def make(name, optimizer_name="adam"):
             vocabulary_size=VOCAB, num_layers=2, num_heads=4, hidden_dim=64,
             intermediate_dim=128, max_sequence_length=SEQ, dropout=0.0)
         model = keras.Model(body.input, keras.layers.Dense(VOCAB)(body.output))
-        x = rng.integers(0, VOCAB, size=(1024, SEQ)).astype("int32")
-        inputs, labels, batch = {"token_ids": x, "padding_mask": np.ones_like(x)}, \
-            (x * 3 + 1) % VOCAB, 32
+        batch = 32
+        x, labels = markov_text(rng, FLAGS.steps * batch)
+        inputs = {"token_ids": x, "padding_mask": np.ones_like(x)}
     else:
         model = keras.Sequential([
-            keras.Input((16, 16, 3)), keras.layers.Conv2D(16, 3, activation="relu"),
-            keras.layers.MaxPooling2D(), keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(3)])
-        images = rng.normal(size=(1024, 16, 16, 3)).astype("float32")
-        mean = images.mean(axis=(1, 2, 3))
-        inputs, labels, batch = images, np.digitize(mean, np.quantile(mean, [1 / 3, 2 / 3])), 64
+            keras.Input((16, 16, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(), keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.MaxPooling2D(), keras.layers.Flatten(), keras.layers.Dense(3)])
+        batch = 64
+        inputs = rng.normal(size=(FLAGS.steps * batch, 16, 16, 3)).astype("float32")
+        mean = inputs.mean(axis=(1, 2, 3)) + rng.normal(0, 0.01, size=len(inputs))
+        labels = np.digitize(mean, np.quantile(mean, [1 / 3, 2 / 3]))
     model.compile(optimizer=optimizer, loss=loss)
     return model, inputs, labels, batch
 
 
+def markov_text(rng, sequences, successors=8):
+    """(tokens, next tokens), each (sequences, SEQ): text of a random Markov
+    chain in which each token is followed by one of `successors` tokens,
+    with probabilities of its own (the loss cannot fall below the chain's
+    entropy, as on real text)."""
+    following = rng.integers(0, VOCAB, size=(VOCAB, successors))
+    odds = rng.dirichlet(np.ones(successors), size=VOCAB).cumsum(axis=1)
+    text = np.empty((sequences, SEQ + 1), dtype="int32")
+    text[:, 0] = rng.integers(0, VOCAB, size=sequences)
+    for t in range(SEQ):
+        now = text[:, t]
+        pick = (rng.random((sequences, 1)) > odds[now]).sum(axis=1)
+        text[:, t + 1] = following[now, np.minimum(pick, successors - 1)]
+    return text[:, :-1], text[:, 1:]
+
+
 def reduce_bytes(model):
-    """Bytes replica 0 sends into the reduce part's collectives per step; of
-    a cond's branches (OneBitAdam's), those of the one after its warm-up."""
+    """Bytes replica 0 sends into the reduce part's collectives per step:
+    those of the step and of tf.distribute's gather of a sparse gradient's
+    slices (the branch of its cond for replicas sending as many rows); after
+    a warm-up (`compression_warmup`, OneBitAdam's), those of the branch
+    that compresses."""
     graph = step_graph(model)
-    branches = [f.graph for name, f in graph._functions.items()
-                if "cond_false" in name and "replica_" not in name]
-    return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
-               for g in [graph] + branches for op in g.get_operations()
-               if op.type.startswith("Collective") and "tfdist/reduce/" in op.name
-               and (op.device.endswith("CPU:0") if g is graph else "/one_bit/" in op.name))
+    conds = {name: f.graph for name, f in graph._functions.items()
+             if name.startswith("tfdist_reduce_cond")}
+
+    def sent(g, scopes):
+        return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
+                   for op in g.get_operations() if op.type.startswith("Collective")
+                   and op.device.endswith("CPU:0") and any(s in op.name for s in scopes))
+
+    compressing = [g for name, g in conds.items()
+                   if "cond_false" in name and sent(g, COMPRESSED_SCOPES)]
+    branches = [(g, COMPRESSED_SCOPES) for g in compressing] or [
+        (g, ("",)) for name, g in conds.items() if "cond_true" in name]
+    return sent(graph, ("tfdist/reduce/",)) + sum(sent(g, scopes) for g, scopes in branches)
 
 
 def run(name, compression, optimizer):
     import keras
 
-    strategy = tfdist.Strategy(data=DEVICES, compression=compression)
+    warmup = FLAGS.compression_warmup if compression.startswith(("topk", "powersgd")) else 0
+    strategy = tfdist.Strategy(data=DEVICES, compression=compression,
+                               compression_warmup=warmup)
     with strategy.scope():
         model, inputs, labels, batch = make(name, optimizer)
     losses = []
     record = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda step, logs: losses.append(float(logs["loss"])))
-    epochs = -(-FLAGS.steps // (len(labels) // batch))
     start = time.perf_counter()
-    model.fit(inputs, labels, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+    model.fit(inputs, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0,
               callbacks=[record])
     seconds = time.perf_counter() - start
     return dict(bench="compression", model=name, compression=compression, optimizer=optimizer,
                 steps=len(losses), reduce_bytes_per_step=reduce_bytes(model),
-                final_loss=float(np.mean(losses[-20:])), fit_seconds=round(seconds, 1))
+                final_loss=float(np.mean(losses[-20:])),
+                fit_seconds=round(seconds, 1)), losses
+
+
+def plot(curves, path):
+    """A PNG at `path`: per model, each run's training loss (mean of 20 steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({model for model, _ in curves}, key=list(MODELS).index)
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for axis, model in zip(axes[0], models):
+        for (name, run_name), losses in curves.items():
+            if name == model:
+                smooth = np.convolve(losses, np.ones(20) / 20, mode="valid")
+                axis.plot(np.arange(len(smooth)) + 20, smooth, label=run_name, linewidth=1)
+        axis.set(title=f"{model}, data=4", xlabel="step", ylabel="training loss (mean of 20)")
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
 
 
 def main(argv):
@@ -123,10 +179,12 @@ def main(argv):
     runs += [("none", "sgd")] + sgd if sgd else []
     if FLAGS.one_bit_adam_warmup:  # against the Adam runs' "none"
         runs.append(("none", "one_bit_adam"))
+    curves = {}
     for name in FLAGS.models:
         plains = {}
         for compression, optimizer in runs:
-            result = run(name, compression, optimizer)
+            result, curves[name, f"{compression}, {optimizer}"] = run(name, compression,
+                                                                     optimizer)
             if compression == "none" and optimizer != "one_bit_adam":
                 plains[optimizer] = result
             plain = plains.get("adam" if optimizer == "one_bit_adam" else optimizer)
@@ -142,6 +200,8 @@ def main(argv):
         print(f"| {r['model']} | {r['compression']} | {r['optimizer']} | {r['steps']} | "
               f"{r['reduce_bytes_per_step']:,} | {r.get('bytes_ratio', '-')} | "
               f"{r['final_loss']:.4f} | {r.get('loss_ratio', '-')} | {r['fit_seconds']} |")
+    if FLAGS.plot:
+        plot(curves, FLAGS.plot)
 
 
 if __name__ == "__main__":
