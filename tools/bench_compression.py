@@ -24,16 +24,36 @@ classifier, on the text of a random Markov chain (each token followed by one
 of 8 with its own odds), Adam 1e-3, batch 32; and keras-io's simple MNIST
 convnet (Conv2D 32, pooling, Conv2D 64, pooling, Dense) on random 16x16
 images labelled by the tercile of their mean plus noise, Adam 1e-3, batch 64.
+
+    python tools/bench_compression.py --link_mbit=100 [--link_workers=2]
+        [--link_steps=30] [--compressions=none,bf16,int8,topk:0.01,powersgd:4]
+
+Instead: the step time of each compression where the network is the
+bottleneck. `--link_workers` processes, each a host of `linked_hosts` (network
+namespaces on one bridge, each link `--link_mbit` Mbit/s each way; needs root),
+run `linked_worker.py` under `tfdist.MultiWorkerStrategy(compression=...)`
+(an MLP of 6.3 MB of gradients, SGD with momentum). The link's rate is
+measured first (a TCP stream between two hosts); then one JSON line per
+compression, the chief's median step time and its speedup over "none"; then
+"none" again on unlimited links (what the link costs it), and a markdown table.
 """
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
 from absl import app, flags
+from linked_hosts import linked_hosts, measure_mbit
 from traced import step_graph
 
 import tfdist
 from results import emit
+from tfdist.cluster.tf_config import TFConfig
 
 MODELS = ("gpt2", "convnet")
 flags.DEFINE_list("models", list(MODELS), f"Models: {', '.join(MODELS)}.")
@@ -46,6 +66,11 @@ flags.DEFINE_integer("one_bit_adam_warmup", 100,
                      "Warm-up steps of a OneBitAdam run beside the Adam ones (0: none).")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 flags.DEFINE_string("plot", None, "Also plot every run's loss curve into this PNG file.")
+flags.DEFINE_float("link_mbit", 0, "If > 0, instead: each compression's step time on workers "
+                   "whose links carry this many Mbit/s each way.")
+flags.DEFINE_integer("link_workers", 2, "Workers of the --link_mbit runs.",
+                     lower_bound=2, upper_bound=4)
+flags.DEFINE_integer("link_steps", 30, "Timed steps of a --link_mbit run (after 5 of warm-up).")
 FLAGS = flags.FLAGS
 DEVICES = 4
 VOCAB, SEQ = 512, 32
@@ -169,8 +194,84 @@ def plot(curves, path):
     figure.savefig(path, dpi=100)
 
 
+LINK_WORKER = pathlib.Path(__file__).with_name("linked_worker.py")
+LINK_PORT = 2222
+LINK_TIMEOUT = 900  # seconds a --link_mbit run may take before its workers are killed
+
+
+def linked_step_seconds(hosts, compression):
+    """The chief's median step time of `linked_worker.py` on `hosts`, one
+    worker in each namespace; every worker is killed if any fails or the run
+    takes over `LINK_TIMEOUT`."""
+    cluster = {"worker": [f"{address}:{LINK_PORT}" for _, address in hosts]}
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryDirectory() as logs:
+        workers = []
+        try:
+            for index, (namespace, _) in enumerate(hosts):
+                with open(f"{logs}/{index}.out", "w") as out, \
+                        open(f"{logs}/{index}.err", "w") as err:
+                    workers.append(subprocess.Popen(
+                        ["ip", "netns", "exec", namespace, sys.executable, str(LINK_WORKER),
+                         f"--compression={compression}", f"--steps={FLAGS.link_steps}"],
+                        env=dict(env, TF_CONFIG=TFConfig(cluster, "worker", index).to_json()),
+                        stdout=out, stderr=err))
+            deadline = time.monotonic() + LINK_TIMEOUT
+            while any(w.poll() is None for w in workers):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{compression}: still running after {LINK_TIMEOUT} s:\n"
+                                       + _tail(f"{logs}/0.err"))
+                if any(w.returncode for w in workers):
+                    break
+                time.sleep(1)
+            for index, worker in enumerate(workers):
+                if worker.returncode:
+                    raise RuntimeError(f"{compression}: worker {index} failed:\n"
+                                       + _tail(f"{logs}/{index}.err"))
+            return json.loads(pathlib.Path(f"{logs}/0.out").read_text().splitlines()[-1])
+        finally:
+            for worker in workers:
+                worker.kill()
+                worker.wait()
+
+
+def _tail(path):
+    return pathlib.Path(path).read_text()[-4000:]
+
+
+def run_linked():
+    """Each compression's step time on rate-limited links, then "none" on
+    unlimited ones."""
+    with linked_hosts(2, FLAGS.link_mbit) as ((receiver, address), (sender, _)):
+        measured = measure_mbit(receiver, address, sender)
+    rows, plain = [], None
+    for compression, mbit in [(c, FLAGS.link_mbit) for c in FLAGS.compressions] + [
+            ("none", None)]:
+        with linked_hosts(FLAGS.link_workers, mbit) as hosts:
+            result = linked_step_seconds(hosts, compression)
+        row = dict(bench="compression_link", workers=FLAGS.link_workers, mbit=mbit,
+                   compression=compression, step_seconds=round(result["step_seconds"], 4))
+        if mbit and compression == "none":
+            plain = row
+        if plain is not None:
+            row["speedup"] = round(plain["step_seconds"] / row["step_seconds"], 2)
+        emit(row, FLAGS.out)
+        rows.append(row)
+    print(f"\n{FLAGS.link_workers} workers, links of {FLAGS.link_mbit:g} Mbit/s each way "
+          f"(measured {measured:.1f}), median of {FLAGS.link_steps} steps\n"
+          "| link Mbit/s | compression | step s | speedup over none |\n|---|---|---|---|")
+    for r in rows:
+        link = f"{r['mbit']:g}" if r["mbit"] else "unlimited"
+        print(f"| {link} | {r['compression']} | {r['step_seconds']} | "
+              f"{r.get('speedup', '-')} |")
+
+
 def main(argv):
     del argv
+    if FLAGS.link_mbit > 0:
+        return run_linked()
     tfdist.use_virtual_devices(DEVICES)
     rows = []
     # PowerSGD with SGD, as its paper, beside an uncompressed SGD run.
