@@ -45,7 +45,6 @@ Example:
 
 import dataclasses
 import gc
-import warnings
 from typing import Any
 
 import keras
@@ -469,17 +468,6 @@ class Compression(Mode):
 
     def on(self, config, optimizer=None):
         return config.compression != "none"
-
-    def check(self, model, config, flavour):
-        optimizer = getattr(flavour.optimizer, "inner_optimizer", flavour.optimizer)
-        if config.keeps_replica_state and not isinstance(optimizer, keras.optimizers.SGD):
-            warnings.warn(
-                f"`compression={config.compression!r}` with {type(optimizer).__name__}: error "
-                f"feedback hands the optimizer what it held back in bursts, which an "
-                f"adaptive optimizer's second moment takes for large, rare gradients (its "
-                f"steps spike, then shrink): it trails or diverges where SGD with momentum "
-                f"keeps up. With Adam, tfdist.optim.OneBitAdam (its variance frozen after a "
-                f"warm-up) sends as few bytes; see docs/modes/compression.md.", stacklevel=2)
 
     def split(self, plan):
         # The whole reduce: the all-reduce, and the gather of sparse slices
