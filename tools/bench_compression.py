@@ -11,9 +11,10 @@ bytes replica 0 sends into the reduce part's collectives per step (the
 gradients, a sparse gradient's gathered slices, the metric states) and takes
 the mean training loss of the last 20 steps. One JSON line per run, with the ratios to the
 uncompressed run of the same model and optimizer; then a markdown table.
-PowerSGD runs with SGD 0.05 (momentum 0.9), as in its paper, beside an
-uncompressed SGD run; the others with Adam; and `tfdist.optim.OneBitAdam`
-(`--one_bit_adam_warmup` steps, then its momenta as signs) beside Adam. Top-K
+PowerSGD runs with SGD 0.05 (momentum 0.9), as in its paper, and Top-K with
+both SGD and Adam, beside an uncompressed SGD run; the others with Adam; and
+`tfdist.optim.OneBitAdam` (`--one_bit_adam_warmup` steps, then its momenta as
+signs) beside Adam. Top-K
 and PowerSGD start after `--compression_warmup` steps; the bytes of these
 three are those of a step after the warm-up.
 
@@ -274,9 +275,11 @@ def main(argv):
         return run_linked()
     tfdist.use_virtual_devices(DEVICES)
     rows = []
-    # PowerSGD with SGD, as its paper, beside an uncompressed SGD run.
+    # PowerSGD with SGD, as its paper, and Top-K with SGD too (its error
+    # feedback's bursts inflate Adam's second moment), beside an
+    # uncompressed SGD run.
     runs = [(c, "adam") for c in FLAGS.compressions if not c.startswith("powersgd")]
-    sgd = [(c, "sgd") for c in FLAGS.compressions if c.startswith("powersgd")]
+    sgd = [(c, "sgd") for c in FLAGS.compressions if c.startswith(("powersgd", "topk"))]
     runs += [("none", "sgd")] + sgd if sgd else []
     if FLAGS.one_bit_adam_warmup:  # against the Adam runs' "none"
         runs.append(("none", "one_bit_adam"))
