@@ -274,6 +274,41 @@ def test_zero_reduce_scatters_and_gathers_compressed(zero, compression, ratio, r
     assert all(w.dtype == tf.float32 for w in model.trainable_weights)
 
 
+def _pipeline_zero3_run(compression):
+    x, y = data(256)
+    strategy = tfdist.Strategy(devices=devices(4), data=2, pipeline=2, zero=3, remat=True,
+                               microbatches=2, compression=compression)
+    return train(strategy, x=x, y=y)
+
+
+@pytest.fixture(scope="module")
+def uncompressed_pipeline_zero3():
+    return _pipeline_zero3_run("none")
+
+
+def stage_bytes(model):
+    """Bytes replica 0's pipeline stages send per step into their gathers
+    and reduce-scatters."""
+    return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
+               for op in _step_graph(model).get_operations()
+               if op.type in ("CollectiveAllToAllV2", "CollectiveGatherV2")
+               and op.name.startswith("tfdist/stage"))
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_pipeline_stages_gather_and_reduce_scatter_compressed_at_zero3(
+        compression, uncompressed_pipeline_zero3):
+    # data 2 x pipeline 2 at zero=3: each stage gathers its parameters and
+    # reduce-scatters its gradients over its own data group, through the wire.
+    losses, weights, model = _pipeline_zero3_run(compression)
+    plain_losses, plain_weights, plain = uncompressed_pipeline_zero3
+    assert 0 < stage_bytes(model) <= 0.51 * stage_bytes(plain), (stage_bytes(model),
+                                                                  stage_bytes(plain))
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-2)
+    for ours, theirs in zip(weights, plain_weights):
+        np.testing.assert_allclose(ours, theirs, atol=2e-2)
+
+
 def _fit_compressed(strategy, epochs, error_feedback=True, initial_epoch=0, restore=None,
                     optimizer=None):
     """The helpers' MLP (compiled with `optimizer()` if given) trained for
