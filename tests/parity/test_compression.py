@@ -274,6 +274,19 @@ def test_zero_reduce_scatters_and_gathers_compressed(zero, compression, ratio, r
     assert all(w.dtype == tf.float32 for w in model.trainable_weights)
 
 
+def test_zero3_under_mixed_float16_gathers_float16_weights_as_they_are():
+    # bf16 narrows float32 gradients; the float16 weights zero=3 gathers for
+    # compute are no wider, so they travel, and are read, as they are.
+    x, y = data(256)
+    runs = {c: train(tfdist.Strategy(devices=devices(4), data=4, zero=3, compression=c,
+                                     precision="mixed_float16"), x=x, y=y)
+            for c in ("none", "bf16")}
+    gathered = {op.inputs[0].dtype.name for op in _step_graph(runs["bf16"][2]).get_operations()
+                if op.type == "CollectiveGatherV2" and "/gather/" in op.name}
+    assert gathered == {"float16"}, gathered
+    np.testing.assert_allclose(runs["bf16"][0], runs["none"][0], rtol=1e-2)
+
+
 def _pipeline_zero3_run(compression):
     x, y = data(256)
     strategy = tfdist.Strategy(devices=devices(4), data=2, pipeline=2, zero=3, remat=True,

@@ -55,20 +55,30 @@ class CastWire(Wire):
     tf.float16
     >>> CastWire(tf.bfloat16).encode(tf.ones((4,)))[0].shape   # two pairs
     TensorShape([2])
+    >>> half = tf.constant([1.5, -2.0], tf.float16)   # no narrower: as it is
+    >>> CastWire(tf.bfloat16).decode(CastWire(tf.bfloat16).encode(half), 2,
+    ...                              tf.float16).numpy().tolist()
+    [1.5, -2.0]
     """
 
     def __init__(self, dtype):
         self.dtype = tf.as_dtype(dtype)
 
+    def _narrows(self, dtype) -> bool:
+        """Whether values of `dtype` are sent cast (floating and wider)."""
+        return dtype.is_floating and dtype.size > self.dtype.size
+
     def encode(self, rows):
-        if not (rows.dtype.is_floating and rows.dtype.size > self.dtype.size):
+        if not self._narrows(rows.dtype):
             return [rows]
         sent = tf.cast(rows, self.dtype)
         return [packed_bfloat16(sent) if self.dtype == tf.bfloat16 else sent]
 
     def decode(self, parts, width, dtype):
+        if not self._narrows(tf.as_dtype(dtype)):
+            return parts[0]
         received = parts[0]
-        if self.dtype == tf.bfloat16 and dtype != tf.bfloat16:
+        if self.dtype == tf.bfloat16:
             received = unpacked_bfloat16(received, width)
         return tf.cast(received, dtype)
 
