@@ -18,6 +18,7 @@ Example:
 
 import contextlib
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -111,7 +112,10 @@ def measure_mbit(receiver, address, sender, seconds=3.0):
     with subprocess.Popen(python_in(receiver, _RECEIVE), stdout=subprocess.PIPE,
                           text=True) as receiving:
         try:
-            receiving.stdout.readline()  # "ready"
+            if not select.select([receiving.stdout], [], [], 30)[0] or \
+                    receiving.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"The receiver in {receiver} did not start listening on "
+                                   f"port {PORT} within 30 s.")
             subprocess.run(python_in(sender, _SEND, address, str(seconds)),
                            check=True, timeout=seconds + 30)
             out, _ = receiving.communicate(timeout=30)

@@ -39,11 +39,16 @@ def reduce_collectives(model):
             and "tfdist/reduce/" in op.name]
 
 
+def sent_bytes(collectives):
+    """Bytes of the collectives' first inputs (what each device contributes)."""
+    return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
+               for op in collectives)
+
+
 def wire_bytes(model):
     """Bytes replica 0 sends into the reduce part's collectives in one
-    traced step: their first inputs (what each device contributes)."""
-    return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
-               for op in reduce_collectives(model))
+    traced step."""
+    return sent_bytes(reduce_collectives(model))
 
 
 def _run(config, compression, **fields):
@@ -248,11 +253,10 @@ def zero_wire_bytes(model):
     """Bytes replica 0 sends per step into ZeRO's reduce-scatters (their
     all-to-alls) and zero=3's gathers of each unit's parameters (not
     zero=2's gather of the updated weights)."""
-    return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
-               for op in _step_graph(model).get_operations()
-               if op.device.endswith("CPU:0")
-               and op.type in ("CollectiveAllToAllV2", "CollectiveGatherV2")
-               and ("tfdist/reduce/" in op.name or "tfdist/unit" in op.name))
+    return sent_bytes(op for op in _step_graph(model).get_operations()
+                      if op.device.endswith("CPU:0")
+                      and op.type in ("CollectiveAllToAllV2", "CollectiveGatherV2")
+                      and ("tfdist/reduce/" in op.name or "tfdist/unit" in op.name))
 
 
 @pytest.mark.parametrize("zero", [2, 3])
@@ -302,10 +306,9 @@ def uncompressed_pipeline_zero3():
 def stage_bytes(model):
     """Bytes replica 0's pipeline stages send per step into their gathers
     and reduce-scatters."""
-    return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
-               for op in _step_graph(model).get_operations()
-               if op.type in ("CollectiveAllToAllV2", "CollectiveGatherV2")
-               and op.name.startswith("tfdist/stage"))
+    return sent_bytes(op for op in _step_graph(model).get_operations()
+                      if op.type in ("CollectiveAllToAllV2", "CollectiveGatherV2")
+                      and op.name.startswith("tfdist/stage"))
 
 
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
