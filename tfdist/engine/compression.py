@@ -327,18 +327,19 @@ class PowerSGDCompression:
     """A reduce part whose matrix gradients cross devices as rank-`rank`
     factors (PowerSGD: Vogels et al. 2019), with error feedback and warm start.
 
-    Each floating gradient of rank >= 2, seen as a matrix M (its other axes
-    by its last, n x m: a Dense kernel as it is, a convolution's kernel as
-    kernel positions x input channels by output channels), plus the
-    replica's residual: P = M Q is all-reduced
+    Each floating gradient of rank >= 2, seen as a matrix M (n x m, its
+    leading axes by its trailing ones: `_matrix_view`), plus the replica's
+    residual: P = M Q is all-reduced
     (Q, m x rank, the same on every replica), orthonormalised (QR), then
     Q = M^T P all-reduced, and P Q^T is the summed gradient's rank-`rank`
     approximation. Each replica keeps M minus its share of it (1/N of the
     sum) as its next residual, and Q as the next step's start (one power
     iteration per step, warm-started). The P's of every matrix go in one
     packed all-reduce, their Q's in a second; gradients of rank <= 1 (biases,
-    norms) and matrices that would not shrink (rank x (n + m) >= n x m) are
-    summed by `inner` as they are, with the metric states.
+    norms), matrices that would not shrink (rank x (n + m) >= n x m) and an
+    Embedding's slices (a low-rank view of a table of which a step touches a
+    few rows loses most of them) are summed by `inner` as they are, with the
+    metric states.
 
     Args:
         inner: the reduce part it stands for (`AllReduce`).
@@ -370,7 +371,7 @@ class PowerSGDCompression:
             shape = tf.TensorShape(w.shape)
             if shape.rank < 2 or not tf.as_dtype(w.dtype).is_floating:
                 continue
-            n, m = shape.num_elements() // shape[-1], shape[-1]
+            n, m = _matrix_view(shape)
             if self.rank * (n + m) >= n * m:
                 continue
             self.factors[i] = (
@@ -386,7 +387,8 @@ class PowerSGDCompression:
         `states` summed by the inner part with the other gradients)."""
         if self.factors is None:
             raise RuntimeError("Call `PowerSGDCompression.init` before the step.")
-        matrices = [k for k, g in enumerate(grads) if g is not None and k in self.factors]
+        matrices = [k for k, g in enumerate(grads) if g is not None and k in self.factors
+                    and not sparse_gradients.is_sparse(g)]
         return _compressed(grads, states, matrices, self._approximations, self.inner,
                            self.name)
 
@@ -401,7 +403,7 @@ class PowerSGDCompression:
         for grad, (residual, q) in zip(grads, factors):
             shape = residual.layout.shape[1:]  # (slices made dense have no static shape)
             matrix = tf.reshape(tf.convert_to_tensor(grad), shape) + ReplicaState.own(residual)
-            ms.append(tf.reshape(tf.cast(matrix, tf.float32), [-1, shape[-1]]))
+            ms.append(tf.reshape(tf.cast(matrix, tf.float32), [-1, _matrix_view(shape)[1]]))
             qs.append(ReplicaState.own(q))
         ps = [tf.linalg.qr(p).q for p in summed([tf.matmul(m, q) for m, q in zip(ms, qs)])]
         qs = summed([tf.matmul(m, p, transpose_a=True) for m, p in zip(ms, ps)])
@@ -418,14 +420,27 @@ class PowerSGDCompression:
         return approximations
 
 
+def _matrix_view(shape):
+    """(n, m): the matrix a gradient of `shape` is seen as, its leading axes
+    by its trailing ones, cut where the two sides are closest in size: a
+    convolution's kernel (3, 3, 32, 64) is 288 x 64 (positions and input
+    channels by output channels), an attention projection's (64, 4, 16)
+    is 64 x 64 (input by heads and their width)."""
+    dims = shape.as_list()
+    cuts = [(math.prod(dims[:i]), math.prod(dims[i:])) for i in range(1, len(dims))]
+    return max(cuts, key=lambda nm: min(nm) / max(nm))
+
+
 class WarmUp:
     """A reduce part that sums the gradients whole while `warming_up()`
     holds, and hands them to `compressed` after: compressing from the first
     step, while the gradients change fastest, costs the most (PyTorch's
     `start_powerSGD_iter`, Deep Gradient Compression's warm-up, 1-bit
-    Adam's). Both phases are branches of one `tf.cond` (every gradient dense
-    in both: one structure); the metric states are summed before it, by
-    `compressed.inner`, in a collective of their own.
+    Adam's). Both phases are branches of one `tf.cond`; a sparse gradient
+    (an Embedding's) comes out of both as slices, as the optimizer has it
+    uncompressed (Keras's Adam squares the slices one by one). The metric
+    states are summed before it, by `compressed.inner`, in a collective of
+    their own.
 
     Args:
         compressed: the compressing reduce part (`TopKCompression`,
@@ -433,21 +448,19 @@ class WarmUp:
         warming_up: returns whether the coming step is a warm-up one (a
             boolean tensor), such as `lambda: optimizer.iterations < 100`.
         mesh: the strategy's `replica_mesh` (the sums are over its data group).
-        weights: the model's trainable weights (the gradients' shapes).
 
     Example:
 
     ```python
     reduce = WarmUp(TopKCompression(AllReduce(), 0.01, mesh),
-                    lambda: model.optimizer.iterations < 100, mesh, model.trainable_weights)
+                    lambda: model.optimizer.iterations < 100, mesh)
     ```
     """
 
-    def __init__(self, compressed, warming_up, mesh, weights):
+    def __init__(self, compressed, warming_up, mesh):
         self.compressed = compressed
         self.warming_up = warming_up
         self.mesh = mesh
-        self.shapes = [tf.TensorShape(w.shape) for w in weights]
 
     def __call__(self, grads):
         return self.with_states(grads, [])[0]
@@ -456,22 +469,28 @@ class WarmUp:
         """(the summed `grads`, dense; `states` summed)."""
         _, states = self.compressed.inner.with_states([], states)
         present = [k for k, g in enumerate(grads) if g is not None]
-        dense = [None] * len(grads)
-        for k in present:  # (an Embedding's slices made dense: given their static shape)
-            dense[k] = tf.reshape(tf.convert_to_tensor(grads[k]), self.shapes[k])
         launcher = self.mesh.data_launcher()  # (a merge call cannot run in a cond)
 
         def whole():
-            return data_group_sum([dense[k] for k in present], launcher)
+            return data_group_sum([grads[k] for k in present], launcher)
 
         def compressed():
-            reduced, _ = self.compressed.with_states(dense, [])
-            return [reduced[k] for k in present]
+            reduced, _ = self.compressed.with_states(grads, [])
+            return [_as_slices_of(reduced[k], grads[k]) for k in present]
 
         out = [None] * len(grads)
         for k, g in zip(present, tf.cond(self.warming_up(), whole, compressed)):
             out[k] = g
         return out, states
+
+
+def _as_slices_of(reduced, grad):
+    """`reduced` (dense) as slices of every row if `grad` is slices (the
+    structure of both branches of a `tf.cond`), else as it is."""
+    if sparse_gradients.is_sparse(reduced) or not sparse_gradients.is_sparse(grad):
+        return reduced
+    rows = tf.range(tf.shape(reduced, out_type=grad.indices.dtype)[0])
+    return tf.IndexedSlices(reduced, rows, tf.cast(tf.shape(reduced), grad.dense_shape.dtype))
 
 
 def _compressed(grads, states, chosen, compress, inner, name):

@@ -487,11 +487,10 @@ class Compression(Mode):
         else:
             plan.whole = Int8Compression(plan.whole, plan.mesh)
             plan.wire = plan.whole.wire
-        weights = plan.model.trainable_weights
-        plan.whole.init(state_of(plan.model), weights)
+        plan.whole.init(state_of(plan.model), plan.model.trainable_weights)
         if config.compression_warmup:
             iterations, steps = plan.flavour.optimizer.iterations, config.compression_warmup
-            plan.whole = WarmUp(plan.whole, lambda: iterations < steps, plan.mesh, weights)
+            plan.whole = WarmUp(plan.whole, lambda: iterations < steps, plan.mesh)
 
 
 class OneBit(Mode):
@@ -529,7 +528,7 @@ class OneBit(Mode):
         optimizer, weights = plan.flavour.optimizer, plan.model.trainable_weights
         compressed = OneBitReduce(plan.whole, optimizer, plan.mesh)
         compressed.init(state_of(plan.model), weights)
-        plan.whole = WarmUp(compressed, optimizer.warming_up, plan.mesh, weights)
+        plan.whole = WarmUp(compressed, optimizer.warming_up, plan.mesh)
 
 
 # The table, in the order modes are checked, prepared within a phase, and described.

@@ -152,8 +152,7 @@ class OneBitReduce(GatheredCompression):
     ```python
     reduce = OneBitReduce(AllReduce(), model.optimizer, strategy.replica_mesh)
     reduce.init(state_of(model), model.trainable_weights)   # the residuals
-    reduce = WarmUp(reduce, model.optimizer.warming_up, strategy.replica_mesh,
-                    model.trainable_weights)
+    reduce = WarmUp(reduce, model.optimizer.warming_up, strategy.replica_mesh)
     ```
     """
 
