@@ -134,24 +134,30 @@ def markov_text(rng, sequences, successors=8):
 
 def reduce_bytes(model):
     """Bytes replica 0 sends into the reduce part's collectives per step:
-    those of the step and of tf.distribute's gather of a sparse gradient's
-    slices (the branch of its cond for replicas sending as many rows); after
-    a warm-up (`compression_warmup`, OneBitAdam's), those of the branch
-    that compresses."""
+    those of the step, and in each `tf.cond` of the reduce part those of the
+    branch taken once compression runs: after a warm-up
+    (`compression_warmup`, OneBitAdam's), the branch that compresses; in
+    tf.distribute's gather of a sparse gradient's slices, the branch for
+    replicas sending as many rows."""
     graph = step_graph(model)
-    conds = {name: f.graph for name, f in graph._functions.items()
-             if name.startswith("tfdist_reduce_cond")}
+    functions = {name: f.graph for name, f in graph._functions.items()}
 
-    def sent(g, scopes):
-        return sum(op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
-                   for op in g.get_operations() if op.type.startswith("Collective")
-                   and op.device.endswith("CPU:0") and any(s in op.name for s in scopes))
+    def sent(g, scope=""):
+        total = 0
+        for op in g.get_operations():
+            if scope not in op.name:
+                continue
+            if op.type.startswith("Collective") and op.device.endswith("CPU:0"):
+                total += op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
+            elif op.type in ("If", "StatelessIf"):
+                then, other = (functions[op.get_attr(b).name]
+                               for b in ("then_branch", "else_branch"))
+                compressing = any(s in o.name for o in other.get_operations()
+                                  for s in COMPRESSED_SCOPES)
+                total += sent(other if compressing else then)
+        return total
 
-    compressing = [g for name, g in conds.items()
-                   if "cond_false" in name and sent(g, COMPRESSED_SCOPES)]
-    branches = [(g, COMPRESSED_SCOPES) for g in compressing] or [
-        (g, ("",)) for name, g in conds.items() if "cond_true" in name]
-    return sent(graph, ("tfdist/reduce/",)) + sum(sent(g, scopes) for g, scopes in branches)
+    return sent(graph, "tfdist/reduce/")
 
 
 def run(name, compression, optimizer):

@@ -401,8 +401,8 @@ class PowerSGDCompression:
         summed = lambda tensors: data_group_sum(tensors, launcher)  # noqa: E731
         ms, qs = [], []
         for grad, (residual, q) in zip(grads, factors):
-            shape = residual.layout.shape[1:]  # (slices made dense have no static shape)
-            matrix = tf.reshape(tf.convert_to_tensor(grad), shape) + ReplicaState.own(residual)
+            shape = residual.layout.shape[1:]
+            matrix = tf.reshape(grad, shape) + ReplicaState.own(residual)
             ms.append(tf.reshape(tf.cast(matrix, tf.float32), [-1, _matrix_view(shape)[1]]))
             qs.append(ReplicaState.own(q))
         ps = [tf.linalg.qr(p).q for p in summed([tf.matmul(m, q) for m, q in zip(ms, qs)])]
