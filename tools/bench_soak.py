@@ -1,6 +1,7 @@
 """Benchmark: a long multi-worker `fit` - threads, RSS and open files per worker over time.
 
     python tools/bench_soak.py [--workers=2] [--steps=5000] [--zero=0] [--out=results.jsonl]
+        [--compression=none] [--compression_warmup=0]
     python tools/bench_soak.py --strategy=keras   # the same job under plain tf.distribute
     python tools/bench_soak.py --zero=3 --checkpoint_every=50   # and an asynchronous
                                                                 # sharded save every 50 steps
@@ -39,6 +40,8 @@ flags.DEFINE_integer("steps_per_epoch", 100, "Steps per epoch.")
 flags.DEFINE_integer("sample_every", 250, "Steps between two samples.")
 flags.DEFINE_integer("warmup", 500, "Steps before the sample growth is measured from.")
 flags.DEFINE_integer("zero", 0, "ParallelConfig.zero of the job.")
+flags.DEFINE_string("compression", "none", "ParallelConfig.compression of the job.")
+flags.DEFINE_integer("compression_warmup", 0, "ParallelConfig.compression_warmup of the job.")
 flags.DEFINE_integer("checkpoint_every", 0, "Steps between two sharded checkpoint saves "
                      "(0: none).")
 flags.DEFINE_enum("strategy", "tfdist", ["tfdist", "keras"],
@@ -182,7 +185,9 @@ def bench():
         started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "tfdist.cli", "launch", f"--workers={FLAGS.workers}",
-             f"--zero={FLAGS.zero}", "--timeout=7200", "--", sys.executable, __file__,
+             f"--zero={FLAGS.zero}", f"--compression={FLAGS.compression}",
+             f"--compression-warmup={FLAGS.compression_warmup}", "--timeout=7200", "--",
+             sys.executable, __file__,
              f"--samples={samples}", f"--steps={FLAGS.steps}",
              f"--steps_per_epoch={FLAGS.steps_per_epoch}",
              f"--sample_every={FLAGS.sample_every}",
@@ -194,20 +199,22 @@ def bench():
         wall = time.monotonic() - started
         per_task = {index: json.loads((pathlib.Path(samples) / f"worker{index}.json").read_text())
                     for index in range(FLAGS.workers)}
+    job = {"zero": FLAGS.zero, "compression": FLAGS.compression,
+           "compression_warmup": FLAGS.compression_warmup,
+           "checkpoint_every": FLAGS.checkpoint_every}
     rows = []
     for index, task_samples in per_task.items():
         for sample in task_samples:
             emit({"bench": "soak", "strategy": FLAGS.strategy, "task": f"worker:{index}",
-                  "zero": FLAGS.zero, "checkpoint_every": FLAGS.checkpoint_every, **sample},
-                 FLAGS.out)
+                  **job, **sample}, FLAGS.out)
         grown = growth(task_samples, FLAGS.warmup)
         emit({"bench": "soak_growth", "strategy": FLAGS.strategy, "task": f"worker:{index}",
-              "zero": FLAGS.zero, "checkpoint_every": FLAGS.checkpoint_every,
-              "steps": FLAGS.steps, "warmup": FLAGS.warmup, **grown}, FLAGS.out)
+              **job, "steps": FLAGS.steps, "warmup": FLAGS.warmup, **grown}, FLAGS.out)
         rows.append((index, task_samples, grown))
     saves = (f", a sharded checkpoint every {FLAGS.checkpoint_every} steps"
              if FLAGS.checkpoint_every else "")
-    print(f"\n{FLAGS.strategy}: {FLAGS.workers} workers, zero={FLAGS.zero}{saves}, "
+    print(f"\n{FLAGS.strategy}: {FLAGS.workers} workers, zero={FLAGS.zero}, "
+          f"compression={FLAGS.compression}{saves}, "
           f"{FLAGS.steps} steps in {wall:.0f} s (growth from step {FLAGS.warmup} "
           "to the last sample)")
     print("| task | threads (start, warm, end) | RSS MiB (warm, end) | fds (warm, end) "
