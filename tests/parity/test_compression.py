@@ -411,7 +411,7 @@ def test_residuals_survive_a_checkpoint_and_the_resumed_run_equals_the_whole_one
         _fit_compressed(other, 2, initial_epoch=1, restore=tmp_path, optimizer=optimizer)
 
 
-def test_topk_takes_an_embeddings_slices_as_its_dense_gradient(uncompressed_lm):
+def test_topk_takes_an_embeddings_slices_as_its_dense_gradient():
     # Top-K sends the largest elements of the table's gradient plus its
     # residual (the table's shape); the LM trains.
     losses, _, model = _lm_run(0, "topk:0.01")

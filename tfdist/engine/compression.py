@@ -403,7 +403,7 @@ class PowerSGDCompression:
         for grad, (residual, q) in zip(grads, factors):
             shape = residual.layout.shape[1:]
             matrix = tf.reshape(grad, shape) + ReplicaState.own(residual)
-            ms.append(tf.reshape(tf.cast(matrix, tf.float32), [-1, _matrix_view(shape)[1]]))
+            ms.append(tf.reshape(tf.cast(matrix, tf.float32), [-1, q.layout.shape[1]]))  # (n, m)
             qs.append(ReplicaState.own(q))
         ps = [tf.linalg.qr(p).q for p in summed([tf.matmul(m, q) for m, q in zip(ms, qs)])]
         qs = summed([tf.matmul(m, p, transpose_a=True) for m, p in zip(ms, ps)])
@@ -466,7 +466,7 @@ class WarmUp:
         return self.with_states(grads, [])[0]
 
     def with_states(self, grads, states):
-        """(the summed `grads`, dense; `states` summed)."""
+        """(the summed `grads`, an Embedding's as slices; `states` summed)."""
         _, states = self.compressed.inner.with_states([], states)
         present = [k for k, g in enumerate(grads) if g is not None]
         launcher = self.mesh.data_launcher()  # (a merge call cannot run in a cond)
@@ -485,8 +485,8 @@ class WarmUp:
 
 
 def _as_slices_of(reduced, grad):
-    """`reduced` (dense) as slices of every row if `grad` is slices (the
-    structure of both branches of a `tf.cond`), else as it is."""
+    """`reduced`, if dense where `grad` is slices, as slices of every row
+    (both branches of a `tf.cond` give one structure); else as it is."""
     if sparse_gradients.is_sparse(reduced) or not sparse_gradients.is_sparse(grad):
         return reduced
     rows = tf.range(tf.shape(reduced, out_type=grad.indices.dtype)[0])
