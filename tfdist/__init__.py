@@ -32,6 +32,7 @@ _LAZY = {
     "MultiWorkerStrategy": "tfdist.strategy",
     "ParameterServerStrategy": "tfdist.ps",
     "Strategy": "tfdist.strategy",
+    "plan": "tfdist.planning",
     "use_virtual_devices": "tfdist.devices",
 }
 _LAZY_MODULES = ("batch_statistics", "callbacks", "checkpoint", "cluster", "engine", "layers",
@@ -39,8 +40,8 @@ _LAZY_MODULES = ("batch_statistics", "callbacks", "checkpoint", "cluster", "engi
 
 __all__ = ["MultiWorkerStrategy", "ParallelConfig", "ParameterServerStrategy", "Strategy",
            "batch_statistics",
-           "callbacks", "checkpoint", "cluster", "engine", "layers", "optim", "ps", "tensor",
-           "use_virtual_devices"]
+           "callbacks", "checkpoint", "cluster", "engine", "layers", "optim", "plan", "ps",
+           "tensor", "use_virtual_devices"]
 
 
 def __getattr__(name):

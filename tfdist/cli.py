@@ -14,6 +14,11 @@
         prints a Kubeflow TFJob manifest (kubeflow.org/v1); --submit creates it.
     tfdist profile --tasks HOST:PORT,... --logdir DIR [--duration-ms MS]
         records a trace of every listed task's profiler server at once.
+    tfdist plan    --model MODULE:FUNCTION --devices N --memory-per-device 16GiB
+                   --batch-size B [--sequence-length S] [--hosts H]
+                   [--link-bandwidth 10Gbit] [--measure K] [--json] [config flags]
+        ranks every ParallelConfig for the model (tfdist.plan); config flags
+        hold those fields; --json prints the best one's JSON.
     tfdist version
         prints the tfdist, TensorFlow and Keras versions.
 
@@ -103,6 +108,26 @@ flags.DEFINE_list("env", None, "More environment variables of each pod, NAME=VAL
                   "e.g. MALLOC_ARENA_MAX=2.")
 flags.DEFINE_boolean("submit", False, "Create the TFJob in the current kubeconfig's "
                      "cluster instead of printing it.")
+# plan
+flags.DEFINE_string("model", None, "MODULE:FUNCTION returning the compiled Keras model "
+                    "(the module imported from the current directory or the path).")
+flags.DEFINE_string("dataset", None, "With --measure, MODULE:FUNCTION taking the batch "
+                    "size and returning a tf.data.Dataset of (inputs, targets).")
+flags.DEFINE_integer("devices", None, "Devices to spread the model over.")
+flags.DEFINE_string("memory_per_device", None, "Memory of each device, e.g. 16GiB.")
+flags.DEFINE_integer("batch_size", None, "The global batch size.")
+flags.DEFINE_integer("sequence_length", None, "Length of the model's unknown input "
+                     "dimensions in a batch.")
+flags.DEFINE_integer("hosts", 1, "Hosts the devices are spread over, equally.")
+flags.DEFINE_string("link_bandwidth", "10Gbit", "Bandwidth between hosts, e.g. 10Gbit.")
+flags.DEFINE_string("device_bandwidth", "100Gbit", "Bandwidth between the devices of a "
+                    "host.")
+flags.DEFINE_string("device_flops", None, "FLOP/s of one device, e.g. 1e12 (default: "
+                    "measured on this host).")
+flags.DEFINE_integer("measure", 0, "Train the first K plans that fit here for a few "
+                     "steps and rank them by measured time.")
+flags.DEFINE_integer("rows", 20, "Plans shown in the table.")
+flags.DEFINE_boolean("json", False, "Print only the best plan's ParallelConfig as JSON.")
 # profile
 flags.DEFINE_list("tasks", None, "host:port of each task's profiler server.")
 flags.DEFINE_integer("duration_ms", 2000, "How long to record, in milliseconds.")
@@ -124,6 +149,21 @@ def config_from_flags() -> ParallelConfig | None:
     """
     if not any(FLAGS[name].present for name in _CONFIG_FLAGS):
         return None
+    return ParallelConfig.from_dict(config_fields_given())
+
+
+def config_fields_given() -> dict:
+    """The ParallelConfig fields `--config`'s file and the field flags give
+    (the flags win), unchecked: what `tfdist plan` holds.
+
+    Example:
+
+    >>> FLAGS(["tfdist", "--zero=3"])
+    ['tfdist']
+    >>> config_fields_given()
+    {'zero': 3}
+    >>> FLAGS.unparse_flags()
+    """
     values = {}
     if FLAGS.config:
         try:
@@ -138,7 +178,7 @@ def config_from_flags() -> ParallelConfig | None:
     for name in _CONFIG_FIELDS:
         if FLAGS[name].value is not None:
             values[name] = FLAGS[name].value
-    return ParallelConfig.from_dict(values)
+    return values
 
 
 def _tasks():
@@ -233,6 +273,58 @@ def _profile_command(args):
     return 0
 
 
+def _plan_command(args):
+    """Prints the ranked plans for --model (or the best one's JSON)."""
+    if args:
+        raise app.UsageError(f"`tfdist plan` takes no arguments, got {args}.")
+    for name in ("model", "devices", "memory_per_device", "batch_size"):
+        if FLAGS[name].value is None:
+            raise app.UsageError(f"`tfdist plan` needs {spelled(name)}.")
+    from absl import logging
+
+    held = dict(config_fields_given())
+    with silenced_fds((2,)):  # TensorFlow's import: cuInit on a host without a GPU driver
+        import tfdist
+
+        model = _function_named(FLAGS.model, "model")
+        dataset = _function_named(FLAGS.dataset, "dataset") if FLAGS.dataset else None
+    logging.set_verbosity(logging.WARNING)  # tf.distribute's INFO lines, from --measure
+    if FLAGS.measure:
+        tfdist.use_virtual_devices(FLAGS.devices)
+    plans = tfdist.plan(
+        model, devices=FLAGS.devices, memory_per_device=FLAGS.memory_per_device,
+        batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
+        hosts=FLAGS.hosts, link_bandwidth=FLAGS.link_bandwidth,
+        device_bandwidth=FLAGS.device_bandwidth,
+        device_flops=float(FLAGS.device_flops) if FLAGS.device_flops else None,
+        measure=FLAGS.measure, dataset=dataset, **held)
+    print(plans.best.config.to_json() if FLAGS.json else plans.table(FLAGS.rows))
+    return 0
+
+
+def _function_named(spec, flag):
+    """The function `module:function` names (the module found from the
+    current directory first)."""
+    import importlib
+    import os
+
+    module, colon, name = spec.partition(":")
+    if not colon or not module or not name.isidentifier():
+        raise ValueError(f"--{flag}={spec!r}: give it as MODULE:FUNCTION, e.g. "
+                         f"my_models:build_gpt2.")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except ImportError as error:
+        raise ValueError(f"--{flag}={spec!r}: cannot import {module!r} ({error}).") from error
+    except AttributeError as error:
+        raise ValueError(f"--{flag}={spec!r}: {module!r} has no {name!r}.") from error
+    if not callable(function):
+        raise ValueError(f"--{flag}={spec!r}: {name!r} is not a function.")
+    return function
+
+
 def _version_command(args):
     """Prints the versions of tfdist, TensorFlow and Keras."""
     if args:
@@ -272,6 +364,13 @@ COMMANDS = {
                         "Record a trace of every listed task's profiler server at once.",
                         "tfdist profile --tasks 127.0.0.1:6009,127.0.0.1:6010 "
                         "--logdir logs"),
+    "plan": _Command(_plan_command, _CONFIG_FLAGS + (
+                         "model", "dataset", "devices", "memory_per_device", "batch_size",
+                         "sequence_length", "hosts", "link_bandwidth", "device_bandwidth",
+                         "device_flops", "measure", "rows", "json"),
+                     "Rank every ParallelConfig for a model, devices and memory (tfdist.plan).",
+                     "tfdist plan --model my_models:build_gpt2 --devices 8 "
+                     "--memory-per-device 16GiB --batch-size 64 --sequence-length 1024"),
     "version": _Command(_version_command, (),
                         "Print the tfdist, TensorFlow and Keras versions.",
                         "tfdist version"),

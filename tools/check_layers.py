@@ -59,9 +59,10 @@ LAYERS = (
     ("assembling a step from the config",
      ("tfdist.sharding.creation", "tfdist.sharding.peak", "tfdist.engine.build",
       "tfdist.engine.modes", "tfdist.engine.tf_keras", "tfdist.engine.step",
-      "tfdist.model_garden", "tfdist.usage_checks")),
+      "tfdist.model_garden", "tfdist.usage_checks", "tfdist.step_time")),
     ("strategies and callbacks",
-     ("tfdist.strategy", "tfdist.ps", "tfdist.ps.*", "tfdist.callbacks", "tfdist.callbacks.*")),
+     ("tfdist.strategy", "tfdist.ps", "tfdist.ps.*", "tfdist.callbacks", "tfdist.callbacks.*",
+      "tfdist.planning")),
     ("the command line", ("tfdist.cli",)),
 )
 

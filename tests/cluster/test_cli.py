@@ -20,13 +20,14 @@ def test_help_lists_every_command_with_one_line(args):
     done = tfdist_cli(*args)
     assert done.returncode == 0
     assert "usage: tfdist COMMAND" in done.stdout
-    for name in ("config", "launch", "tfjob", "profile", "version"):
+    for name in ("config", "launch", "tfjob", "profile", "plan", "version"):
         assert f"\n  {name} " in done.stdout
     assert "USAGE: tfdist [flags]" not in done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("command, flag", [("launch", "--workers"), ("tfjob", "--image"),
-                                           ("config", "--microbatches")])
+                                           ("config", "--microbatches"),
+                                           ("plan", "--memory-per-device")])
 def test_command_help_shows_its_flags_and_an_example(command, flag):
     done = tfdist_cli(command, "--help")
     assert done.returncode == 0
@@ -58,7 +59,7 @@ def test_split_argv_keeps_flag_values_with_tfdist():
      "tfdist launch: --config=/nonexistent.json: cannot read it (No such file or "
      "directory)."),
     (["frobnicate"], 2, "tfdist: unknown command 'frobnicate'; commands are config, "
-                        "launch, tfjob, profile, version"),
+                        "launch, tfjob, profile, plan, version"),
 ])
 def test_errors_are_one_clear_line(args, code, message):
     done = tfdist_cli(*args)
@@ -84,3 +85,41 @@ def test_parallel_config_from_bad_json_says_what_is_wrong():
     with pytest.raises(ValueError, match=r"ParallelConfig.from_json: `text` is not valid "
                                          r"JSON .*got '\{bad'"):
         tfdist.ParallelConfig.from_json("{bad")
+
+
+PLANNED_MODEL = """
+import keras
+
+def build():
+    model = keras.Sequential([keras.Input((32,))] + [keras.layers.Dense(128, "relu")
+                                                     for _ in range(4)] + [keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+"""
+
+
+def test_plan_prints_a_config_that_launch_and_tfjob_take(tmp_path):
+    (tmp_path / "planned.py").write_text(PLANNED_MODEL)
+    plan = ["plan", "--model", "planned:build", "--devices", "4", "--batch-size", "32",
+            "--device-flops", "1e10"]
+    done = subprocess.run([*TFDIST, *plan, "--memory-per-device", "1MiB", "--zero", "3",
+                           "--json"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    config = tfdist.ParallelConfig.from_json(done.stdout)
+    assert config.zero == 3 and config.data * config.tensor * config.pipeline == 4
+    (tmp_path / "plan.json").write_text(done.stdout)
+    checked = tfdist_cli("config", "--config", str(tmp_path / "plan.json"))
+    assert checked.returncode == 0 and tfdist.ParallelConfig.from_json(checked.stdout) == config
+    table = subprocess.run([*TFDIST, *plan, "--memory-per-device", "1MiB"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert table.returncode == 0 and "fit in 1.00 MiB per device" in table.stdout
+    none_fit = subprocess.run([*TFDIST, *plan, "--memory-per-device", "1KiB", "--json"],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert none_fit.returncode == 2 and "Traceback" not in none_fit.stderr
+    assert "tfdist plan: No configuration fits in memory_per_device=1.00 KiB" in none_fit.stderr
+    missing = subprocess.run([*TFDIST, *plan, "--memory-per-device", "1MiB", "--model",
+                              "planned:nothing"], capture_output=True, text=True, timeout=120,
+                             cwd=tmp_path)
+    assert missing.returncode == 2
+    assert "--model='planned:nothing': 'planned' has no 'nothing'" in missing.stderr

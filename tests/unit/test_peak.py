@@ -26,7 +26,7 @@ def _activations(rows):
 
 def test_data_parallel_holds_everything_whole():
     strategy = tfdist.Strategy(devices=DEVICES)
-    estimate = predict_peak(strategy, _model(strategy), batch_size=16)
+    estimate = predict_peak(strategy.config, _model(strategy), batch_size=16)
     whole = FIRST + SECOND
     assert (estimate.parameters, estimate.gradients, estimate.optimizer_state,
             estimate.gathered) == (whole, 2 * whole, 2 * whole, 0)  # Adam: m and v
@@ -37,7 +37,7 @@ def test_data_parallel_holds_everything_whole():
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_1_and_2_shard_the_slots_and_add_shard_buffers(zero):
     strategy = tfdist.Strategy(devices=DEVICES, zero=zero)
-    estimate = predict_peak(strategy, _model(strategy), batch_size=16)
+    estimate = predict_peak(strategy.config, _model(strategy), batch_size=16)
     whole = FIRST + SECOND
     assert estimate.optimizer_state == 2 * whole // 4 + whole // 4
     assert estimate.parameters == whole
@@ -45,7 +45,7 @@ def test_zero_1_and_2_shard_the_slots_and_add_shard_buffers(zero):
 
 def test_zero3_keeps_shards_and_gathers_the_two_largest_units():
     strategy = tfdist.Strategy(devices=DEVICES, zero=3)
-    estimate = predict_peak(strategy, _model(strategy), batch_size=16)
+    estimate = predict_peak(strategy.config, _model(strategy), batch_size=16)
     shard = (FIRST + SECOND) // 4
     assert estimate.parameters == shard
     assert estimate.optimizer_state == 2 * shard

@@ -226,7 +226,8 @@ class StepPlan:
 class Layout:
     """A model's layout under a strategy, for `describe`: its pipeline
     stages (None without `pipeline`), tensor plan decisions, and the
-    `AxisLayout` of each weight they split, by id.
+    `AxisLayout` of each weight they split, by id (`strategy` None when
+    planned from a config alone, `planned_layout`).
 
     Example:
 
@@ -692,15 +693,30 @@ def layout_of(strategy, model, sequence_length=None) -> Layout:
     layout_of(strategy, model).stages   # with pipeline: its Stages
     ```
     """
-    config = strategy.config
+    return dataclasses.replace(
+        planned_layout(strategy.config, model, sequence_length, strategy.layout_map),
+        strategy=strategy)
+
+
+def planned_layout(config: ParallelConfig, model, sequence_length=None,
+                   layout_map=None) -> Layout:
+    """`model`'s `Layout` under `config`, with no strategy made (its
+    `strategy` None): what `tfdist.plan` weighs each config by.
+
+    Example:
+
+    ```python
+    planned_layout(ParallelConfig(pipeline=2), model).stages
+    ```
+    """
     stages = pipeline_stages.plan_stages(
         model, config.model_stages, config.stage_boundaries,
         sequence_length) if config.pipeline > 1 else None
     decisions = tensor_plan.plan(model, config.tensor, config.vocab_parallel_classifier,
-                                 strategy.layout_map) if config.tensor > 1 else []
+                                 layout_map) if config.tensor > 1 else []
     split = {id(v): AxisLayout(v.shape, axis, config.tensor) for d in decisions
              for v, axis in d.layout.weight_axes(d.layer)}
-    return Layout(strategy, model, stages, decisions, split)
+    return Layout(None, model, stages, decisions, split)
 
 
 def describe(strategy, model, sequence_length=None, batch_size=None) -> str:
@@ -735,5 +751,5 @@ def predicted_peak(strategy, model, batch_size, sequence_length=None, layout=Non
     ```
     """
     layout = layout or layout_of(strategy, model, sequence_length)
-    return predict_peak(strategy, model, batch_size, sequence_length, layout.split,
+    return predict_peak(strategy.config, model, batch_size, sequence_length, layout.split,
                         layout.stages)

@@ -16,8 +16,10 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
 - gathered: under `zero=3`, the two largest units' parameters (the current
   and the next one);
 - activations: every layer output of the device's rows of one microbatch
-  (times the microbatches a pipeline stage holds at once), in the compute
-  dtype, unknown lengths taken as `sequence_length`.
+  (under `pipeline`, the mean stage's, times the microbatches its schedule
+  holds at once, `held_activations`; with `remat`, only those microbatches'
+  stage inputs, plus one stage's outputs recomputed), in the compute dtype,
+  unknown lengths taken as `sequence_length`.
 
 TensorFlow's own memory (its runtime, the allocator's free lists, collective
 transport buffers) is outside the prediction: `tools/bench_memory.py` sets it
@@ -31,6 +33,7 @@ import tensorflow as tf
 
 from tfdist._compat.keras_optimizer import trainable_variables_of
 from tfdist.optim import zero3
+from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline.graph import graph_nodes, graph_of
 from tfdist.sharding.slots import optimizer_slots
 
@@ -42,7 +45,7 @@ class PeakEstimate:
     Example:
 
     ```python
-    estimate = predict_peak(strategy, model, batch_size=64)
+    estimate = predict_peak(strategy.config, model, batch_size=64)
     estimate.total   # bytes
     print(estimate)  # predicted peak per device 1.21 GiB: parameters ...
     ```
@@ -79,10 +82,11 @@ def readable(size: int) -> str:
     return f"{size} B"
 
 
-def predict_peak(strategy, model, batch_size: int, sequence_length=None,
+def predict_peak(config, model, batch_size: int, sequence_length=None,
                  split=None, stages=None) -> PeakEstimate:
     """The predicted peak of the busiest device when `model` trains under
-    `strategy` on global batches of `batch_size` rows.
+    `config` (a resolved `ParallelConfig`: `data` filled in, as a strategy's
+    `config` is) on global batches of `batch_size` rows.
 
     `split` maps the id of each weight tensor groups split to its
     `AxisLayout`, `stages` are the pipeline stages (`Strategy.describe`
@@ -92,36 +96,40 @@ def predict_peak(strategy, model, batch_size: int, sequence_length=None,
     Example:
 
     ```python
-    predict_peak(strategy, model, batch_size=16).total / 2**30   # GiB
+    predict_peak(strategy.config, model, batch_size=16).total / 2**30   # GiB
     ```
     """
-    config = strategy.config
-    split = split or {}
-    data = strategy.num_replicas_in_sync // config.tensor
+    split, data = split or {}, config.data
     slots = _slot_counts(model)
     weights = model.trainable_weights
     if stages:  # the stage holding the most bytes
-        held = {id(v) for v in max(stages, key=lambda s: _bytes(_trainable(s), split))
+        held = {id(v) for v in max(stages, key=lambda s: weight_bytes(_trainable(s), split))
                 .variables}
         weights = [v for v in weights if id(v) in held]
-    local = _bytes(weights, split)  # each weight's tensor slice (or all of it)
+    local = weight_bytes(weights, split)  # each weight's tensor slice (or all of it)
     shard = local // data
-    state = sum(slots.get(id(v), 0) * _bytes([v], split) for v in weights)
+    state = sum(slots.get(id(v), 0) * weight_bytes([v], split) for v in weights)
     if config.zero:
         state = state // data + (shard if config.zero < 3 else 0)  # zero 1/2's buffers
     parameters, gathered, gradients = local, 0, 2 * local
     if config.zero == 3 and stages:  # a whole stage gathered at a time
         parameters, gathered = shard, local
     elif config.zero == 3:
-        units = sorted((_bytes(zero3.unit_weights(u), split)
+        units = sorted((weight_bytes(zero3.unit_weights(u), split)
                         for u in zero3.plan_units(model, config.zero3_unit_params)),
                        reverse=True)
         parameters, gathered, gradients = shard, sum(units[:2]), shard + 2 * units[0]
     rows = math.ceil(batch_size / data / config.microbatches)
-    in_flight = min(config.microbatches, config.pipeline) if config.pipeline > 1 else 1
-    activations = _activation_bytes(model, rows, sequence_length) * in_flight
-    if stages:
+    activations = _activation_bytes(model, rows, sequence_length)
+    if stages:  # the mean stage's, times the microbatches its device holds at once
         activations //= len(stages)
+        in_flight = max(pipeline_schedule.held_activations(pipeline_schedule.stage_orders(
+            config.schedule, config.pipeline, config.microbatches, config.virtual_stages)))
+        if config.remat:  # each held microbatch's stage inputs; one recomputed whole
+            kept = max(tensors_bytes(stage.inputs, rows, sequence_length) for stage in stages)
+            activations += kept * in_flight
+        else:
+            activations *= in_flight
     return PeakEstimate(parameters, gradients, state, gathered, activations)
 
 
@@ -129,8 +137,16 @@ def _trainable(stage):
     return [v for v in stage.variables if v.trainable]
 
 
-def _bytes(variables, split):
-    """Bytes of `variables`, each its tensor rank's slice when split."""
+def weight_bytes(variables, split):
+    """Bytes of `variables`, each its tensor rank's slice when `split` (by
+    id, `AxisLayout`s) splits it.
+
+    Example:
+
+    ```python
+    weight_bytes(model.trainable_weights, {}) / 2**20   # MiB
+    ```
+    """
     total = 0
     for v in {id(v): v for v in variables}.values():
         parts = split[id(v)].parts if id(v) in split else 1
@@ -158,13 +174,23 @@ def _activation_bytes(model, rows, sequence_length):
         nodes = graph_nodes(graph_of(model))
     except ValueError:
         return 0
+    return sum(tensors_bytes(node.outputs, rows, sequence_length) for node in nodes)
+
+
+def tensors_bytes(tensors, rows, sequence_length):
+    """Bytes of the symbolic `tensors` for `rows` examples, unknown lengths
+    `sequence_length` (1 when None).
+
+    Example:
+
+    >>> tensors_bytes([keras.KerasTensor((None, None, 8))], rows=2, sequence_length=16)
+    1024
+    """
     total = 0
-    for node in nodes:
-        for output in tf.nest.flatten(node.outputs):
-            shape = getattr(output, "shape", None)
-            if shape is None or len(shape) == 0:
-                continue
-            dims = [rows] + [d if d is not None else (sequence_length or 1)
-                             for d in shape[1:]]
-            total += math.prod(dims) * tf.as_dtype(output.dtype).size
+    for tensor in tf.nest.flatten(tensors):
+        shape = getattr(tensor, "shape", None)
+        if shape is None or len(shape) == 0:
+            continue
+        dims = [rows] + [d if d is not None else (sequence_length or 1) for d in shape[1:]]
+        total += math.prod(dims) * tf.as_dtype(tensor.dtype).size
     return total

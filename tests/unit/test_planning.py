@@ -1,0 +1,142 @@
+"""`tfdist.plan`: configurations enumerated, predicted and ranked; no training."""
+
+import keras
+import pytest
+
+import tfdist
+from tfdist.config import ParallelConfig
+from tfdist.planning import parse_quantity
+from tfdist.step_time import Hardware, predict_step_time
+
+HARDWARE = dict(device_flops=1e10, device_bandwidth="8GB", link_bandwidth="1Gbit")
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+
+
+def _mlp(layers=6, width=256):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,))]
+                             + [keras.layers.Dense(width, "relu") for _ in range(layers)]
+                             + [keras.layers.Dense(10)])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _data_parallel_peak(model, devices=4, batch_size=32):
+    plans = tfdist.plan(model, devices=devices, memory_per_device="1TiB",
+                        batch_size=batch_size, **HARDWARE)
+    return next(p for p in plans if p.config == ParallelConfig(data=devices)).peak.total
+
+
+def test_plans_that_fit_are_ranked_by_time_and_the_others_say_why():
+    model = _mlp()
+    limit = int(0.6 * _data_parallel_peak(model))
+    plans = tfdist.plan(model, devices=4, memory_per_device=limit, batch_size=32, **HARDWARE)
+    fitting = [p for p in plans if p.fits]
+    over = [p for p in plans if not p.fits]
+    assert fitting and over
+    assert plans[:len(fitting)] == fitting  # every plan that fits comes first
+    assert [p.time.total for p in fitting] == sorted(p.time.total for p in fitting)
+    assert all(p.peak.total <= limit for p in fitting)
+    assert all(p.peak.total > limit and "peak" in p.reason for p in over)
+    assert ParallelConfig(data=4) in [p.config for p in over]  # whole model and Adam
+    assert plans.best is fitting[0]
+    for p in plans:
+        assert p.config.data * p.config.pipeline * p.config.tensor == 4
+        p.config.validate(strategy="Strategy")
+    table = str(plans)
+    assert "rank" in table.splitlines()[0] and f"{len(fitting)} fit in" in table
+
+
+def test_a_plans_peak_is_what_the_strategy_predicts_for_it():
+    model = _mlp()
+    plans = tfdist.plan(model, devices=4, memory_per_device="1TiB", batch_size=32, **HARDWARE)
+    by_config = {p.config: p for p in plans}
+    for config in (ParallelConfig(data=2, tensor=2, zero=1).resolve(4),
+                   ParallelConfig(data=2, pipeline=2, microbatches=4, schedule="1f1b",
+                                  remat=True).resolve(4),
+                   ParallelConfig(data=4, zero=3).resolve(4)):
+        strategy = tfdist.Strategy(config, devices=DEVICES)
+        with strategy.scope():
+            in_scope = _mlp()
+            in_scope.optimizer.build(in_scope.trainable_variables)
+        assert (by_config[config].peak.total ==
+                strategy.predicted_peak(in_scope, batch_size=32).total), config
+
+
+def test_held_fields_stay_and_refusals_name_their_rule():
+    model = _mlp()
+    plans = tfdist.plan(model, devices=4, memory_per_device="1TiB", batch_size=32,
+                        zero=3, **HARDWARE)
+    assert plans and all(p.config.zero == 3 for p in plans)
+    # zero=3 under pipeline needs remat: refused without it, with the rule's message
+    assert any("needs `remat=True`" in error for _, error in plans.refused)
+    assert not any(p.config.pipeline > 1 and not p.config.remat for p in plans)
+
+
+def test_no_plan_fits_says_the_smallest_peak():
+    plans = tfdist.plan(_mlp(), devices=4, memory_per_device="1KiB", batch_size=32, **HARDWARE)
+    with pytest.raises(ValueError, match=r"memory_per_device=1.00 KiB.*smallest predicted peak"):
+        _ = plans.best
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(memory_per_device="16Gb"), r"`memory_per_device` must be .*'16Gb'"),
+    (dict(devices=6, hosts=4), r"`devices=6` must be a multiple of `hosts=4`"),
+    (dict(batch_size=0), r"`batch_size` must be an int >= 1, got 0"),
+    (dict(measure=2), r"`measure=2` builds the model again"),
+    (dict(zero_stage=1), r"'zero_stage': not `ParallelConfig` fields"),
+])
+def test_bad_arguments_are_refused_naming_them(kwargs, message):
+    args = dict(devices=4, memory_per_device="1GiB", batch_size=32, **HARDWARE)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        tfdist.plan(_mlp(), **args)
+
+
+def test_quantities_take_binary_decimal_and_bit_units():
+    assert parse_quantity("2GiB", "m") == 2 * 2**30
+    assert parse_quantity("1.5GB", "m") == 1.5e9
+    assert parse_quantity("100Mbit", "b") == 12.5e6
+    assert parse_quantity(1024, "m") == 1024.0
+
+
+def test_the_bubble_follows_the_schedule_and_shrinks_with_microbatches():
+    model = _mlp(layers=8)
+    hardware = Hardware(1e10, 8e9, 1.25e8)
+
+    def time_of(**fields):
+        return predict_step_time(ParallelConfig(**fields).resolve(4), model, 64, hardware)
+
+    assert time_of(data=4).bubble == 0
+    few = time_of(pipeline=4, microbatches=4, schedule="1f1b")
+    many = time_of(pipeline=4, microbatches=16, schedule="1f1b")
+    # GPipe / 1F1B: (stages - 1) / microbatches of the work is bubble
+    assert few.bubble / few.compute == pytest.approx(3 / 4, rel=0.25)
+    assert many.bubble / many.compute == pytest.approx(3 / 16, rel=0.25)
+    assert time_of(pipeline=4, microbatches=4, schedule="zb1").bubble < few.bubble
+
+
+def test_tensor_groups_split_the_compute_and_send_activations_not_gradients():
+    model = _mlp(layers=8, width=512)
+    hardware = Hardware(1e10, 8e9, 1.25e8, collective_latency=0.0)
+
+    def time_of(batch_size, **fields):
+        return predict_step_time(ParallelConfig(**fields).resolve(2), model, batch_size,
+                                 hardware)
+
+    data, tensor = time_of(64, data=2), time_of(64, data=1, tensor=2)
+    assert tensor.compute == pytest.approx(data.compute, rel=0.1)  # both halve the work
+    # a tensor group all-reduces activations (rows), a data group gradients (weights)
+    assert time_of(640, data=1, tensor=2).communication == pytest.approx(
+        10 * tensor.communication)
+    assert time_of(640, data=2).communication == pytest.approx(data.communication)
+
+
+def test_hosts_put_the_data_groups_gradients_on_the_slower_link():
+    model = _mlp()
+    config = ParallelConfig(data=4).resolve(4)
+    one_host = predict_step_time(config, model, 32, Hardware(1e10, 8e9, 1.25e8))
+    two_hosts = predict_step_time(config, model, 32, Hardware(1e10, 8e9, 1.25e8,
+                                                              devices_per_host=2))
+    assert two_hosts.communication > 10 * one_host.communication

@@ -1,0 +1,462 @@
+"""`tfdist.plan`: the parallel layout for a model, devices and memory, chosen
+and explained.
+
+`plan` enumerates every `ParallelConfig` the devices allow (data x pipeline x
+tensor, zero, microbatches, pipeline schedule, remat), keeps those that
+`ParallelConfig.validate` and the model's own rules (`tfdist.engine.modes.check`)
+accept, and predicts for each the busiest device's peak memory (the predictor
+`Strategy.describe` prints, `tfdist.sharding.peak`) and the step's time
+(`tfdist.step_time`). Plans whose peak exceeds `memory_per_device` are kept
+with that reason; the rest are ranked by predicted time. With `measure=K` the
+top K are trained for a few steps here and re-ranked by their measured time.
+
+Fields given as keyword arguments (`precision="mixed_bfloat16"`,
+`compression="bf16"`, `zero=3`, ...) are held at that value: precision and
+compression change what is computed, so the planner never picks them itself.
+
+Example:
+
+```python
+plans = tfdist.plan(model, devices=8, memory_per_device="16GiB", batch_size=64,
+                    sequence_length=1024)
+print(plans)                  # the ranked table, with the reasons
+plans.best.config.to_json()   # for `tfdist launch --config` or `tfdist tfjob`
+```
+"""
+
+import dataclasses
+import itertools
+import re
+import statistics
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.config import ParallelConfig
+from tfdist.engine import modes
+from tfdist.pipeline.cost import node_cost
+from tfdist.pipeline.graph import LayerGraph
+from tfdist.sharding.peak import PeakEstimate, predict_peak, readable
+from tfdist.step_time import Hardware, StepTime, predict_step_time
+
+# The fields `plan` chooses (the others keep their defaults unless given).
+SEARCHED = ("data", "pipeline", "tensor", "zero", "microbatches", "schedule", "remat")
+# Pipeline schedules tried: 1F1B (GPipe's time, fewer activations held) and
+# zero bubble H1 (less bubble, GPipe's activations).
+SCHEDULES = ("1f1b", "zb1")
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+          "bit": 1 / 8, "Kbit": 1e3 / 8, "Mbit": 1e6 / 8, "Gbit": 1e9 / 8, "Tbit": 1e12 / 8}
+_QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+@dataclasses.dataclass
+class Plan:
+    """One configuration weighed by `plan`.
+
+    Attributes:
+        config: the resolved `ParallelConfig`.
+        peak: the busiest device's predicted `PeakEstimate`.
+        time: the predicted `StepTime`.
+        fits: whether `peak.total` is within the memory per device.
+        reason: why it does not fit (empty when it does).
+        measured: seconds per step measured by `measure` (None if not run).
+
+    Example:
+
+    ```python
+    plan = plans.best
+    plan.config.zero, plan.peak.total / 2**30, plan.time.total, plan.fits
+    ```
+    """
+
+    config: ParallelConfig
+    peak: PeakEstimate
+    time: StepTime
+    fits: bool
+    reason: str = ""
+    measured: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        """The measured seconds per step when measured, else the predicted."""
+        return self.time.total if self.measured is None else self.measured
+
+
+class Plans(list):
+    """`Plan`s ranked best first: those that fit by (measured, else
+    predicted) step time, then those that do not by peak memory.
+
+    `str()` is the table `tfdist plan` prints; `refused` holds the
+    configurations validation refused, with its message.
+
+    Example:
+
+    ```python
+    plans.best.config          # the ParallelConfig to run
+    print(plans)               # rank, config, peak, time, reason
+    ```
+    """
+
+    def __init__(self, plans=(), refused=(), memory_per_device=0):
+        super().__init__(plans)
+        self.refused = list(refused)
+        self.memory_per_device = memory_per_device
+
+    @property
+    def best(self) -> Plan:
+        """The first plan that fits; `ValueError` when none does."""
+        for candidate in self:
+            if candidate.fits:
+                return candidate
+        smallest = min(self, key=lambda p: p.peak.total, default=None)
+        raise ValueError(
+            f"No configuration fits in memory_per_device="
+            f"{readable(self.memory_per_device)}: the smallest predicted peak is "
+            + (f"{readable(smallest.peak.total)} ({describe_config(smallest.config)})"
+               if smallest else "none (every configuration was refused)")
+            + ". Use more devices or more memory, a smaller batch_size, or hold "
+              "precision='mixed_bfloat16'.")
+
+    def table(self, rows: int = 20) -> str:
+        """The first `rows` plans as a table, and a count of the rest.
+
+        Example:
+
+        ```python
+        print(plans.table(rows=5))
+        ```
+        """
+        header = ["rank", "config", "peak", "step ms", "compute", "bubble", "comm",
+                  "measured ms", "note"]
+        lines = [header]
+        for rank, p in enumerate(self[:rows], 1):
+            lines.append([str(rank), describe_config(p.config), readable(p.peak.total),
+                          f"{1e3 * p.time.total:.1f}", f"{1e3 * p.time.compute:.1f}",
+                          f"{1e3 * p.time.bubble:.1f}", f"{1e3 * p.time.communication:.1f}",
+                          "-" if p.measured is None else f"{1e3 * p.measured:.1f}",
+                          p.reason or "fits"])
+        widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
+        text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
+                for line in lines]
+        fitting = sum(p.fits for p in self)
+        text.append(f"{len(self)} configurations weighed, {fitting} fit in "
+                    f"{readable(self.memory_per_device)} per device"
+                    + (f"; {len(self) - rows} more not shown" if len(self) > rows else "")
+                    + (f"; {len(self.refused)} refused by validation" if self.refused else ""))
+        return "\n".join(text)
+
+    def __str__(self):
+        return self.table()
+
+
+def describe_config(config: ParallelConfig) -> str:
+    """The searched fields of `config` that are not at their default, and
+    `data`, as `tfdist launch` flags would write them.
+
+    Example:
+
+    >>> describe_config(ParallelConfig(data=2, pipeline=2, microbatches=4, schedule="1f1b"))
+    'data=2 pipeline=2 microbatches=4 schedule=1f1b'
+    """
+    return " ".join([f"data={config.data}"] + [
+        f"{name}={getattr(config, name)}" for name in SEARCHED[1:]
+        if getattr(config, name) != ParallelConfig.__dataclass_fields__[name].default])
+
+
+def parse_quantity(value, name: str) -> float:
+    """A size or rate given as a number (bytes) or a string with a unit,
+    spelled exactly: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB
+    (of 1024), or bit, Kbit, Mbit, Gbit, Tbit (bits; per second for a
+    bandwidth).
+
+    Example:
+
+    >>> parse_quantity("16GiB", "memory_per_device"), parse_quantity("10Gbit", "link_bandwidth")
+    (17179869184.0, 1250000000.0)
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
+    if match is None or match[2] not in _UNITS or float(match[1]) <= 0:
+        raise ValueError(
+            f"`{name}` must be a positive number of bytes or a string such as '16GiB', "
+            f"'512MB' or '10Gbit' (units {', '.join(u for u in _UNITS if u)}), "
+            f"got {value!r}.")
+    return float(match[1]) * _UNITS[match[2]]
+
+
+def plan(model, devices: int, memory_per_device, batch_size: int, sequence_length=None,
+         hosts: int = 1, link_bandwidth="10Gbit", device_bandwidth="100Gbit",
+         device_flops=None, measure: int = 0, steps: int = 6, dataset=None,
+         **fixed) -> Plans:
+    """Every configuration of `devices` devices for `model`, predicted and
+    ranked (`Plans`, best first).
+
+    Args:
+        model: a built, compiled Keras 3 model, or a function of no
+            arguments returning one (needed by `measure`, which builds the
+            model again under each plan's strategy). Its optimizer is built
+            if it is not, so that its slots count.
+        devices: the devices to spread over (data x pipeline x tensor).
+        memory_per_device: bytes each device may hold, or a string such as
+            "16GiB".
+        batch_size: the global batch.
+        sequence_length: the length of the model's unknown input
+            dimensions in the first batch (1 when None).
+        hosts: hosts the devices are spread over, equally; tensor groups
+            and pipeline stages stay within one.
+        link_bandwidth: between hosts, bytes per second or "10Gbit".
+        device_bandwidth: between the devices of a host.
+        device_flops: FLOP/s of one device; None: measured here by timing
+            the model's forward and backward on one device of this process
+            at the rows each device computes under data parallelism (logical
+            CPU devices of one processor share its cores: each gets 1/n of
+            the rate for n devices per host).
+        measure: train the first `measure` plans that fit here, `steps`
+            steps each, and rank them by their measured time (needs
+            `devices` devices in this process: `tfdist.use_virtual_devices`).
+        dataset: with `measure`, a function `(batch_size) -> tf.data.Dataset`
+            of (inputs, targets); None: zeros for integer inputs and targets,
+            normal values for floating ones.
+        **fixed: `ParallelConfig` fields held at these values (such as
+            `precision="mixed_bfloat16"`, `compression="bf16"`, `zero=3`).
+
+    Raises `ValueError` naming the argument for a bad value, before any
+    planning.
+
+    Example:
+
+    ```python
+    plans = tfdist.plan(model, devices=4, memory_per_device="1GiB", batch_size=32)
+    print(plans.best.config.to_json())
+    ```
+    """
+    _check_args(model, devices, batch_size, hosts, measure, steps, fixed)
+    limit = parse_quantity(memory_per_device, "memory_per_device")
+    built = model() if callable(model) and not isinstance(model, keras.Model) else model
+    if getattr(built, "optimizer", None) is None:
+        raise ValueError(f"`model` must be compiled (`model.compile(optimizer=..., "
+                         f"loss=...)`) so that its optimizer's state counts; "
+                         f"{built.name!r} is not.")
+    if not built.optimizer.built:
+        built.optimizer.build(built.trainable_variables)
+    hardware = Hardware(
+        device_flops=(parse_quantity(device_flops, "device_flops") if device_flops
+                      else measured_device_flops(built, sequence_length,
+                                                 rows=max(1, batch_size // devices))
+                      / _sharing(devices // hosts)),
+        device_bandwidth=parse_quantity(device_bandwidth, "device_bandwidth"),
+        link_bandwidth=parse_quantity(link_bandwidth, "link_bandwidth"),
+        devices_per_host=devices // hosts)
+    weighed, refused = [], []
+    layouts = {}
+    for config, error in candidates(built, devices, batch_size, hosts, fixed):
+        if error:
+            refused.append((config, error))
+            continue
+        key = (config.pipeline, config.tensor, config.virtual_stages)
+        if key not in layouts:
+            layouts[key] = modes.planned_layout(config, built, sequence_length)
+        layout = layouts[key]
+        peak = predict_peak(config, built, batch_size, sequence_length, layout.split,
+                            layout.stages)
+        step = predict_step_time(config, built, batch_size, hardware, sequence_length,
+                                 layout)
+        fits = peak.total <= limit
+        reason = "" if fits else f"peak {readable(peak.total)} > {readable(int(limit))}"
+        weighed.append(Plan(config, peak, step, fits, reason))
+    plans = _ranked(weighed, refused, limit)
+    if measure:
+        _measure(plans, model, devices, batch_size, sequence_length, steps, dataset, measure)
+        plans = _ranked(plans, plans.refused, limit)
+    return plans
+
+
+def _check_args(model, devices, batch_size, hosts, measure, steps, fixed):
+    for name, value in (("devices", devices), ("batch_size", batch_size), ("hosts", hosts),
+                        ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
+    if isinstance(measure, bool) or not isinstance(measure, int) or measure < 0:
+        raise ValueError(f"`measure` must be an int >= 0 (plans to train), got {measure!r}.")
+    if devices % hosts:
+        raise ValueError(f"`devices={devices}` must be a multiple of `hosts={hosts}` "
+                         f"(each host has as many devices).")
+    unknown = sorted(set(fixed) - set(ParallelConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{', '.join(map(repr, unknown))}: not `ParallelConfig` fields "
+                         f"(held fields are {', '.join(ParallelConfig.__dataclass_fields__)}).")
+    if not isinstance(model, keras.Model) and not callable(model):
+        raise ValueError(f"`model` must be a Keras model or a function returning one, "
+                         f"got {type(model).__name__}.")
+    if measure and isinstance(model, keras.Model):
+        raise ValueError(f"`measure={measure}` builds the model again under each plan's "
+                         f"strategy: pass `model` as a function returning the compiled "
+                         f"model, not the model.")
+
+
+def candidates(model, devices, batch_size, hosts=1, fixed=None):
+    """Every (config, None) the rules accept, and (config fields, error
+    message) for each they refuse.
+
+    Example:
+
+    ```python
+    accepted = [c for c, error in candidates(model, 4, 32) if error is None]
+    ```
+    """
+    fixed = dict(fixed or {})
+    strategy = "MultiWorkerStrategy" if hosts > 1 else "Strategy"
+    per_host = devices // hosts
+    for tensor, pipeline in itertools.product(_divisors(devices), repeat=2):
+        if devices % (tensor * pipeline) or per_host % (tensor * pipeline):
+            continue
+        data = devices // (tensor * pipeline)
+        rows = batch_size / data
+        pipelined = pipeline > 1
+        for zero, microbatches, schedule, remat in itertools.product(
+                range(4), (pipeline, 2 * pipeline, 4 * pipeline) if pipelined else (1, 2, 4),
+                SCHEDULES if pipelined else ("gpipe",), (False, True) if pipelined else (False,)):
+            fields = dict(data=data, pipeline=pipeline, tensor=tensor, zero=zero,
+                          microbatches=microbatches, schedule=schedule, remat=remat)
+            if any(name in fixed and fixed[name] != fields[name] for name in SEARCHED):
+                continue
+            if rows != int(rows) or int(rows) % microbatches:
+                continue  # (a batch the replicas or microbatches cannot split evenly)
+            fields.update(fixed)
+            try:
+                config = ParallelConfig(**fields).validate(strategy=strategy)
+                modes.check(model, config)
+            except (ValueError, TypeError, NotImplementedError) as error:
+                yield fields, str(error)
+                continue
+            yield config, None
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _ranked(weighed, refused, limit) -> Plans:
+    fitting = sorted((p for p in weighed if p.fits),
+                     key=lambda p: (p.measured is None, p.seconds, p.peak.total))
+    over = sorted((p for p in weighed if not p.fits), key=lambda p: p.peak.total)
+    return Plans(fitting + over, refused, limit)
+
+
+def _sharing(devices_per_host):
+    """How many of the planned devices share one processor's cores: the
+    devices per host when they are logical CPU devices of this process."""
+    if tf.config.list_physical_devices("GPU"):
+        return 1
+    return devices_per_host
+
+
+def measured_device_flops(model, sequence_length=None, rows: int = 8, repeats: int = 3) -> float:
+    """FLOP/s of this process's first device on `model`: its forward and
+    backward (3x the forward's estimated FLOPs, `tfdist.pipeline.cost`) on
+    `rows` synthetic examples, timed after a first call.
+
+    Example:
+
+    ```python
+    measured_device_flops(model, sequence_length=128) / 1e9   # GFLOP/s
+    ```
+    """
+    inputs, _ = synthetic_batch(model, rows, sequence_length)
+    weights = model.trainable_variables
+
+    @tf.function
+    def forward_and_backward(x):
+        with tf.GradientTape() as tape:
+            outputs = model(x, training=True)
+            total = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32))
+                              for y in tf.nest.flatten(outputs)])
+        return tape.gradient(total, weights)
+
+    forward_and_backward(inputs)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tf.nest.map_structure(lambda t: t.numpy() if t is not None else None,
+                              forward_and_backward(inputs))
+        seconds.append(time.perf_counter() - start)
+    flops = 3 * rows * sum(node_cost(node, sequence_length) for node in LayerGraph(model).nodes)
+    return flops / statistics.median(seconds)
+
+
+def synthetic_batch(model, rows: int, sequence_length=None):
+    """(inputs, targets) of `rows` examples shaped as `model`'s inputs and
+    outputs, unknown lengths `sequence_length`: integer inputs ones (a valid
+    token id, an open padding mask), integer targets zeros (a valid class),
+    normal values for floats.
+
+    Example:
+
+    ```python
+    x, y = synthetic_batch(model, 8, sequence_length=128)
+    ```
+    """
+    def fill(tensor, integer=1):
+        shape = [rows] + [d if d is not None else (sequence_length or 1)
+                          for d in tensor.shape[1:]]
+        if np.issubdtype(np.dtype(tensor.dtype), np.integer) or tensor.dtype == "bool":
+            return np.full(shape, integer, tensor.dtype)
+        return np.random.default_rng(0).standard_normal(shape).astype(tensor.dtype)
+
+    def target(tensor):
+        loss = getattr(model, "loss", None)
+        name = getattr(loss, "name", loss) or ""
+        if "sparse" in str(name).lower():
+            shape = [rows] + [d if d is not None else (sequence_length or 1)
+                              for d in tensor.shape[1:-1]]
+            return np.zeros(shape, "int32")
+        return fill(tensor, integer=0)
+
+    sequential = isinstance(model, keras.Sequential)  # (no `input` before a call)
+    return (tf.nest.map_structure(fill, model.inputs[0] if sequential else model.input),
+            tf.nest.map_structure(target, model.outputs[0] if sequential else model.output))
+
+
+def _measure(plans, model_fn, devices, batch_size, sequence_length, steps, dataset, count):
+    """Trains the first `count` fitting plans; sets each one's `measured`."""
+    from tfdist.strategy import Strategy
+
+    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    if len(available) < devices:
+        raise ValueError(
+            f"`measure` trains on {devices} devices, but this process has "
+            f"{len(available)}: call tfdist.use_virtual_devices({devices}) before "
+            f"TensorFlow starts, or measure=0.")
+    names = [device.name for device in available[:devices]]
+    for candidate in [p for p in plans if p.fits][:count]:
+        strategy = Strategy(candidate.config, devices=names)
+        with strategy.scope():
+            model = model_fn()
+        data = dataset(batch_size) if dataset else _synthetic_dataset(
+            model, batch_size, sequence_length)
+        timer = _StepTimer()
+        model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[timer])
+        candidate.measured = statistics.median(timer.seconds[2:] or timer.seconds)
+
+
+def _synthetic_dataset(model, batch_size, sequence_length):
+    return tf.data.Dataset.from_tensors(synthetic_batch(model, batch_size, sequence_length))
+
+
+class _StepTimer(keras.callbacks.Callback):
+    """Seconds of each training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds, self._start = [], 0.0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seconds.append(time.perf_counter() - self._start)

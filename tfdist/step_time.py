@@ -1,0 +1,300 @@
+"""The predicted time of one training step under a `ParallelConfig`.
+
+`predict_step_time` plays a step out on a `Hardware` description, from the
+same estimates the pipeline's balance uses (`tfdist.pipeline.cost`, FLOPs
+per example of each layer call) and the layout `describe` prints:
+
+- compute: the busiest device's forward (1x) and backward (2x; remat adds a
+  forward) over its rows, at `device_flops`; a layer tensor groups split
+  costs 1/tensor of its FLOPs per device (in the share of its weights they
+  split).
+- bubble: with `pipeline`, the schedule played out: each device runs its
+  actions in order (`tfdist.pipeline.schedule.stage_orders`), each starting
+  once its device is free and the actions it needs have ended, each taking
+  its stage's time; the bubble is what the last end adds to the busiest
+  device's own work.
+- communication: ring collectives, each moving (n - 1) / n of its bytes per
+  device (twice for an all-reduce), plus `collective_latency` each:
+  the data group's gradients (compressed as `compression` says), ZeRO's
+  parameter gathers (zero 1/2 after the update, zero=3 twice per step), the
+  tensor groups' activation all-reduces (two per split block: Megatron's
+  "g" forward, "f" backward), the pipeline's sends between stages. Tensor
+  groups and pipeline stages stay within a host (`device_bandwidth`); the
+  data group crosses hosts when there are several (`link_bandwidth`).
+
+What it leaves out: overlap of communication with compute (it adds them),
+XLA's fusion, the per-op overheads that dominate very small models, and
+memory bandwidth. `tfdist.plan(..., measure=K)` times the top plans for real.
+
+Example:
+
+```python
+hardware = Hardware(device_flops=2e11, device_bandwidth=2e10, link_bandwidth=1.25e9)
+predict_step_time(ParallelConfig(data=4).resolve(4), model, 64, hardware).total
+```
+"""
+
+import dataclasses
+import math
+
+import tensorflow as tf
+
+from tfdist._compat.keras_functional import direct_sublayers
+from tfdist.config import ParallelConfig
+from tfdist.engine.modes import planned_layout
+from tfdist.optim import zero3
+from tfdist.pipeline import schedule as pipeline_schedule
+from tfdist.pipeline.cost import node_cost, shapes_of
+from tfdist.pipeline.graph import LayerGraph
+from tfdist.sharding.peak import tensors_bytes, weight_bytes
+
+# Each compression's bytes on the wire against uncompressed, where it is a
+# constant (docs/benchmarks.md, "Compression"); Top-K and PowerSGD are
+# computed from their parameter.
+_FIXED_RATIOS = {"none": 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.26}
+# Layouts whose layer ends a split block with an all-reduce of its output.
+_BLOCK_ENDS = ("Row", "Heads", "Vocabulary")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What a step's time is predicted from.
+
+    Args:
+        device_flops: floating-point operations per second of one device.
+        device_bandwidth: bytes per second between two devices of a host.
+        link_bandwidth: bytes per second between two hosts.
+        devices_per_host: devices of each host.
+        collective_latency: seconds each collective or send costs besides
+            its bytes.
+
+    Example:
+
+    >>> Hardware(device_flops=1e12, device_bandwidth=1e11, link_bandwidth=1.25e9).hosts_of(8)
+    1
+    """
+
+    device_flops: float
+    device_bandwidth: float
+    link_bandwidth: float
+    devices_per_host: int | None = None
+    collective_latency: float = 5e-5
+
+    def hosts_of(self, devices: int) -> int:
+        """How many hosts `devices` devices span (1 when `devices_per_host` is None)."""
+        return max(1, math.ceil(devices / (self.devices_per_host or devices)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step, by part.
+
+    Example:
+
+    >>> StepTime(compute=0.10, bubble=0.02, communication=0.03).total
+    0.15
+    """
+
+    compute: float
+    bubble: float
+    communication: float
+
+    @property
+    def total(self) -> float:
+        return round(self.compute + self.bubble + self.communication, 12)
+
+
+def predict_step_time(config: ParallelConfig, model, batch_size: int, hardware: Hardware,
+                      sequence_length=None, layout=None) -> StepTime:
+    """The predicted `StepTime` of `model` training on global batches of
+    `batch_size` rows under the resolved `config`, on `hardware`.
+
+    `layout` is `tfdist.engine.modes.planned_layout(config, model, ...)`
+    (made here when None).
+
+    Example:
+
+    ```python
+    predict_step_time(ParallelConfig(data=2, pipeline=2, microbatches=4).resolve(4),
+                      model, 64, hardware, sequence_length=128).bubble
+    ```
+    """
+    layout = layout or planned_layout(config, model, sequence_length)
+    graph = LayerGraph(model)
+    rows = batch_size / config.data
+    costs = {id(node): node_cost(node, sequence_length) * _split_share(node, layout, config)
+             for node in graph.nodes}
+    if layout.stages:
+        compute, bubble = _pipeline_time(config, layout.stages, costs, rows, hardware)
+        weights = max((_trainable(stage) for stage in layout.stages),
+                      key=lambda ws: weight_bytes(ws, layout.split))
+    else:
+        forward = rows * sum(costs.values()) / hardware.device_flops
+        compute, bubble = 3 * forward, 0.0
+        weights = model.trainable_weights
+    communication = (_data_group_time(config, model, weights, layout, hardware)
+                     + _tensor_group_time(config, graph, layout, rows, sequence_length,
+                                          hardware)
+                     + _pipeline_send_time(config, layout.stages, rows, sequence_length,
+                                           hardware))
+    return StepTime(compute, bubble, communication)
+
+
+def _trainable(stage):
+    return [v for v in stage.variables if v.trainable]
+
+
+def _split_share(node, layout, config):
+    """The share of `node`'s compute each tensor rank does: 1/tensor of
+    what its split weights' share of its weights is."""
+    if not layout.split:
+        return 1.0
+    weights = {id(v): v for v in node.operation.weights}
+    total = sum(v.shape.num_elements() for v in weights.values())
+    split = sum(v.shape.num_elements() for key, v in weights.items() if key in layout.split)
+    if not total:
+        return 1.0
+    return 1.0 - split / total + split / total / config.tensor
+
+
+def _pipeline_time(config, stages, costs, rows, hardware):
+    """(busiest device's compute, bubble) of the schedule played out."""
+    micro = rows / config.microbatches
+    forward = [micro * sum(costs[id(node)] for node in stage.nodes) / hardware.device_flops
+               for stage in stages]
+    orders = pipeline_schedule.stage_orders(config.schedule, config.pipeline,
+                                            config.microbatches, config.virtual_stages)
+    split = any(a.kind == pipeline_schedule.WEIGHTS for order in orders for a in order)
+    recompute = 1.0 if config.remat else 0.0
+
+    def seconds(action):
+        f = forward[action.stage]
+        if action.kind == pipeline_schedule.FORWARD:
+            return f
+        if action.kind == pipeline_schedule.WEIGHTS:
+            return f
+        return (1.0 if split else 2.0) * f + recompute * f
+
+    busiest = max(sum(seconds(a) for a in order) for order in orders)
+    return busiest, max(0.0, _played_out(orders, seconds, config.model_stages) - busiest)
+
+
+def _played_out(orders, seconds, stages):
+    """When the last action ends: each device runs its order, an action
+    starting once its device is free and what it needs has ended."""
+    ended, free, position = {}, [0.0] * len(orders), [0] * len(orders)
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        before = remaining
+        for device, order in enumerate(orders):
+            while position[device] < len(order):
+                action = order[position[device]]
+                needed = pipeline_schedule.needs(action, stages)
+                if any(n not in ended for n in needed):
+                    break
+                start = max([free[device]] + [ended[n] for n in needed])
+                ended[action] = free[device] = start + seconds(action)
+                position[device] += 1
+                remaining -= 1
+        if remaining == before:
+            raise ValueError("the schedule's orders deadlock")  # (stage_orders never do)
+    return max(free)
+
+
+def compression_ratio(config: ParallelConfig, weights) -> float:
+    """Bytes the data group's gradient collectives move under
+    `config.compression`, against uncompressed, for `weights`' gradients.
+
+    Top-K sends each fraction's values and int32 indices; PowerSGD each
+    matrix (first axis by the rest) as two rank-r factors when smaller,
+    vectors whole.
+
+    Example:
+
+    >>> compression_ratio(ParallelConfig(data=4, compression="bf16"), [])
+    0.5
+    """
+    if config.compression in _FIXED_RATIOS:
+        return _FIXED_RATIOS[config.compression]
+    if config.topk_fraction is not None:
+        return min(1.0, 2 * config.topk_fraction)
+    rank, sent, whole = config.powersgd_rank, 0, 0
+    for v in weights:
+        shape = list(v.shape)
+        size = math.prod(shape)
+        rows_, columns = (shape[0], size // shape[0]) if len(shape) >= 2 else (size, 1)
+        whole += size
+        sent += min(size, (rows_ + columns) * rank) if columns > 1 else size
+    return sent / whole if whole else 1.0
+
+
+def _ring(bytes_, members, bandwidth, reduce=False):
+    """Seconds of a ring all-gather / reduce-scatter (or all-reduce) of `bytes_`."""
+    if members <= 1:
+        return 0.0
+    share = (members - 1) / members * (2 if reduce else 1)
+    return share * bytes_ / bandwidth
+
+
+def _data_group_time(config, model, weights, layout, hardware):
+    data = config.data
+    if data <= 1:
+        return 0.0
+    devices = data * config.pipeline * config.tensor
+    bandwidth = (hardware.link_bandwidth if hardware.hosts_of(devices) > 1
+                 else hardware.device_bandwidth)
+    parameters = weight_bytes(weights, layout.split)
+    gradients = parameters * compression_ratio(config, weights)
+    latency = hardware.collective_latency
+    if config.zero == 0:
+        return _ring(gradients, data, bandwidth, reduce=True) + latency
+    if config.zero < 3:
+        return _ring(gradients + parameters, data, bandwidth) + 2 * latency
+    units = 1 if layout.stages else len(zero3.plan_units(model, config.zero3_unit_params))
+    return _ring(gradients + 2 * parameters, data, bandwidth) + 3 * units * latency
+
+
+def _tensor_group_time(config, graph, layout, rows, sequence_length, hardware):
+    """Two all-reduces (forward, backward) of each split block's output."""
+    if config.tensor <= 1:
+        return 0.0
+    enclosing = _enclosing_nodes(graph)
+    per_example, blocks = 0, 0
+    for decision in layout.decisions:
+        if type(decision.layout).__name__ not in _BLOCK_ENDS:
+            continue
+        node = enclosing.get(id(decision.layer))
+        if node is None:
+            continue
+        shapes = shapes_of(node, sequence_length)
+        output = node.outputs[0] if isinstance(node.outputs, (list, tuple)) else node.outputs
+        per_example += (shapes.positions * shapes.outputs[0][-1]
+                        * tf.as_dtype(output.dtype).size)
+        blocks += 1
+    reduced = _ring(2 * rows * per_example, config.tensor, hardware.device_bandwidth,
+                    reduce=True)
+    return reduced + 2 * blocks * config.microbatches * hardware.collective_latency
+
+
+def _enclosing_nodes(graph):
+    """{id(layer): the graph node calling it or a layer it is nested in}."""
+    enclosing = {}
+    for node in graph.nodes:
+        pending = [node.operation]
+        while pending:
+            layer = pending.pop()
+            enclosing.setdefault(id(layer), node)
+            pending.extend(direct_sublayers(layer))
+    return enclosing
+
+
+def _pipeline_send_time(config, stages, rows, sequence_length, hardware):
+    """Each microbatch's activations forward and gradients back, at every
+    boundary, the largest boundary's."""
+    if not stages:
+        return 0.0
+    micro = rows / config.microbatches
+    largest = max((tensors_bytes(stage.inputs, 1, sequence_length) for stage in stages[1:]),
+                  default=0)
+    sends = 2 * config.microbatches
+    return sends * (micro * largest / hardware.device_bandwidth + hardware.collective_latency)

@@ -1,0 +1,124 @@
+"""Benchmark: `tfdist.plan`'s predictions against every valid plan measured.
+
+    python tools/bench_plan.py [--models=mlp,convnet,gpt2,llama] [--devices=4]
+        [--batch_size=32] [--steps=6] [--out=results.jsonl]
+
+For each model (small configurations of a wide MLP, a keras-io convnet, and
+keras-hub GPT-2 and Llama backbones with a token classifier; Adam), on
+`--devices` logical CPU devices of this process: `tfdist.plan` with a memory
+per device of `--memory_fraction` x data parallelism's predicted peak (so
+that data parallelism and some other plans do not fit), and `measure` = every
+plan that fits, so each is trained `--steps` steps and timed. One JSON line
+per plan (predicted peak and time, measured time), then one per model: the
+rank the prediction gave the plan measured fastest, and the measured time of
+the plan the prediction chose (`plans` ranked without measuring) against the
+fastest's.
+"""
+
+import os
+import statistics
+
+from absl import app, flags
+
+from results import emit
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["mlp", "convnet", "gpt2", "llama"], "Models to plan.")
+flags.DEFINE_integer("devices", 4, "Logical CPU devices.")
+flags.DEFINE_integer("batch_size", 32, "Global batch.")
+flags.DEFINE_integer("sequence_length", 64, "Tokens per example of the language models.")
+flags.DEFINE_integer("steps", 6, "Steps each plan trains (the first two not timed).")
+flags.DEFINE_float("memory_fraction", 0.7, "Memory per device, as a fraction of data "
+                   "parallelism's predicted peak.")
+flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
+
+VOCAB, WIDTH, BLOCKS = 512, 128, 4
+
+
+def make_model(name):
+    """The compiled model `name` (seeded: every plan builds the same)."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    sparse = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if name == "mlp":
+        model = keras.Sequential([keras.Input((512,))]
+                                 + [keras.layers.Dense(1024, "relu") for _ in range(6)]
+                                 + [keras.layers.Dense(10)])
+    elif name == "convnet":  # keras-io's MNIST convnet
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(2), keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.MaxPooling2D(2), keras.layers.Flatten(), keras.layers.Dropout(0.5),
+            keras.layers.Dense(10)])
+    else:
+        if name == "gpt2":
+            body = keras_hub.models.GPT2Backbone(
+                vocabulary_size=VOCAB, num_layers=BLOCKS, num_heads=4, hidden_dim=WIDTH,
+                intermediate_dim=4 * WIDTH, max_sequence_length=FLAGS.sequence_length,
+                dropout=0.0)
+        else:
+            body = keras_hub.models.LlamaBackbone(
+                vocabulary_size=VOCAB, num_layers=BLOCKS, num_query_heads=4,
+                num_key_value_heads=2, hidden_dim=WIDTH, intermediate_dim=4 * WIDTH,
+                dropout=0.0)
+        model = keras.Model(body.input, keras.layers.Dense(VOCAB)(body.output))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=sparse)
+    return model
+
+
+def bench_model(name):
+    import tfdist
+    from tfdist.sharding.peak import predict_peak
+
+    sequence = FLAGS.sequence_length if name in ("gpt2", "llama") else None
+    model = make_model(name)
+    model.optimizer.build(model.trainable_variables)
+    data = tfdist.ParallelConfig(data=FLAGS.devices).resolve(FLAGS.devices)
+    limit = int(FLAGS.memory_fraction
+                * predict_peak(data, model, FLAGS.batch_size, sequence).total)
+    predicted = tfdist.plan(lambda: make_model(name), FLAGS.devices, limit, FLAGS.batch_size,
+                            sequence)
+    fitting = sum(p.fits for p in predicted)
+    measured = tfdist.plan(lambda: make_model(name), FLAGS.devices, limit, FLAGS.batch_size,
+                           sequence, measure=fitting, steps=FLAGS.steps)
+    by_config = {p.config: p for p in measured}
+    for rank, p in enumerate(predicted, 1):
+        emit({"bench": "plan", "model": name, "config": tfdist.planning.describe_config(p.config),
+              "predicted_rank": rank, "fits": p.fits,
+              "predicted_peak_bytes": p.peak.total,
+              "predicted_step_ms": round(1e3 * p.time.total, 2),
+              "measured_step_ms": (None if by_config[p.config].measured is None
+                                   else round(1e3 * by_config[p.config].measured, 2))},
+             FLAGS.out)
+    fastest = measured[0]
+    chosen = by_config[predicted.best.config]
+    rank_of_fastest = next(i for i, p in enumerate(predicted, 1) if p.config == fastest.config)
+    times = [p.measured for p in measured if p.measured is not None]
+    emit({"bench": "plan_summary", "model": name, "devices": FLAGS.devices,
+          "memory_per_device_bytes": limit, "plans_fitting": fitting,
+          "plans_refused": len(predicted.refused),
+          "chosen": tfdist.planning.describe_config(chosen.config),
+          "chosen_measured_ms": round(1e3 * chosen.measured, 2),
+          "fastest": tfdist.planning.describe_config(fastest.config),
+          "fastest_measured_ms": round(1e3 * fastest.measured, 2),
+          "chosen_over_fastest": round(chosen.measured / fastest.measured, 3),
+          "predicted_rank_of_fastest": rank_of_fastest,
+          "median_measured_ms": round(1e3 * statistics.median(times), 2)}, FLAGS.out)
+
+
+def main(argv):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tfdist
+
+    tfdist.use_virtual_devices(FLAGS.devices)
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    for name in FLAGS.models:
+        bench_model(name)
+
+
+if __name__ == "__main__":
+    app.run(main)
