@@ -26,6 +26,7 @@ plans.best.config.to_json()   # for `tfdist launch --config` or `tfdist tfjob`
 
 import dataclasses
 import itertools
+import os
 import re
 import statistics
 import time
@@ -90,7 +91,8 @@ class Plans(list):
     predicted) step time, then those that do not by peak memory.
 
     `str()` is the table `tfdist plan` prints; `refused` holds the
-    configurations validation refused, with its message.
+    configurations validation refused, with its message; `hardware` the
+    `Hardware` the times were predicted for.
 
     Example:
 
@@ -100,10 +102,11 @@ class Plans(list):
     ```
     """
 
-    def __init__(self, plans=(), refused=(), memory_per_device=0):
+    def __init__(self, plans=(), refused=(), memory_per_device=0, hardware=None):
         super().__init__(plans)
         self.refused = list(refused)
         self.memory_per_device = memory_per_device
+        self.hardware = hardware
 
     @property
     def best(self) -> Plan:
@@ -146,6 +149,13 @@ class Plans(list):
                     f"{readable(self.memory_per_device)} per device"
                     + (f"; {len(self) - rows} more not shown" if len(self) > rows else "")
                     + (f"; {len(self.refused)} refused by validation" if self.refused else ""))
+        if self.hardware:
+            h = self.hardware
+            text.append(
+                f"predicted for {h.device_flops / 1e9:.1f} GFLOP/s per device, "
+                f"{1e6 * h.call_overhead:.0f} us per layer call, "
+                f"{1e6 * h.collective_latency:.0f} us per collective"
+                + (f", devices sharing {h.shared_cores} cores" if h.shared_cores else ""))
         return "\n".join(text)
 
     def __str__(self):
@@ -210,11 +220,9 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
             and pipeline stages stay within one.
         link_bandwidth: between hosts, bytes per second or "10Gbit".
         device_bandwidth: between the devices of a host.
-        device_flops: FLOP/s of one device; None: measured here by timing
-            the model's forward and backward on one device of this process
-            at the rows each device computes under data parallelism (logical
-            CPU devices of one processor share its cores: each gets 1/n of
-            the rate for n devices per host).
+        device_flops: FLOP/s of one device (the hardware then as given:
+            no call overhead, the default collective latency); None: this
+            process's devices measured on the model (`measured_hardware`).
         measure: train the first `measure` plans that fit here, `steps`
             steps each, and rank them by their measured time (needs
             `devices` devices in this process: `tfdist.use_virtual_devices`).
@@ -243,14 +251,14 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
                          f"{built.name!r} is not.")
     if not built.optimizer.built:
         built.optimizer.build(built.trainable_variables)
-    hardware = Hardware(
-        device_flops=(parse_quantity(device_flops, "device_flops") if device_flops
-                      else measured_device_flops(built, sequence_length,
-                                                 rows=max(1, batch_size // devices))
-                      / _sharing(devices // hosts)),
-        device_bandwidth=parse_quantity(device_bandwidth, "device_bandwidth"),
-        link_bandwidth=parse_quantity(link_bandwidth, "link_bandwidth"),
-        devices_per_host=devices // hosts)
+    bandwidths = dict(device_bandwidth=parse_quantity(device_bandwidth, "device_bandwidth"),
+                      link_bandwidth=parse_quantity(link_bandwidth, "link_bandwidth"),
+                      devices_per_host=devices // hosts)
+    if device_flops:
+        hardware = Hardware(parse_quantity(device_flops, "device_flops"), **bandwidths)
+    else:
+        hardware = measured_hardware(built, devices // hosts, sequence_length,
+                                     max(4, batch_size // devices), **bandwidths)
     weighed, refused = [], []
     layouts = {}
     for config, error in candidates(built, devices, batch_size, hosts, fixed):
@@ -268,10 +276,10 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         fits = peak.total <= limit
         reason = "" if fits else f"peak {readable(peak.total)} > {readable(int(limit))}"
         weighed.append(Plan(config, peak, step, fits, reason))
-    plans = _ranked(weighed, refused, limit)
+    plans = _ranked(weighed, refused, limit, hardware)
     if measure:
         _measure(plans, model, devices, batch_size, sequence_length, steps, dataset, measure)
-        plans = _ranked(plans, plans.refused, limit)
+        plans = _ranked(plans, plans.refused, limit, hardware)
     return plans
 
 
@@ -340,32 +348,50 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _ranked(weighed, refused, limit) -> Plans:
+def _ranked(weighed, refused, limit, hardware) -> Plans:
     fitting = sorted((p for p in weighed if p.fits),
                      key=lambda p: (p.measured is None, p.seconds, p.peak.total))
     over = sorted((p for p in weighed if not p.fits), key=lambda p: p.peak.total)
-    return Plans(fitting + over, refused, limit)
+    return Plans(fitting + over, refused, limit, hardware)
 
 
-def _sharing(devices_per_host):
-    """How many of the planned devices share one processor's cores: the
-    devices per host when they are logical CPU devices of this process."""
-    if tf.config.list_physical_devices("GPU"):
-        return 1
-    return devices_per_host
+def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
+                      **bandwidths) -> Hardware:
+    """The `Hardware` of this process's devices, timed on `model`:
 
+    - `device_flops` and `call_overhead`: the model's forward and backward
+      on the first device, at `rows` and at 1 example, their difference
+      per example set against the estimated FLOPs (3x the forward's,
+      `tfdist.pipeline.cost`), what remains of the 1-example time over the
+      layer calls;
+    - `collective_latency`: a chain of small all-reduces over `devices`
+      devices of this process, per all-reduce (when it has them);
+    - `shared_cores`: this host's cores when the devices are logical CPU
+      devices (no GPU).
 
-def measured_device_flops(model, sequence_length=None, rows: int = 8, repeats: int = 3) -> float:
-    """FLOP/s of this process's first device on `model`: its forward and
-    backward (3x the forward's estimated FLOPs, `tfdist.pipeline.cost`) on
-    `rows` synthetic examples, timed after a first call.
+    `bandwidths` are `Hardware`'s other fields.
 
     Example:
 
     ```python
-    measured_device_flops(model, sequence_length=128) / 1e9   # GFLOP/s
+    hardware = measured_hardware(model, 4, sequence_length=128, rows=16,
+                                 device_bandwidth=1e10, link_bandwidth=1.25e9)
     ```
     """
+    few, many = (_forward_and_backward_seconds(model, n, sequence_length) for n in (1, rows))
+    graph = LayerGraph(model)
+    per_example = max(many - few, 1e-9) / (rows - 1)
+    flops = 3 * sum(node_cost(node, sequence_length) for node in graph.nodes)
+    cpu = not tf.config.list_logical_devices("GPU")
+    return Hardware(
+        device_flops=flops / per_example,
+        call_overhead=max(0.0, few - per_example) / (3 * len(graph.nodes)),
+        collective_latency=_all_reduce_seconds(devices),
+        shared_cores=len(os.sched_getaffinity(0)) if cpu else None, **bandwidths)
+
+
+def _forward_and_backward_seconds(model, rows, sequence_length, repeats=5):
+    """Median seconds of `model`'s forward and backward on `rows` examples."""
     inputs, _ = synthetic_batch(model, rows, sequence_length)
     weights = model.trainable_variables
 
@@ -377,15 +403,44 @@ def measured_device_flops(model, sequence_length=None, rows: int = 8, repeats: i
                               for y in tf.nest.flatten(outputs)])
         return tape.gradient(total, weights)
 
-    forward_and_backward(inputs)
-    seconds = []
-    for _ in range(repeats):
+    def timed():
         start = time.perf_counter()
-        tf.nest.map_structure(lambda t: t.numpy() if t is not None else None,
+        tf.nest.map_structure(lambda t: None if t is None else t.numpy(),
                               forward_and_backward(inputs))
-        seconds.append(time.perf_counter() - start)
-    flops = 3 * rows * sum(node_cost(node, sequence_length) for node in LayerGraph(model).nodes)
-    return flops / statistics.median(seconds)
+        return time.perf_counter() - start
+
+    timed()
+    return statistics.median(timed() for _ in range(repeats))
+
+
+def _all_reduce_seconds(devices, chain=20, repeats=3):
+    """Seconds per all-reduce of a chain of small ones over `devices` of
+    this process's devices (the default `Hardware`'s when it has fewer)."""
+    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    if devices < 2 or len(available) < devices:
+        return Hardware.collective_latency
+    from tfdist.strategy import Strategy
+
+    strategy = Strategy(devices=[device.name for device in available[:devices]])
+
+    def chained(length):
+        def replica():
+            context = tf.distribute.get_replica_context()
+            x = tf.ones([8])
+            for _ in range(length):
+                x = context.all_reduce("sum", x) * 0.5
+            return x
+
+        run = tf.function(lambda: strategy.run(replica))
+        run()
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
+
+    return max(0.0, chained(chain) - chained(1)) / (chain - 1)
 
 
 def synthetic_batch(model, rows: int, sequence_length=None):

@@ -64,9 +64,17 @@ class Hardware:
         device_flops: floating-point operations per second of one device.
         device_bandwidth: bytes per second between two devices of a host.
         link_bandwidth: bytes per second between two hosts.
-        devices_per_host: devices of each host.
+        devices_per_host: devices of each host (None: all on one).
         collective_latency: seconds each collective or send costs besides
             its bytes.
+        call_overhead: seconds each layer call's forward costs besides its
+            FLOPs (its backward twice that): the runtime's per-op work.
+        shared_cores: when a host's devices are logical devices of one
+            processor (`tfdist.use_virtual_devices`), its cores: each
+            device's FLOPs then run at `device_flops` one device at a time
+            (the processor's whole rate), their call overheads on this many
+            cores at once, and an idle device (the pipeline's bubble) lends
+            its cores to the others. None: devices of their own.
 
     Example:
 
@@ -79,6 +87,8 @@ class Hardware:
     link_bandwidth: float
     devices_per_host: int | None = None
     collective_latency: float = 5e-5
+    call_overhead: float = 0.0
+    shared_cores: int | None = None
 
     def hosts_of(self, devices: int) -> int:
         """How many hosts `devices` devices span (1 when `devices_per_host` is None)."""
@@ -124,13 +134,12 @@ def predict_step_time(config: ParallelConfig, model, batch_size: int, hardware: 
     rows = batch_size / config.data
     costs = {id(node): node_cost(node, sequence_length) * _split_share(node, layout, config)
              for node in graph.nodes}
+    compute, bubble = _compute_time(config, layout.stages or [graph], costs,
+                                    rows / config.microbatches, hardware)
     if layout.stages:
-        compute, bubble = _pipeline_time(config, layout.stages, costs, rows, hardware)
         weights = max((_trainable(stage) for stage in layout.stages),
                       key=lambda ws: weight_bytes(ws, layout.split))
     else:
-        forward = rows * sum(costs.values()) / hardware.device_flops
-        compute, bubble = 3 * forward, 0.0
         weights = model.trainable_weights
     communication = (_data_group_time(config, model, weights, layout, hardware)
                      + _tensor_group_time(config, graph, layout, rows, sequence_length,
@@ -157,26 +166,36 @@ def _split_share(node, layout, config):
     return 1.0 - split / total + split / total / config.tensor
 
 
-def _pipeline_time(config, stages, costs, rows, hardware):
-    """(busiest device's compute, bubble) of the schedule played out."""
-    micro = rows / config.microbatches
-    forward = [micro * sum(costs[id(node)] for node in stage.nodes) / hardware.device_flops
-               for stage in stages]
-    orders = pipeline_schedule.stage_orders(config.schedule, config.pipeline,
-                                            config.microbatches, config.virtual_stages)
+def _compute_time(config, stages, costs, micro, hardware):
+    """(compute, bubble) of the step's actions: each stage's (a whole model
+    without `pipeline`) forward and backward of every microbatch of `micro`
+    rows, in the schedule's order."""
+    flops = [micro * sum(costs[id(node)] for node in stage.nodes) / hardware.device_flops
+             for stage in stages]
+    overheads = [len(stage.nodes) * hardware.call_overhead for stage in stages]
+    orders = pipeline_schedule.stage_orders(config.schedule, len(stages) // (
+        config.virtual_stages), config.microbatches, config.virtual_stages)
     split = any(a.kind == pipeline_schedule.WEIGHTS for order in orders for a in order)
-    recompute = 1.0 if config.remat else 0.0
+
+    def times(action):
+        """The action's multiple of its stage's forward."""
+        if action.kind in (pipeline_schedule.FORWARD, pipeline_schedule.WEIGHTS):
+            return 1.0
+        return (1.0 if split else 2.0) + (1.0 if config.remat else 0.0)
+
+    if hardware.shared_cores:  # every device's work on one processor, no bubble
+        flop_seconds = sum(times(a) * flops[a.stage] for order in orders for a in order)
+        overhead_seconds = sum(times(a) * overheads[a.stage] for order in orders for a in order)
+        devices = min(hardware.devices_per_host or math.inf,
+                      config.data * config.pipeline * config.tensor)
+        copies = devices / config.pipeline  # the replicas and tensor ranks on the host
+        return copies * (flop_seconds + overhead_seconds / hardware.shared_cores), 0.0
 
     def seconds(action):
-        f = forward[action.stage]
-        if action.kind == pipeline_schedule.FORWARD:
-            return f
-        if action.kind == pipeline_schedule.WEIGHTS:
-            return f
-        return (1.0 if split else 2.0) * f + recompute * f
+        return times(action) * (flops[action.stage] + overheads[action.stage])
 
     busiest = max(sum(seconds(a) for a in order) for order in orders)
-    return busiest, max(0.0, _played_out(orders, seconds, config.model_stages) - busiest)
+    return busiest, max(0.0, _played_out(orders, seconds, len(stages)) - busiest)
 
 
 def _played_out(orders, seconds, stages):
@@ -251,7 +270,9 @@ def _data_group_time(config, model, weights, layout, hardware):
     if config.zero < 3:
         return _ring(gradients + parameters, data, bandwidth) + 2 * latency
     units = 1 if layout.stages else len(zero3.plan_units(model, config.zero3_unit_params))
-    return _ring(gradients + 2 * parameters, data, bandwidth) + 3 * units * latency
+    gathers = 3 * units * config.microbatches  # forward, backward, reduce-scatter
+    return _ring(gradients + 2 * config.microbatches * parameters, data, bandwidth) + (
+        gathers * latency)
 
 
 def _tensor_group_time(config, graph, layout, rows, sequence_length, hardware):

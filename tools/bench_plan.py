@@ -10,11 +10,16 @@ per device of `--memory_fraction` x data parallelism's predicted peak (so
 that data parallelism and some other plans do not fit), and `measure` = every
 plan that fits, so each is trained `--steps` steps and timed. One JSON line
 per plan (predicted peak and time, measured time), then one per model: the
-rank the prediction gave the plan measured fastest, and the measured time of
+rank the prediction gave the plan measured fastest, the measured time of
 the plan the prediction chose (`plans` ranked without measuring) against the
-fastest's.
+fastest's, and the rank correlation of predicted and measured times.
+
+    python tools/bench_plan.py --measured=results.jsonl
+
+predicts again and reuses the measured times of an earlier run.
 """
 
+import json
 import os
 import statistics
 
@@ -31,6 +36,8 @@ flags.DEFINE_integer("steps", 6, "Steps each plan trains (the first two not time
 flags.DEFINE_float("memory_fraction", 0.7, "Memory per device, as a fraction of data "
                    "parallelism's predicted peak.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
+flags.DEFINE_string("measured", None, "JSON lines of an earlier run: its measured times "
+                    "are reused (the predictions are made again), nothing is trained.")
 
 VOCAB, WIDTH, BLOCKS = 512, 128, 4
 
@@ -70,6 +77,7 @@ def make_model(name):
 
 def bench_model(name):
     import tfdist
+    from tfdist.planning import describe_config
     from tfdist.sharding.peak import predict_peak
 
     sequence = FLAGS.sequence_length if name in ("gpt2", "llama") else None
@@ -81,31 +89,62 @@ def bench_model(name):
     predicted = tfdist.plan(lambda: make_model(name), FLAGS.devices, limit, FLAGS.batch_size,
                             sequence)
     fitting = sum(p.fits for p in predicted)
-    measured = tfdist.plan(lambda: make_model(name), FLAGS.devices, limit, FLAGS.batch_size,
-                           sequence, measure=fitting, steps=FLAGS.steps)
-    by_config = {p.config: p for p in measured}
+    if FLAGS.measured:
+        measured = earlier_measurements(FLAGS.measured, name)
+    else:
+        measured = {describe_config(p.config): p.measured for p in tfdist.plan(
+            lambda: make_model(name), FLAGS.devices, limit, FLAGS.batch_size, sequence,
+            measure=fitting, steps=FLAGS.steps)}
+    for p in predicted:
+        p.measured = measured.get(describe_config(p.config))
     for rank, p in enumerate(predicted, 1):
-        emit({"bench": "plan", "model": name, "config": tfdist.planning.describe_config(p.config),
+        emit({"bench": "plan", "model": name, "config": describe_config(p.config),
               "predicted_rank": rank, "fits": p.fits,
               "predicted_peak_bytes": p.peak.total,
               "predicted_step_ms": round(1e3 * p.time.total, 2),
-              "measured_step_ms": (None if by_config[p.config].measured is None
-                                   else round(1e3 * by_config[p.config].measured, 2))},
+              "measured_step_ms": None if p.measured is None else round(1e3 * p.measured, 2)},
              FLAGS.out)
-    fastest = measured[0]
-    chosen = by_config[predicted.best.config]
-    rank_of_fastest = next(i for i, p in enumerate(predicted, 1) if p.config == fastest.config)
-    times = [p.measured for p in measured if p.measured is not None]
+    timed = [p for p in predicted if p.measured is not None]
+    fastest = min(timed, key=lambda p: p.measured)
+    chosen = predicted.best
     emit({"bench": "plan_summary", "model": name, "devices": FLAGS.devices,
           "memory_per_device_bytes": limit, "plans_fitting": fitting,
           "plans_refused": len(predicted.refused),
-          "chosen": tfdist.planning.describe_config(chosen.config),
+          "chosen": describe_config(chosen.config),
           "chosen_measured_ms": round(1e3 * chosen.measured, 2),
-          "fastest": tfdist.planning.describe_config(fastest.config),
+          "fastest": describe_config(fastest.config),
           "fastest_measured_ms": round(1e3 * fastest.measured, 2),
           "chosen_over_fastest": round(chosen.measured / fastest.measured, 3),
-          "predicted_rank_of_fastest": rank_of_fastest,
-          "median_measured_ms": round(1e3 * statistics.median(times), 2)}, FLAGS.out)
+          "predicted_rank_of_fastest": predicted.index(fastest) + 1,
+          "rank_correlation": round(rank_correlation(
+              [p.time.total for p in timed], [p.measured for p in timed]), 3),
+          "median_measured_ms": round(1e3 * statistics.median(p.measured for p in timed), 2)},
+         FLAGS.out)
+
+
+def earlier_measurements(path, name):
+    """{config: measured seconds} of model `name` in an earlier run's JSON lines."""
+    measured = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if (record.get("bench") == "plan" and record["model"] == name
+                    and record["measured_step_ms"] is not None):
+                measured[record["config"]] = record["measured_step_ms"] / 1e3
+    return measured
+
+
+def rank_correlation(a, b):
+    """Spearman's rank correlation of two lists (no ties expected)."""
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        result = [0] * len(values)
+        for rank, index in enumerate(order):
+            result[index] = rank
+        return result
+
+    ra, rb, n = ranks(a), ranks(b), len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
 def main(argv):
