@@ -41,6 +41,7 @@ from tfdist.pipeline.cost import node_cost
 from tfdist.pipeline.graph import LayerGraph
 from tfdist.sharding.peak import PeakEstimate, predict_peak, readable
 from tfdist.step_time import Hardware, StepTime, predict_step_time
+from tfdist.tensor import plan as tensor_plan
 
 # The fields `plan` chooses (the others keep their defaults unless given).
 SEARCHED = ("data", "pipeline", "tensor", "zero", "microbatches", "schedule", "remat")
@@ -267,8 +268,11 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
             continue
         key = (config.pipeline, config.tensor, config.virtual_stages)
         if key not in layouts:
-            layouts[key] = modes.planned_layout(config, built, sequence_length)
+            layouts[key] = _layout_or_refusal(config, built, sequence_length)
         layout = layouts[key]
+        if isinstance(layout, str):
+            refused.append((dataclasses.asdict(config), layout))
+            continue
         peak = predict_peak(config, built, batch_size, sequence_length, layout.split,
                             layout.stages)
         step = predict_step_time(config, built, batch_size, hardware, sequence_length,
@@ -281,6 +285,18 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         _measure(plans, model, devices, batch_size, sequence_length, steps, dataset, measure)
         plans = _ranked(plans, plans.refused, limit, hardware)
     return plans
+
+
+def _layout_or_refusal(config, model, sequence_length):
+    """`config`'s planned layout, or why the model cannot take it (stages it
+    cannot cut, a tensor group that would split nothing)."""
+    try:
+        layout = modes.planned_layout(config, model, sequence_length)
+        if layout.decisions:  # (a tensor group's)
+            tensor_plan.check_something_splits(model, layout.decisions, config.tensor)
+    except ValueError as error:
+        return str(error)
+    return layout
 
 
 def _check_args(model, devices, batch_size, hosts, measure, steps, fixed):

@@ -140,3 +140,13 @@ def test_hosts_put_the_data_groups_gradients_on_the_slower_link():
     two_hosts = predict_step_time(config, model, 32, Hardware(1e10, 8e9, 1.25e8,
                                                               devices_per_host=2))
     assert two_hosts.communication > 10 * one_host.communication
+
+
+def test_a_model_tensor_groups_cannot_split_gets_no_tensor_plan():
+    convnet = keras.Sequential([keras.Input((12, 12, 1)), keras.layers.Conv2D(8, 3),
+                                keras.layers.Flatten(), keras.layers.Dense(4)])
+    convnet.compile(optimizer="adam", loss="mse")
+    plans = tfdist.plan(convnet, devices=4, memory_per_device="1GiB", batch_size=16,
+                        **HARDWARE)
+    assert plans and all(p.config.tensor == 1 for p in plans)
+    assert any("tensor=2 splits no layer" in error for _, error in plans.refused)

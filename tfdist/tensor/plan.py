@@ -335,8 +335,7 @@ def partition_model(model, mesh):
     """
     decisions = plan(model, mesh.tensor, mesh.strategy.config.vocab_parallel_classifier,
                      mesh.strategy.layout_map)
-    if not any(d.layout.weight_axes(d.layer) for d in decisions):
-        raise ValueError(_nothing_split(model, decisions, mesh.tensor))
+    check_something_splits(model, decisions, mesh.tensor)
     if not getattr(model, "_tfdist_whole_layers_told", False):
         model._tfdist_whole_layers_told = True
         warn_of_whole_layers(model, decisions, mesh.tensor)
@@ -363,9 +362,19 @@ def partition_model(model, mesh):
                 shard_keras_variable(slot, layout, mesh.strategy)
 
 
-def _nothing_split(model, decisions, tensor):
-    """Why `tensor` is refused for `model`: no layer of it splits."""
-    return (f"tensor={tensor} splits no layer of model {model.name!r} "
+def check_something_splits(model, decisions, tensor):
+    """Raises `ValueError` when `decisions` (`plan`'s for `model`) split no
+    layer: every device of a tensor group would hold and compute the same.
+
+    Example:
+
+    ```python
+    check_something_splits(model, plan(model, 2), 2)   # a convnet: ValueError
+    ```
+    """
+    if not any(d.layout.weight_axes(d.layer) for d in decisions):
+        raise ValueError(
+            f"tensor={tensor} splits no layer of model {model.name!r} "
             f"({_listed(decisions) or 'no weights'}): every device of a tensor group would "
             f"hold and compute the same. Use data parallelism (`data`) for this model; "
             f"docs/modes/tensor.md says what splits.")
