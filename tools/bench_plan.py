@@ -1,7 +1,7 @@
 """Benchmark: `tfdist.plan`'s predictions against every valid plan measured.
 
     python tools/bench_plan.py [--models=mlp,convnet,gpt2,llama] [--devices=4]
-        [--batch_size=32] [--steps=6] [--out=results.jsonl]
+        [--batch_size=32] [--steps=12] [--out=results.jsonl]
 
 For each model (small configurations of a wide MLP, a keras-io convnet, and
 keras-hub GPT-2 and Llama backbones with a token classifier; Adam), on
@@ -32,7 +32,7 @@ flags.DEFINE_list("models", ["mlp", "convnet", "gpt2", "llama"], "Models to plan
 flags.DEFINE_integer("devices", 4, "Logical CPU devices.")
 flags.DEFINE_integer("batch_size", 32, "Global batch.")
 flags.DEFINE_integer("sequence_length", 64, "Tokens per example of the language models.")
-flags.DEFINE_integer("steps", 6, "Steps each plan trains (the first two not timed).")
+flags.DEFINE_integer("steps", 12, "Steps each plan trains (the first two not timed).")
 flags.DEFINE_float("memory_fraction", 0.7, "Memory per device, as a fraction of data "
                    "parallelism's predicted peak.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
