@@ -228,8 +228,7 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
             steps each, and rank them by their measured time (needs
             `devices` devices in this process: `tfdist.use_virtual_devices`).
         dataset: with `measure`, a function `(batch_size) -> tf.data.Dataset`
-            of (inputs, targets); None: zeros for integer inputs and targets,
-            normal values for floating ones.
+            of (inputs, targets); None: `synthetic_batch`'s.
         **fixed: `ParallelConfig` fields held at these values (such as
             `precision="mixed_bfloat16"`, `compression="bf16"`, `zero=3`).
 
@@ -245,6 +244,10 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
     """
     _check_args(model, devices, batch_size, hosts, measure, steps, fixed)
     limit = parse_quantity(memory_per_device, "memory_per_device")
+    bandwidths = dict(device_bandwidth=parse_quantity(device_bandwidth, "device_bandwidth"),
+                      link_bandwidth=parse_quantity(link_bandwidth, "link_bandwidth"),
+                      devices_per_host=devices // hosts)
+    flops = parse_quantity(device_flops, "device_flops") if device_flops is not None else None
     built = model() if callable(model) and not isinstance(model, keras.Model) else model
     if getattr(built, "optimizer", None) is None:
         raise ValueError(f"`model` must be compiled (`model.compile(optimizer=..., "
@@ -252,11 +255,8 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
                          f"{built.name!r} is not.")
     if not built.optimizer.built:
         built.optimizer.build(built.trainable_variables)
-    bandwidths = dict(device_bandwidth=parse_quantity(device_bandwidth, "device_bandwidth"),
-                      link_bandwidth=parse_quantity(link_bandwidth, "link_bandwidth"),
-                      devices_per_host=devices // hosts)
-    if device_flops:
-        hardware = Hardware(parse_quantity(device_flops, "device_flops"), **bandwidths)
+    if flops:
+        hardware = Hardware(flops, **bandwidths)
     else:
         hardware = measured_hardware(built, devices // hosts, sequence_length,
                                      max(4, batch_size // devices), **bandwidths)

@@ -1,5 +1,6 @@
 """The examples run as documented (small settings, fresh processes)."""
 
+import json
 import pathlib
 import re
 import subprocess
@@ -110,3 +111,15 @@ def test_model_garden_bert_example_trains_a_tf_keras_model_with_microbatches_and
     # Adam's two slots, half on each device (and the counter and learning rate).
     weights = int(re.search(r"trainable weight bytes: ([\d,]+)", out)[1].replace(",", ""))
     assert len(sizes) == 2 and all(weights <= size < weights + 4096 for size in sizes)
+
+
+def test_plan_example_ranks_gpt2_plans_and_prints_the_best_config():
+    out = run_example("plan_gpt2.py", "--devices=4", "--memory_per_device=24MiB",
+                      "--batch_size=8", "--sequence_length=16")
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["rank", "config", "peak", "step"]
+    assert re.search(r"\d+ configurations weighed, \d+ fit in 24.00 MiB per device", out)
+    config = json.loads(lines[-1])
+    assert config["data"] * config["pipeline"] * config["tensor"] == 4
+    first = lines[1].split()
+    assert first[0] == "1" and first[-1] == "fits"
