@@ -289,7 +289,8 @@ def _plan_command(args):
         model = _function_named(FLAGS.model, "model")
         dataset = _function_named(FLAGS.dataset, "dataset") if FLAGS.dataset else None
     logging.set_verbosity(logging.WARNING)  # tf.distribute's INFO lines, from --measure
-    if FLAGS.measure:
+    if (FLAGS.measure or not FLAGS.device_flops) and not tf_gpus():
+        # timed on this host's processor split into the planned devices
         tfdist.use_virtual_devices(FLAGS.devices)
     plans = tfdist.plan(
         model, devices=FLAGS.devices, memory_per_device=FLAGS.memory_per_device,
@@ -300,6 +301,13 @@ def _plan_command(args):
         measure=FLAGS.measure, dataset=dataset, **held)
     print(plans.best.config.to_json() if FLAGS.json else plans.table(FLAGS.rows))
     return 0
+
+
+def tf_gpus():
+    """The GPUs TensorFlow sees (its devices not yet initialised)."""
+    import tensorflow as tf
+
+    return tf.config.list_physical_devices("GPU")
 
 
 def _function_named(spec, flag):
@@ -315,11 +323,13 @@ def _function_named(spec, flag):
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        function = getattr(importlib.import_module(module), name)
-    except ImportError as error:
-        raise ValueError(f"--{flag}={spec!r}: cannot import {module!r} ({error}).") from error
-    except AttributeError as error:
-        raise ValueError(f"--{flag}={spec!r}: {module!r} has no {name!r}.") from error
+        imported = importlib.import_module(module)
+    except Exception as error:  # the user's module: whatever its import raised
+        raise ValueError(f"--{flag}={spec!r}: importing {module!r} failed: "
+                         f"{type(error).__name__}: {error}") from error
+    function = getattr(imported, name, None)
+    if function is None:
+        raise ValueError(f"--{flag}={spec!r}: {module!r} has no {name!r}.")
     if not callable(function):
         raise ValueError(f"--{flag}={spec!r}: {name!r} is not a function.")
     return function
