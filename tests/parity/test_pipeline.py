@@ -101,6 +101,41 @@ def test_residual_mlp_matches_one_device(schedule, virtual, remat):
     assert_parity(train(strategy, make=residual_mlp), reference)
 
 
+class _WithAnUnusedWeight(keras.layers.Layer):
+    """A Dense that also keeps a weight its call never reads, as keras-hub's
+    `ReversibleEmbedding` keeps its untied `reverse_embeddings` (Mistral):
+    its gradient is None."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight((shape[-1], 32), initializer="glorot_uniform")
+        self.unused = self.add_weight((4,), initializer="ones")
+
+    def call(self, x):
+        return keras.ops.tanh(x @ self.kernel)
+
+
+def with_an_unused_weight(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    h = _WithAnUnusedWeight(name="unused_in")(inputs)
+    h = keras.layers.Dense(32, activation="tanh", name="a")(h)
+    h = _WithAnUnusedWeight(name="unused_late")(h)
+    outputs = keras.layers.Dense(CLASSES, name="out")(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1"])
+def test_a_weight_without_gradient_stays_and_the_rest_match_one_device(schedule):
+    reference = trained_reference(make=with_an_unused_weight)
+    strategy = tfdist.Strategy(pipeline=2, microbatches=2, schedule=schedule,
+                               devices=devices(2))
+    result = train(strategy, make=with_an_unused_weight)
+    assert_parity(result, reference)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_two_inputs_data_parallel_matches_one_device(schedule):
     x, y = data()

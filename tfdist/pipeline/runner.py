@@ -156,8 +156,8 @@ def _weight_only(ops, input_grads, weight_grads):
     `input_grads` do not."""
     ops = set(ops)
 
-    def ancestors(tensors):
-        seen, pending = set(), [t.op for t in tensors]
+    def ancestors(tensors):  # (a weight the stage never reads has no gradient: None)
+        seen, pending = set(), [t.op for t in tensors if t is not None]
         while pending:
             op = pending.pop()
             if op in ops and op not in seen:
