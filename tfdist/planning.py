@@ -282,7 +282,7 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         weighed.append(Plan(config, peak, step, fits, reason))
     plans = _ranked(weighed, refused, limit, hardware)
     if measure:
-        _measure(plans, model, devices, batch_size, sequence_length, steps, dataset, measure)
+        _measure(plans, model, batch_size, sequence_length, steps, dataset, measure)
         plans = _ranked(plans, plans.refused, limit, hardware)
     return plans
 
@@ -493,27 +493,43 @@ def synthetic_batch(model, rows: int, sequence_length=None):
             tf.nest.map_structure(target, model.outputs[0] if sequential else model.output))
 
 
-def _measure(plans, model_fn, devices, batch_size, sequence_length, steps, dataset, count):
+def _measure(plans, model_fn, batch_size, sequence_length, steps, dataset, count):
     """Trains the first `count` fitting plans; sets each one's `measured`."""
+    for candidate in [p for p in plans if p.fits][:count]:
+        candidate.measured = measured_step_seconds(candidate.config, model_fn, batch_size,
+                                                   sequence_length, steps, dataset)
+
+
+def measured_step_seconds(config: ParallelConfig, model_fn, batch_size: int,
+                          sequence_length=None, steps: int = 10, dataset=None) -> float:
+    """Median seconds of a training step of `model_fn()` under `config` on
+    this process's first devices, over `steps` steps of `fit` (the first two,
+    which trace, left out); `dataset` as `plan`'s.
+
+    Example:
+
+    ```python
+    measured_step_seconds(plans.best.config, build, batch_size=32)
+    ```
+    """
     from tfdist.strategy import Strategy
 
+    devices = config.data * config.pipeline * config.tensor
     available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
     if len(available) < devices:
         raise ValueError(
-            f"`measure` trains on {devices} devices, but this process has "
-            f"{len(available)}: call tfdist.use_virtual_devices({devices}) before "
-            f"TensorFlow starts, or measure=0.")
-    names = [device.name for device in available[:devices]]
-    for candidate in [p for p in plans if p.fits][:count]:
-        strategy = Strategy(candidate.config, devices=names)
-        with strategy.scope():
-            model = model_fn()
-        data = dataset(batch_size) if dataset else _synthetic_dataset(
-            model, batch_size, sequence_length)
-        timer = _StepTimer()
-        model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False,
-                  callbacks=[timer])
-        candidate.measured = statistics.median(timer.seconds[2:] or timer.seconds)
+            f"Measuring {describe_config(config)} trains on {devices} devices, but this "
+            f"process has {len(available)}: call tfdist.use_virtual_devices({devices}) "
+            f"before TensorFlow starts, or measure=0.")
+    strategy = Strategy(config, devices=[device.name for device in available[:devices]])
+    with strategy.scope():
+        model = model_fn()
+    data = dataset(batch_size) if dataset else _synthetic_dataset(
+        model, batch_size, sequence_length)
+    timer = _StepTimer()
+    model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False,
+              callbacks=[timer])
+    return statistics.median(timer.seconds[2:] or timer.seconds)
 
 
 def _synthetic_dataset(model, batch_size, sequence_length):

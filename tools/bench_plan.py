@@ -7,9 +7,11 @@ For each model (small configurations of a wide MLP, a keras-io convnet, and
 keras-hub GPT-2 and Llama backbones with a token classifier; Adam), on
 `--devices` logical CPU devices of this process: `tfdist.plan` with a memory
 per device of `--memory_fraction` x data parallelism's predicted peak (so
-that data parallelism and some other plans do not fit), and `measure` = every
-plan that fits, so each is trained `--steps` steps and timed. One JSON line
-per plan (predicted peak and time, measured time), then one per model: the
+that data parallelism and some other plans do not fit); every plan that fits
+(or the first `--max_plans` of them, in predicted order) is trained `--steps`
+steps and timed (`tfdist.planning.measured_step_seconds`). One JSON line per
+plan as it is timed (predicted peak and time, measured time), then one per
+model: the
 rank the prediction gave the plan measured fastest, the measured time of
 the plan the prediction chose (`plans` ranked without measuring) against the
 fastest's, and the rank correlation of predicted and measured times.
@@ -36,6 +38,8 @@ flags.DEFINE_integer("steps", 12, "Steps each plan trains (the first two not tim
 flags.DEFINE_float("memory_fraction", 0.7, "Memory per device, as a fraction of data "
                    "parallelism's predicted peak.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
+flags.DEFINE_integer("max_plans", 0, "Time only the first this many plans that fit, in "
+                     "predicted order (0: every one).")
 flags.DEFINE_string("measured", None, "JSON lines of an earlier run: its measured times "
                     "are reused (the predictions are made again), nothing is trained.")
 
@@ -77,7 +81,7 @@ def make_model(name):
 
 def bench_model(name):
     import tfdist
-    from tfdist.planning import describe_config
+    from tfdist.planning import describe_config, measured_step_seconds
     from tfdist.sharding.peak import predict_peak
 
     sequence = FLAGS.sequence_length if name in ("gpt2", "llama") else None
@@ -89,15 +93,15 @@ def bench_model(name):
     predicted = tfdist.plan(lambda: make_model(name), FLAGS.devices, limit, FLAGS.batch_size,
                             sequence)
     fitting = sum(p.fits for p in predicted)
-    if FLAGS.measured:
-        measured = earlier_measurements(FLAGS.measured, name)
-    else:
-        measured = {describe_config(p.config): p.measured for p in tfdist.plan(
-            lambda: make_model(name), FLAGS.devices, limit, FLAGS.batch_size, sequence,
-            measure=fitting, steps=FLAGS.steps)}
-    for p in predicted:
-        p.measured = measured.get(describe_config(p.config))
+    earlier = earlier_measurements(FLAGS.measured, name) if FLAGS.measured else {}
+    measured = 0
     for rank, p in enumerate(predicted, 1):
+        if FLAGS.measured:
+            p.measured = earlier.get(describe_config(p.config))
+        elif p.fits and measured < (FLAGS.max_plans or fitting):
+            p.measured = measured_step_seconds(p.config, lambda: make_model(name),
+                                               FLAGS.batch_size, sequence, FLAGS.steps)
+            measured += 1
         emit({"bench": "plan", "model": name, "config": describe_config(p.config),
               "predicted_rank": rank, "fits": p.fits,
               "predicted_peak_bytes": p.peak.total,
