@@ -16,7 +16,7 @@ The same from the command line (`build` is this file's model function):
         --memory-per-device 12MiB --batch-size 16 --sequence-length 64
 """
 
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 VOCAB = 1000
@@ -38,6 +38,7 @@ def build():
 
 
 def main(argv):
+    del argv
     import tfdist
 
     tfdist.use_virtual_devices(FLAGS.devices)
@@ -62,5 +63,7 @@ def define_flags():
 
 
 if __name__ == "__main__":
+    import digits  # (beside this file: the examples' shared runner)
+
     define_flags()
-    app.run(main)
+    digits.run(main)
