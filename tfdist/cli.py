@@ -378,7 +378,8 @@ COMMANDS = {
                          "model", "dataset", "devices", "memory_per_device", "batch_size",
                          "sequence_length", "hosts", "link_bandwidth", "device_bandwidth",
                          "device_flops", "measure", "rows", "json"),
-                     "Rank every ParallelConfig for a model, devices and memory (tfdist.plan).",
+                     "Rank every ParallelConfig for a model, devices and memory "
+                     "(tfdist.plan); a config flag holds its field in every plan.",
                      "tfdist plan --model my_models:build_gpt2 --devices 8 "
                      "--memory-per-device 16GiB --batch-size 64 --sequence-length 1024"),
     "version": _Command(_version_command, (),
