@@ -297,7 +297,7 @@ def _plan_command(args):
         batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
         hosts=FLAGS.hosts, link_bandwidth=FLAGS.link_bandwidth,
         device_bandwidth=FLAGS.device_bandwidth,
-        device_flops=float(FLAGS.device_flops) if FLAGS.device_flops else None,
+        device_flops=FLAGS.device_flops,
         measure=FLAGS.measure, dataset=dataset, **held)
     print(plans.best.config.to_json() if FLAGS.json else plans.table(FLAGS.rows))
     return 0

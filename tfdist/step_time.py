@@ -41,12 +41,13 @@ import tensorflow as tf
 
 from tfdist._compat.keras_functional import direct_sublayers
 from tfdist.config import ParallelConfig
+from tfdist.engine.compression import matrix_view
 from tfdist.engine.modes import planned_layout
 from tfdist.optim import zero3
 from tfdist.pipeline import schedule as pipeline_schedule
-from tfdist.pipeline.cost import node_cost, shapes_of
+from tfdist.pipeline.cost import node_cost
 from tfdist.pipeline.graph import LayerGraph
-from tfdist.sharding.peak import tensors_bytes, weight_bytes
+from tfdist.sharding.peak import held_weights, tensors_bytes, weight_bytes
 
 # Each compression's bytes on the wire against uncompressed, where it is a
 # constant (docs/benchmarks.md, "Compression"); Top-K and PowerSGD are
@@ -136,21 +137,13 @@ def predict_step_time(config: ParallelConfig, model, batch_size: int, hardware: 
              for node in graph.nodes}
     compute, bubble = _compute_time(config, layout.stages or [graph], costs,
                                     rows / config.microbatches, hardware)
-    if layout.stages:
-        weights = max((_trainable(stage) for stage in layout.stages),
-                      key=lambda ws: weight_bytes(ws, layout.split))
-    else:
-        weights = model.trainable_weights
+    weights = held_weights(model, layout.stages, layout.split)
     communication = (_data_group_time(config, model, weights, layout, hardware)
                      + _tensor_group_time(config, graph, layout, rows, sequence_length,
                                           hardware)
                      + _pipeline_send_time(config, layout.stages, rows, sequence_length,
                                            hardware))
     return StepTime(compute, bubble, communication)
-
-
-def _trainable(stage):
-    return [v for v in stage.variables if v.trainable]
 
 
 def _split_share(node, layout, config):
@@ -225,8 +218,8 @@ def compression_ratio(config: ParallelConfig, weights) -> float:
     `config.compression`, against uncompressed, for `weights`' gradients.
 
     Top-K sends each fraction's values and int32 indices; PowerSGD each
-    matrix (first axis by the rest) as two rank-r factors when smaller,
-    vectors whole.
+    matrix, seen as the compression sees it (`matrix_view`), as two rank-r
+    factors when they are smaller, the rest whole.
 
     Example:
 
@@ -239,11 +232,10 @@ def compression_ratio(config: ParallelConfig, weights) -> float:
         return min(1.0, 2 * config.topk_fraction)
     rank, sent, whole = config.powersgd_rank, 0, 0
     for v in weights:
-        shape = list(v.shape)
-        size = math.prod(shape)
-        rows_, columns = (shape[0], size // shape[0]) if len(shape) >= 2 else (size, 1)
+        shape = tf.TensorShape(v.shape)
+        size = shape.num_elements()
         whole += size
-        sent += min(size, (rows_ + columns) * rank) if columns > 1 else size
+        sent += min(size, rank * sum(matrix_view(shape))) if shape.rank >= 2 else size
     return sent / whole if whole else 1.0
 
 
@@ -287,10 +279,7 @@ def _tensor_group_time(config, graph, layout, rows, sequence_length, hardware):
         node = enclosing.get(id(decision.layer))
         if node is None:
             continue
-        shapes = shapes_of(node, sequence_length)
-        output = node.outputs[0] if isinstance(node.outputs, (list, tuple)) else node.outputs
-        per_example += (shapes.positions * shapes.outputs[0][-1]
-                        * tf.as_dtype(output.dtype).size)
+        per_example += tensors_bytes(tf.nest.flatten(node.outputs)[0], 1, sequence_length)
         blocks += 1
     reduced = _ring(2 * rows * per_example, config.tensor, hardware.device_bandwidth,
                     reduce=True)

@@ -328,7 +328,7 @@ class PowerSGDCompression:
     factors (PowerSGD: Vogels et al. 2019), with error feedback and warm start.
 
     Each floating gradient of rank >= 2, seen as a matrix M (n x m, its
-    leading axes by its trailing ones: `_matrix_view`), plus the replica's
+    leading axes by its trailing ones: `matrix_view`), plus the replica's
     residual: P = M Q is all-reduced
     (Q, m x rank, the same on every replica), orthonormalised (QR), then
     Q = M^T P all-reduced, and P Q^T is the summed gradient's rank-`rank`
@@ -371,7 +371,7 @@ class PowerSGDCompression:
             shape = tf.TensorShape(w.shape)
             if shape.rank < 2 or not tf.as_dtype(w.dtype).is_floating:
                 continue
-            n, m = _matrix_view(shape)
+            n, m = matrix_view(shape)
             if self.rank * (n + m) >= n * m:
                 continue
             self.factors[i] = (
@@ -420,12 +420,18 @@ class PowerSGDCompression:
         return approximations
 
 
-def _matrix_view(shape):
+def matrix_view(shape):
     """(n, m): the matrix a gradient of `shape` is seen as, its leading axes
     by its trailing ones, cut where the two sides are closest in size: a
     convolution's kernel (3, 3, 32, 64) is 288 x 64 (positions and input
     channels by output channels), an attention projection's (64, 4, 16)
-    is 64 x 64 (input by heads and their width)."""
+    is 64 x 64 (input by heads and their width).
+
+    Example:
+
+    >>> matrix_view(tf.TensorShape([3, 3, 32, 64])), matrix_view(tf.TensorShape([64, 4, 16]))
+    ((288, 64), (64, 64))
+    """
     dims = shape.as_list()
     cuts = [(math.prod(dims[:i]), math.prod(dims[i:])) for i in range(1, len(dims))]
     return max(cuts, key=lambda nm: min(nm) / max(nm))

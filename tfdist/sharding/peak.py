@@ -101,11 +101,7 @@ def predict_peak(config, model, batch_size: int, sequence_length=None,
     """
     split, data = split or {}, config.data
     slots = _slot_counts(model)
-    weights = model.trainable_weights
-    if stages:  # the stage holding the most bytes
-        held = {id(v) for v in max(stages, key=lambda s: weight_bytes(_trainable(s), split))
-                .variables}
-        weights = [v for v in weights if id(v) in held]
+    weights = held_weights(model, stages, split)
     local = weight_bytes(weights, split)  # each weight's tensor slice (or all of it)
     shard = local // data
     state = sum(slots.get(id(v), 0) * weight_bytes([v], split) for v in weights)
@@ -133,8 +129,21 @@ def predict_peak(config, model, batch_size: int, sequence_length=None,
     return PeakEstimate(parameters, gradients, state, gathered, activations)
 
 
-def _trainable(stage):
-    return [v for v in stage.variables if v.trainable]
+def held_weights(model, stages=None, split=None):
+    """The trainable weights of the busiest device: the stage holding the
+    most bytes (`weight_bytes`) under `pipeline`, else all of `model`'s.
+
+    Example:
+
+    ```python
+    weight_bytes(held_weights(model, layout.stages, layout.split), layout.split)
+    ```
+    """
+    if not stages:
+        return model.trainable_weights
+    held = {id(v) for v in max(stages, key=lambda s: weight_bytes(
+        [v for v in s.variables if v.trainable], split or {})).variables}
+    return [v for v in model.trainable_weights if id(v) in held]
 
 
 def weight_bytes(variables, split):
