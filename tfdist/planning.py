@@ -86,6 +86,20 @@ class Plan:
         """The measured seconds per step when measured, else the predicted."""
         return self.time.total if self.measured is None else self.measured
 
+    def summary(self) -> str:
+        """One line: the config, its peak and its step time.
+
+        Example:
+
+        ```python
+        plans.best.summary()
+        # 'data=2 tensor=2 zero=1: peak 1.1 GiB, 31.6 ms a step predicted'
+        ```
+        """
+        seconds = f"{1e3 * self.time.total:.1f} ms a step predicted" + (
+            "" if self.measured is None else f", {1e3 * self.measured:.1f} measured")
+        return f"{describe_config(self.config)}: peak {readable(self.peak.total)}, {seconds}"
+
 
 class Plans(list):
     """`Plan`s ranked best first: those that fit by (measured, else
@@ -123,6 +137,26 @@ class Plans(list):
                if smallest else "none (every configuration was refused)")
             + ". Use more devices or more memory, a smaller batch_size, or hold "
               "precision='mixed_bfloat16'.")
+
+    def why_best(self) -> str:
+        """Why `best` was chosen, in one sentence: its summary, what it was
+        ranked by and among how many, and the runner-up.
+
+        Example:
+
+        ```python
+        print(plans.why_best())
+        ```
+        """
+        best = self.best
+        fitting = [p for p in self if p.fits]
+        ranked_by = "measured" if best.measured is not None else "predicted"
+        text = (f"{best.summary()}; the fastest ({ranked_by}) of {len(fitting)} "
+                f"configurations that fit in {readable(self.memory_per_device)} per "
+                f"device ({len(self)} weighed, {len(self.refused)} refused)")
+        if len(fitting) > 1:
+            text += f"; next: {fitting[1].summary()}"
+        return text + "."
 
     def table(self, rows: int = 20) -> str:
         """The first `rows` plans as a table, and a count of the rest.

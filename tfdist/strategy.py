@@ -22,6 +22,7 @@ import warnings
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tfdist import usage_checks, weight_files
 from tfdist._compat import tf_data
@@ -86,6 +87,35 @@ def requested_config(config, fields, strategy: str) -> ParallelConfig:
             f"{type(config).__name__}."
         )
     return config.validate(strategy)
+
+
+def planned_config(plan, config, fields) -> ParallelConfig:
+    """The `ParallelConfig` of `plan`: what `tfdist.plan` returned (its
+    `best`), or one of its `Plan`s; logged (INFO) with why it was chosen.
+
+    Example:
+
+    ```python
+    plans = tfdist.plan(build_model, devices=4, memory_per_device="2GiB", batch_size=64)
+    planned_config(plans, None, {}).zero
+    ```
+    """
+    if config is not None or fields:
+        raise ValueError(
+            f"Pass either `plan=` or a config (`config=` or ParallelConfig fields as "
+            f"keywords), not both; got plan and "
+            f"{'config' if config is not None else sorted(fields)}. Fields to hold "
+            f"fixed go to tfdist.plan(..., zero=3).")
+    if hasattr(plan, "why_best"):  # `Plans`, ranked
+        chosen, why = plan.best, plan.why_best()
+    elif isinstance(getattr(plan, "config", None), ParallelConfig):  # one `Plan`
+        chosen, why = plan, f"{plan.summary()}; given as the plan."
+    else:
+        raise TypeError(
+            f"`plan` must be what tfdist.plan returns (or one of its plans), got "
+            f"{type(plan).__name__}.")
+    logging.info("tfdist: the plan chosen: %s", why)
+    return chosen.config
 
 
 def default_devices() -> list[str]:
@@ -466,6 +496,9 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
             what it asks that tfdist cannot run is refused before training
             (`tfdist.tensor.layout_map`). Code, not a config field: each task
             of a job builds it in the script it runs.
+        plan: instead of a config, what `tfdist.plan` returned for these
+            devices: its best plan's config is used, and why it was chosen
+            is logged (INFO); or one `Plan` of it.
 
     Example:
 
@@ -476,11 +509,18 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         model = keras.Sequential([keras.layers.Dense(10)])
         model.compile(optimizer="adam", loss="mse")
     model.fit(x, y, batch_size=64, epochs=2)
+
+    # or the layout tfdist.plan chooses for the model, devices and memory:
+    strategy = tfdist.Strategy(plan=tfdist.plan(
+        build_model, devices=4, memory_per_device="2GiB", batch_size=64))
     ```
     """
 
-    def __init__(self, config=None, *, devices=None, layout_map=None, **fields):
+    def __init__(self, config=None, *, devices=None, layout_map=None, plan=None, **fields):
         devices = default_devices() if devices is None else check_devices(devices)
+        if plan is not None:
+            config, fields = planned_config(plan, config, fields), {}
+            _check_planned_devices(config, devices)
         requested = requested_config(config, fields, "Strategy")
         try:
             config = requested.resolve(len(devices))
@@ -611,6 +651,17 @@ def _rank(value):
     if isinstance(value, tf.distribute.DistributedValues):
         value = value.values[0]
     return getattr(value, "shape", tf.TensorShape(None)).rank
+
+
+def _check_planned_devices(config, devices):
+    """A plan is for as many devices as the strategy has."""
+    planned = config.data * config.pipeline * config.tensor
+    if planned != len(devices):
+        raise ValueError(
+            f"`plan` is for {planned} devices (data={config.data} x pipeline="
+            f"{config.pipeline} x tensor={config.tensor}), but this Strategy has "
+            f"{len(devices)}: plan for devices={len(devices)}, or name {planned} of "
+            f"them: tfdist.Strategy(plan=..., devices={list(devices[:planned])!r}).")
 
 
 def _devices_hint(config, devices) -> str:

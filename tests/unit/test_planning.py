@@ -150,3 +150,30 @@ def test_a_model_tensor_groups_cannot_split_gets_no_tensor_plan():
                         **HARDWARE)
     assert plans and all(p.config.tensor == 1 for p in plans)
     assert any("tensor=2 splits no layer" in error for _, error in plans.refused)
+
+
+def test_a_strategy_takes_the_best_plan_and_logs_why(caplog):
+    model = _mlp()
+    limit = int(0.6 * _data_parallel_peak(model))
+    plans = tfdist.plan(model, devices=4, memory_per_device=limit, batch_size=32, **HARDWARE)
+    with caplog.at_level("INFO", logger="absl"):
+        strategy = tfdist.Strategy(plan=plans, devices=DEVICES)
+    assert strategy.config == plans.best.config != ParallelConfig(data=4).resolve(4)
+    logged = caplog.text
+    assert f"the plan chosen: {plans.best.summary()}; the fastest (predicted)" in logged
+    assert f"next: {[p for p in plans if p.fits][1].summary()}" in logged
+    third = [p for p in plans if p.fits][2]
+    assert tfdist.Strategy(plan=third, devices=DEVICES).config == third.config
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(zero=1), ValueError, "Pass either `plan=` or a config"),
+    (dict(devices=DEVICES[:2]), ValueError, "`plan` is for 4 devices"),
+])
+def test_a_strategy_refuses_a_plan_it_cannot_follow(kwargs, error, message):
+    plans = tfdist.plan(_mlp(layers=2), devices=4, memory_per_device="1TiB", batch_size=32,
+                        **HARDWARE)
+    with pytest.raises(error, match=message):
+        tfdist.Strategy(plan=plans, **{"devices": DEVICES, **kwargs})
+    with pytest.raises(TypeError, match="`plan` must be what tfdist.plan returns"):
+        tfdist.Strategy(plan="auto", devices=DEVICES)
