@@ -39,7 +39,7 @@ from tfdist.config import ParallelConfig
 from tfdist.engine import modes
 from tfdist.pipeline.cost import node_cost
 from tfdist.pipeline.graph import LayerGraph
-from tfdist.sharding.peak import PeakEstimate, predict_peak, readable
+from tfdist.sharding.peak import PeakEstimate, readable
 from tfdist.step_time import Hardware, StepTime, predict_step_time
 from tfdist.tensor import plan as tensor_plan
 
@@ -307,8 +307,7 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         if isinstance(layout, str):
             refused.append((dataclasses.asdict(config), layout))
             continue
-        peak = predict_peak(config, built, batch_size, sequence_length, layout.split,
-                            layout.stages)
+        peak = modes.planned_peak(config, built, batch_size, sequence_length, layout)
         step = predict_step_time(config, built, batch_size, hardware, sequence_length,
                                  layout)
         fits = peak.total <= limit

@@ -41,18 +41,13 @@ import tensorflow as tf
 
 from tfdist._compat.keras_functional import direct_sublayers
 from tfdist.config import ParallelConfig
-from tfdist.engine.compression import matrix_view
-from tfdist.engine.modes import planned_layout
+from tfdist.engine.modes import compression_ratio, planned_layout
 from tfdist.optim import zero3
 from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline.cost import node_cost
 from tfdist.pipeline.graph import LayerGraph
 from tfdist.sharding.peak import held_weights, tensors_bytes, weight_bytes
 
-# Each compression's bytes on the wire against uncompressed, where it is a
-# constant (docs/benchmarks.md, "Compression"); Top-K and PowerSGD are
-# computed from their parameter.
-_FIXED_RATIOS = {"none": 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.26}
 # Layouts whose layer ends a split block with an all-reduce of its output.
 _BLOCK_ENDS = ("Row", "Heads", "Vocabulary")
 
@@ -211,32 +206,6 @@ def _played_out(orders, seconds, stages):
         if remaining == before:
             raise ValueError("the schedule's orders deadlock")  # (stage_orders never do)
     return max(free)
-
-
-def compression_ratio(config: ParallelConfig, weights) -> float:
-    """Bytes the data group's gradient collectives move under
-    `config.compression`, against uncompressed, for `weights`' gradients.
-
-    Top-K sends each fraction's values and int32 indices; PowerSGD each
-    matrix, seen as the compression sees it (`matrix_view`), as two rank-r
-    factors when they are smaller, the rest whole.
-
-    Example:
-
-    >>> compression_ratio(ParallelConfig(data=4, compression="bf16"), [])
-    0.5
-    """
-    if config.compression in _FIXED_RATIOS:
-        return _FIXED_RATIOS[config.compression]
-    if config.topk_fraction is not None:
-        return min(1.0, 2 * config.topk_fraction)
-    rank, sent, whole = config.powersgd_rank, 0, 0
-    for v in weights:
-        shape = tf.TensorShape(v.shape)
-        size = shape.num_elements()
-        whole += size
-        sent += min(size, rank * sum(matrix_view(shape))) if shape.rank >= 2 else size
-    return sent / whole if whole else 1.0
 
 
 def _ring(bytes_, members, bandwidth, reduce=False):

@@ -1,7 +1,8 @@
 """Benchmark: peak memory per worker of a model-parallel `fit`, against one process.
 
     python tools/bench_memory.py [--width=4096] [--layers=8] [--workers=4]
-        [--modes=single,zero0,zero1,zero2,zero3,tensor4,pipeline4,data2_tensor2_zero3]
+        [--modes=single,zero0,zero1,zero2,zero3,tensor4,pipeline4,data2_tensor2_zero3,
+                 int8,topk,powersgd,zero3_int8]
         [--task_env=TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2] [--checkpoint]
         [--out=results.jsonl]
 
@@ -88,7 +89,10 @@ CHECKPOINT_PEAKS = ["sharded_save", "h5_save", "sharded_read", "h5_read"]
 # A mode's ParallelConfig fields, as `tfdist launch` flags.
 MODES = {"zero0": [], "zero1": ["--zero=1"], "zero2": ["--zero=2"], "zero3": ["--zero=3"],
          "tensor4": ["--tensor=4"], "pipeline4": ["--pipeline=4", "--microbatches=4"],
-         "data2_tensor2_zero3": ["--tensor=2", "--zero=3"]}
+         "data2_tensor2_zero3": ["--tensor=2", "--zero=3"],
+         "int8": ["--compression=int8"], "topk": ["--compression=topk:0.01"],
+         "powersgd": ["--compression=powersgd:4"],
+         "zero3_int8": ["--zero=3", "--compression=int8"]}
 
 
 def status_bytes(field):

@@ -51,6 +51,12 @@ def wire_bytes(model):
     return sent_bytes(reduce_collectives(model))
 
 
+def replica_state_bytes(model):
+    """Bytes of the step's replica state each replica holds (its rows)."""
+    return sum(v.shape[1:].num_elements() * v.dtype.size
+               for v in state_of(model).variables.values())
+
+
 def _run(config, compression, **fields):
     x, y = data(256)
     strategy = tfdist.Strategy(devices=devices(4), compression=compression, **config, **fields)
@@ -171,6 +177,10 @@ def test_topk_sends_its_fraction_of_the_bytes_and_trains_close_to_uncompressed(
                 for c in variable.values] == [0, 1, 2, 3]
         assert variable.shape == (4, *weight.shape)
     assert any(np.abs(v.numpy()).sum() > 0 for v in residuals.values())
+    # describe's peak counts them (every weight's size, on each replica).
+    predicted = model.distribute_strategy.predicted_peak(model, batch_size=32)
+    assert predicted.replica_state == replica_state_bytes(model) == sum(
+        4 * w.shape.num_elements() for w in model.trainable_weights)
     # 8 steps sending 1% of the gradient: the loss still falls, within 5% of
     # the uncompressed run's.
     assert losses[-1] < losses[0]
@@ -238,6 +248,9 @@ def test_powersgd_sends_rank_r_factors_of_each_matrix_and_trains_as_uncompressed
     names = sorted(state_of(model).variables)
     assert names == ["powersgd_q/0", "powersgd_q/2", "powersgd_residual/0",
                      "powersgd_residual/2"]
+    predicted = model.distribute_strategy.predicted_peak(model, batch_size=32)
+    assert predicted.replica_state == replica_state_bytes(model) == sum(
+        4 * (n * m + 4 * m) for n, m in shrunk)
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-2)
 
 

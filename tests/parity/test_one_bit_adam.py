@@ -69,6 +69,10 @@ def test_replicas_send_their_momenta_as_signs_after_the_warmup_and_keep_up(one_d
     np.testing.assert_allclose(losses[-1], reference_losses[-1], rtol=2e-2)
     residuals = tfdist.sharding.replica_state.state_of(model).variables
     assert len(residuals) == len(model.trainable_weights)
+    # describe's peak counts them (a momentum's size, on each replica).
+    predicted = model.distribute_strategy.predicted_peak(model, batch_size=32)
+    assert predicted.replica_state == sum(v.shape[1:].num_elements() * v.dtype.size
+                                          for v in residuals.values()) == 4 * parameters
 
 
 @pytest.mark.parametrize("config, message", [

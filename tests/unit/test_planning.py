@@ -74,6 +74,23 @@ def test_held_fields_stay_and_refusals_name_their_rule():
     assert not any(p.config.pipeline > 1 and not p.config.remat for p in plans)
 
 
+def test_a_held_compression_counts_its_residuals_and_gathered_payloads():
+    model = _mlp()
+    parameters = sum(4 * w.shape.num_elements() for w in model.trainable_weights)
+    weighed = {}
+    for compression in ("none", "topk:0.01", "int8"):
+        plans = tfdist.plan(model, devices=4, memory_per_device="1TiB", batch_size=32,
+                            compression=compression, **HARDWARE)
+        weighed[compression] = next(p.peak for p in plans if p.config.zero == 0)
+    # Top-K keeps a residual of every weight on each replica; int8 keeps
+    # none, but receives the 4 replicas' quarter-size payloads at once.
+    assert weighed["topk:0.01"].replica_state == parameters
+    assert weighed["int8"].replica_state == weighed["none"].replica_state == 0
+    assert weighed["int8"].gradients - weighed["none"].gradients == int(4 * 0.26 * parameters)
+    assert "replica state" in str(weighed["topk:0.01"]) and "replica" not in str(
+        weighed["none"])
+
+
 def test_no_plan_fits_says_the_smallest_peak():
     plans = tfdist.plan(_mlp(), devices=4, memory_per_device="1KiB", batch_size=32, **HARDWARE)
     with pytest.raises(ValueError, match=r"memory_per_device=1.00 KiB.*smallest predicted peak"):

@@ -55,10 +55,12 @@ from tfdist.config import ParallelConfig
 from tfdist.engine.compression import (
     CAST_DTYPES,
     CastCompression,
+    GatheredCompression,
     Int8Compression,
     PowerSGDCompression,
     TopKCompression,
     WarmUp,
+    matrix_view,
 )
 from tfdist.engine.compute import LocalCompute, PipelinedCompute
 from tfdist.engine.reduce import AllReduce, AlreadyReduced, DataGroupAllReduce, ShardedReduce
@@ -81,7 +83,7 @@ from tfdist.pipeline.compute import pipeline_compute
 from tfdist.sharding.creation import whole_where_not_kept
 from tfdist.sharding.layout import AxisLayout
 from tfdist.sharding.peak import predict_peak
-from tfdist.sharding.replica_state import state_of
+from tfdist.sharding.replica_state import StateBytes, state_of
 from tfdist.sharding.wire import CastWire, Wire
 from tfdist.tensor import plan as tensor_plan
 
@@ -287,6 +289,11 @@ class Mode:
     def describe(self, layout) -> list[str]:
         return []
 
+    def peak_bytes(self, config, model) -> tuple[int, int]:
+        """(the state it keeps on each replica, the bytes its collectives
+        gather at once on a device) beyond `tfdist.sharding.peak`'s parts."""
+        return 0, 0
+
 
 class Data(Mode):
     """Data parallelism: always on; its parts are the default ones, the
@@ -481,17 +488,35 @@ class Compression(Mode):
         inner = plan.whole
         if config.compression_warmup:  # (compressing in a cond's branch: no merge call)
             inner = DataGroupAllReduce(plan.mesh, bucket_bytes=config.bucket_bytes)
-        if config.topk_fraction is not None:
-            plan.whole = TopKCompression(inner, config.topk_fraction, plan.mesh)
-        elif config.powersgd_rank is not None:
-            plan.whole = PowerSGDCompression(inner, config.powersgd_rank, plan.mesh)
-        else:
-            plan.whole = Int8Compression(plan.whole, plan.mesh)
+        plan.whole = self.part(config, inner, plan.mesh)
+        if isinstance(plan.whole, Int8Compression):
             plan.wire = plan.whole.wire
         plan.whole.init(state_of(plan.model), plan.model.trainable_weights)
         if config.compression_warmup:
             iterations, steps = plan.flavour.optimizer.iterations, config.compression_warmup
             plan.whole = WarmUp(plan.whole, lambda: iterations < steps, plan.mesh)
+
+    def part(self, config, inner, mesh):
+        """The gathered or low-rank reduce part of `config.compression`
+        standing for `inner`, its state not made yet."""
+        if config.topk_fraction is not None:
+            return TopKCompression(inner, config.topk_fraction, mesh)
+        if config.powersgd_rank is not None:
+            return PowerSGDCompression(inner, config.powersgd_rank, mesh)
+        return Int8Compression(inner, mesh)
+
+    def peak_bytes(self, config, model):
+        # Each replica's residuals (and PowerSGD's Q's) as the part's `init`
+        # makes them; a gathered compression receives every replica's payload.
+        if config.compression in CAST_DTYPES:
+            return 0, 0
+        part, counted = self.part(config, None, None), StateBytes()
+        part.init(counted, model.trainable_weights)
+        gathered = 0
+        if isinstance(part, GatheredCompression):
+            gathered = config.data * compression_ratio(config, model.trainable_weights) * \
+                _floating_bytes(model.trainable_weights)
+        return counted.bytes, int(gathered)
 
 
 class OneBit(Mode):
@@ -531,6 +556,13 @@ class OneBit(Mode):
         compressed.init(state_of(plan.model), weights)
         plan.whole = WarmUp(compressed, optimizer.warming_up, plan.mesh)
 
+    def peak_bytes(self, config, model):
+        # Its momentum residuals; after the warm-up every replica's signs
+        # (a bit an element) and scales are gathered.
+        counted = StateBytes()
+        OneBitReduce(None, model.optimizer, None).init(counted, model.trainable_weights)
+        return counted.bytes, config.data * _floating_bytes(model.trainable_weights) // 32
+
 
 # The table, in the order modes are checked, prepared within a phase, and described.
 # (`one_bit_adam` is checked before `zero`, which would ask for an
@@ -552,6 +584,43 @@ def keeps_replica_state(model, config) -> bool:
     """
     return config.keeps_replica_state or isinstance(getattr(model, "optimizer", None),
                                                     OneBitAdam)
+
+
+# Each compression's bytes on the wire against uncompressed, where it is a
+# constant (docs/benchmarks.md, "Compression"); Top-K and PowerSGD are
+# computed from their parameter.
+_FIXED_RATIOS = {"none": 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.26}
+
+
+def compression_ratio(config: ParallelConfig, weights) -> float:
+    """Bytes the data group's gradient collectives move under
+    `config.compression`, against uncompressed, for `weights`' gradients.
+
+    Top-K sends each fraction's values and int32 indices; PowerSGD each
+    matrix, seen as the compression sees it (`matrix_view`), as two rank-r
+    factors when they are smaller, the rest whole.
+
+    Example:
+
+    >>> compression_ratio(ParallelConfig(data=4, compression="bf16"), [])
+    0.5
+    """
+    if config.compression in _FIXED_RATIOS:
+        return _FIXED_RATIOS[config.compression]
+    if config.topk_fraction is not None:
+        return min(1.0, 2 * config.topk_fraction)
+    rank, sent, whole = config.powersgd_rank, 0, 0
+    for v in weights:
+        shape = tf.TensorShape(v.shape)
+        size = shape.num_elements()
+        whole += size
+        sent += min(size, rank * sum(matrix_view(shape))) if shape.rank >= 2 else size
+    return sent / whole if whole else 1.0
+
+
+def _floating_bytes(weights) -> int:
+    return sum(v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in weights
+               if tf.as_dtype(v.dtype).is_floating)
 
 
 def active(config, optimizer=None) -> list[Mode]:
@@ -751,5 +820,27 @@ def predicted_peak(strategy, model, batch_size, sequence_length=None, layout=Non
     ```
     """
     layout = layout or layout_of(strategy, model, sequence_length)
-    return predict_peak(strategy.config, model, batch_size, sequence_length, layout.split,
+    return planned_peak(strategy.config, model, batch_size, sequence_length, layout)
+
+
+def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None,
+                 layout=None):
+    """The busiest device's predicted `PeakEstimate` under `config` (resolved):
+    `tfdist.sharding.peak.predict_peak` of its layout, plus what the active
+    modes keep on each replica (a compression's residuals, `OneBitAdam`'s)
+    and gather at once.
+
+    Example:
+
+    ```python
+    planned_peak(ParallelConfig(data=4, compression="topk:0.01").resolve(4), model, 64)
+    ```
+    """
+    layout = layout or planned_layout(config, model, sequence_length)
+    peak = predict_peak(config, model, batch_size, sequence_length, layout.split,
                         layout.stages)
+    for mode in active(config, getattr(model, "optimizer", None)):
+        state, gathered = mode.peak_bytes(config, model)
+        peak.replica_state += state
+        peak.gradients += gathered
+    return peak

@@ -19,7 +19,10 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   (under `pipeline`, the mean stage's, times the microbatches its schedule
   holds at once, `held_activations`; with `remat`, only those microbatches'
   stage inputs, plus one stage's outputs recomputed), in the compute dtype,
-  unknown lengths taken as `sequence_length`.
+  unknown lengths taken as `sequence_length`;
+- replica state: what a mode keeps on each replica (a compression's
+  residuals, `OneBitAdam`'s), with the payloads a gathered compression
+  receives in the gradients: `tfdist.engine.modes.planned_peak` adds them.
 
 TensorFlow's own memory (its runtime, the allocator's free lists, collective
 transport buffers) is outside the prediction: `tools/bench_memory.py` sets it
@@ -56,6 +59,7 @@ class PeakEstimate:
     optimizer_state: int
     gathered: int
     activations: int
+    replica_state: int = 0
 
     @property
     def total(self) -> int:
@@ -63,7 +67,8 @@ class PeakEstimate:
 
     def __str__(self):
         parts = ", ".join(f"{field.name.replace('_', ' ')} {readable(getattr(self, field.name))}"
-                          for field in dataclasses.fields(self))
+                          for field in dataclasses.fields(self)
+                          if field.name != "replica_state" or self.replica_state)
         return f"predicted peak per device {readable(self.total)}: {parts}"
 
 

@@ -35,6 +35,28 @@ from tfdist.sharding.storage import ShardedStorage
 _ATTRIBUTE = "_tfdist_replica_state"
 
 
+class StateBytes:
+    """Stands in for a `ReplicaState` to count the bytes a part's `init`
+    would make on each replica, making nothing (what the peak predictor
+    counts).
+
+    Example:
+
+    ```python
+    counted = StateBytes()
+    TopKCompression(None, 0.01, None).init(counted, model.trainable_weights)
+    counted.bytes   # one residual per floating weight
+    ```
+    """
+
+    def __init__(self):
+        self.bytes = 0
+
+    def add(self, name: str, shape, dtype="float32", initial=None):
+        """Counts a variable `name` of `shape` and `dtype` (see `ReplicaState.add`)."""
+        self.bytes += tf.TensorShape(shape).num_elements() * tf.as_dtype(dtype).size
+
+
 class ReplicaState:
     """The named per-replica variables of one model's step (see the module).
 
