@@ -12,7 +12,9 @@ Every mode of `ParallelConfig` is one `Mode` in `MODES`. A mode says:
   devices), then every `split` (layers over tensor groups), then every
   `shard` (ZeRO's state): the order is the table's, whatever the config;
 - `evaluating(fn, model)`: how Keras's test and predict steps run under it;
-- `describe(layout)`: its lines of `Strategy.describe`.
+- `describe(layout)`: its lines of `Strategy.describe`;
+- `peak_bytes(config, model)`: what it keeps on each replica and gathers at
+  once beyond `tfdist.sharding.peak`'s parts (`planned_peak` adds them).
 
 `assemble` (the step's parts), `check` (the rules on the model),
 `evaluating` (`Strategy.run`) and `describe` (`Strategy.describe`) read this
