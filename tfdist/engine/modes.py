@@ -509,13 +509,15 @@ class Compression(Mode):
 
     def peak_bytes(self, config, model):
         # Each replica's residuals (and PowerSGD's Q's) as the part's `init`
-        # makes them; a gathered compression receives every replica's payload.
+        # makes them; a gathered compression receives every replica's payload
+        # (under zero 2/3, int8 rides the reduce-scatter, which receives a
+        # shard's: left out).
         if config.compression in CAST_DTYPES:
             return 0, 0
         part, counted = self.part(config, None, None), StateBytes()
         part.init(counted, model.trainable_weights)
         gathered = 0
-        if isinstance(part, GatheredCompression):
+        if isinstance(part, GatheredCompression) and config.zero < 2:
             gathered = config.data * compression_ratio(config, model.trainable_weights) * \
                 _floating_bytes(model.trainable_weights)
         return counted.bytes, int(gathered)
