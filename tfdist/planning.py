@@ -418,6 +418,8 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
     - `shared_cores`: this host's cores when the devices are logical CPU
       devices (no GPU).
 
+    Each time is the fastest of several runs: on a shared host other work
+    only adds time, and the fastest varies least between calibrations.
     `bandwidths` are `Hardware`'s other fields.
 
     Example:
@@ -439,8 +441,8 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
         shared_cores=len(os.sched_getaffinity(0)) if cpu else None, **bandwidths)
 
 
-def _forward_and_backward_seconds(model, rows, sequence_length, repeats=5):
-    """Median seconds of `model`'s forward and backward on `rows` examples."""
+def _forward_and_backward_seconds(model, rows, sequence_length, repeats=9):
+    """Fewest seconds of `model`'s forward and backward on `rows` examples."""
     inputs, _ = synthetic_batch(model, rows, sequence_length)
     weights = model.trainable_variables
 
@@ -460,10 +462,10 @@ def _forward_and_backward_seconds(model, rows, sequence_length, repeats=5):
         return time.perf_counter() - start
 
     timed()
-    return statistics.median(timed() for _ in range(repeats))
+    return min(timed() for _ in range(repeats))
 
 
-def _all_reduce_seconds(devices, chain=20, repeats=3):
+def _all_reduce_seconds(devices, chain=20, repeats=5):
     """Seconds per all-reduce of a chain of small ones over `devices` of
     this process's devices (the default `Hardware`'s when it has fewer)."""
     available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
@@ -488,7 +490,7 @@ def _all_reduce_seconds(devices, chain=20, repeats=3):
             start = time.perf_counter()
             run()
             seconds.append(time.perf_counter() - start)
-        return statistics.median(seconds)
+        return min(seconds)
 
     return max(0.0, chained(chain) - chained(1)) / (chain - 1)
 

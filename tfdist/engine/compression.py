@@ -43,7 +43,7 @@ from tfdist import sparse_gradients
 from tfdist.engine.reduce import data_group_sum
 from tfdist.sharding.collectives import all_gather
 from tfdist.sharding.replica_state import ReplicaState
-from tfdist.sharding.wire import Int8Wire, packed_bfloat16, unpacked_bfloat16
+from tfdist.sharding.wire import Int8Wire, packed_bfloat16, summed_rows, unpacked_bfloat16
 
 # The dtype each cast compression sends.
 CAST_DTYPES = {"bf16": tf.bfloat16, "fp16": tf.float16}
@@ -310,16 +310,26 @@ class Int8Compression(GatheredCompression):
         gathered = [all_gather(t, launcher) for t in sent]
         rows_of = iter(tf.split(gathered[2], [i.shape[0] for i in indices], axis=1)
                        if indices else [])
-        values = self.wire.decode(gathered[:2], sum(sizes), tf.float32)  # (N, every element)
+        kept = [[] for _ in sizes]  # each slices' values, replica by replica
+
+        def replica(r):  # its every element decoded; the dense parts summed
+            parts = tf.split(self.wire.decode([t[r] for t in gathered[:2]], sum(sizes),
+                                              tf.float32), sizes)
+            for part, rows, values in zip(parts, sliced, kept):
+                if rows:
+                    values.append(part)
+            return [part for part, rows in zip(parts, sliced) if not rows]
+
+        dense = iter(summed_rows(self.mesh.data, replica))
         out = []
-        for part, g, rows, shape in zip(tf.split(values, sizes, axis=1), grads, sliced, shapes):
+        for g, rows, shape, values in zip(grads, sliced, shapes, kept):
             dtype = sparse_gradients.values(g).dtype
             if rows:
                 out.append(tf.IndexedSlices(
-                    tf.cast(tf.reshape(part, [-1, *shape[1:]]), dtype),
+                    tf.cast(tf.reshape(tf.concat(values, 0), [-1, *shape[1:]]), dtype),
                     tf.reshape(next(rows_of), [-1]), g.dense_shape))
             else:
-                out.append(tf.cast(tf.reshape(tf.reduce_sum(part, 0), shape), dtype))
+                out.append(tf.cast(tf.reshape(next(dense), shape), dtype))
         return out
 
 

@@ -39,6 +39,7 @@ from keras import ops
 from tfdist._compat.keras_optimizer import variable_index
 from tfdist.engine.compression import GatheredCompression
 from tfdist.sharding.replica_state import ReplicaState
+from tfdist.sharding.wire import summed_rows
 
 _BITS = np.array([1, 2, 4, 8, 16, 32, 64, 128], np.int32)  # (no tensor at import)
 
@@ -189,10 +190,12 @@ class OneBitReduce(GatheredCompression):
     def decode(self, gathered, sizes, positions):
         """The gradients that make each momentum the replicas' average."""
         packed, scales = gathered  # (N, words), (N, tensors)
-        replicas = tf.shape(scales)[0]
-        total = sum(sizes)
-        signs = tf.reshape(_unpacked_bits(packed), [replicas, -1])[:, :total]
-        average = tf.reduce_mean(signs * tf.repeat(scales, sizes, axis=1), axis=0)
+        total, replicas = sum(sizes), self.mesh.data
+
+        def replica(r):  # its signs times their tensor's scale (one replica at a time)
+            return _unpacked_bits(packed[r:r + 1])[0, :total] * tf.repeat(scales[r], sizes)
+
+        average = summed_rows(replicas, replica) / replicas
         beta = self.optimizer.beta_1
         momenta = tf.concat([tf.reshape(tf.cast(self.optimizer.momentum(self.weights[k]),
                                                 tf.float32), [-1]) for k in positions], 0)

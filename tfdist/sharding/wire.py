@@ -130,6 +130,25 @@ class Int8Wire(Wire):
         return tf.cast(values[..., :width], dtype)
 
 
+def summed_rows(count: int, row):
+    """`row(0) + ... + row(count - 1)` (tensors, or lists of tensors summed
+    item by item), each row made only once the sum before it exists: what
+    every replica sent, decoded and summed one replica at a time, holds two
+    rows at once, not `count` (TensorFlow would otherwise decode them all
+    at once).
+
+    Example:
+
+    >>> summed_rows(3, lambda r: tf.fill([2], float(r))).numpy().tolist()
+    [3.0, 3.0]
+    """
+    total = row(0)
+    for r in range(1, count):
+        with tf.control_dependencies(tf.nest.flatten(total)):
+            total = tf.nest.map_structure(tf.add, total, row(r))
+    return total
+
+
 def packed_bfloat16(values):
     """bfloat16 `values` [..., d] as float32 [..., ceil(d / 2)]: each pair's
     bits (gathered as they are: a gather copies, it never computes).
