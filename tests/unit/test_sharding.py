@@ -236,3 +236,35 @@ def test_heads_splits_attention_and_reads_back_whole(mesh):
                                   "key/bias": 0, "value/kernel": 1, "value/bias": 0,
                                   "attention_output/kernel": 0})
     np.testing.assert_allclose(layer(x, x), output, rtol=1e-5, atol=1e-6)
+
+
+def test_gathered_int8_rows_are_decoded_and_summed_one_replica_at_a_time():
+    # What 8 replicas sent (int8 levels and scales, as gathered), decoded and
+    # summed: `summed_rows` holds about two decoded rows at its peak; the
+    # same decode of every row at once holds all of them (the measure works).
+    from tfdist.sharding.wire import Int8Wire, summed_rows
+
+    replicas, width = 8, 2**20
+    wire = Int8Wire()
+    packed, scales = wire.encode(tf.random.stateless_normal([replicas, width], seed=[0, 1]))
+
+    @tf.function
+    def one_at_a_time():
+        return summed_rows(replicas, lambda r: wire.decode([packed[r], scales[r]], width,
+                                                           tf.float32))
+
+    @tf.function
+    def all_at_once():
+        return tf.reduce_sum(wire.decode([packed, scales], width, tf.float32), 0)
+
+    peaks = {}
+    for decode in (one_at_a_time, all_at_once):
+        expected = decode()
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        result = decode()
+        peaks[decode] = (tf.config.experimental.get_memory_info("CPU:0")["peak"]
+                         - before) / (4 * width)
+        np.testing.assert_allclose(result, expected)
+    np.testing.assert_allclose(one_at_a_time(), all_at_once(), rtol=1e-5, atol=1e-5)
+    assert peaks[one_at_a_time] <= 3 < replicas <= peaks[all_at_once], peaks
