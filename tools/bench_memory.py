@@ -2,14 +2,15 @@
 
     python tools/bench_memory.py [--width=4096] [--layers=8] [--workers=4]
         [--modes=single,zero0,zero1,zero2,zero3,tensor4,pipeline4,data2_tensor2_zero3,
-                 int8,topk,powersgd,zero3_int8]
+                 int8,topk,powersgd,zero3_int8,one_bit_adam]
         [--task_env=TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2] [--checkpoint]
         [--out=results.jsonl]
 
 A model-parallel mode exists so that a model one worker cannot train alone
 trains on several: each worker's *peak* (not only its steady state) must be a
 fraction of one process's. Each mode trains the same MLP (`--layers` square
-Dense layers of `--width` units, Adam, float32; 8 x 4096 is 0.5 GiB of
+Dense layers of `--width` units, Adam (`one_bit_adam`: `tfdist.optim.OneBitAdam`,
+compressing after 2 steps), float32; 8 x 4096 is 0.5 GiB of
 parameters) for `--epochs` epochs of `model.fit`:
 
 - `single`: one process, no strategy, the whole model;
@@ -91,7 +92,7 @@ MODES = {"zero0": [], "zero1": ["--zero=1"], "zero2": ["--zero=2"], "zero3": ["-
          "tensor4": ["--tensor=4"], "pipeline4": ["--pipeline=4", "--microbatches=4"],
          "data2_tensor2_zero3": ["--tensor=2", "--zero=3"],
          "int8": ["--compression=int8"], "topk": ["--compression=topk:0.01"],
-         "powersgd": ["--compression=powersgd:4"],
+         "powersgd": ["--compression=powersgd:4"], "one_bit_adam": [],
          "zero3_int8": ["--zero=3", "--compression=int8"]}
 
 
@@ -139,7 +140,9 @@ def run_task():
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = keras.Sequential([keras.Input((FLAGS.width,))] + [
             keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.layers)])
-        model.compile(optimizer="adam", loss="mse")
+        # one_bit_adam: compressed from the third of its 8 steps
+        model.compile(optimizer=tfdist.optim.OneBitAdam(1e-3, warmup_steps=2)
+                      if FLAGS.mode == "one_bit_adam" else "adam", loss="mse")
     if FLAGS.restore:  # a restarted job: the model built, then the checkpoint read
         if FLAGS.restore == "sharded":
             tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint_dir).restore()
