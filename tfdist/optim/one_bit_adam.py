@@ -174,16 +174,20 @@ class OneBitReduce(GatheredCompression):
         """[each momentum's signs, 32 to an int32; a float32 scale per tensor]."""
         beta = self.optimizer.beta_1
         replicas = tf.cast(self.mesh.data, tf.float32)
-        signs, scales = [], []
+        signs, scales, done = [], [], []
         for flat, k in zip(flats, positions):
-            momentum = tf.reshape(tf.cast(self.optimizer.momentum(self.weights[k]), tf.float32),
-                                  [-1])
-            local = beta * momentum + (1 - beta) * replicas * tf.cast(flat, tf.float32)
-            local += tf.reshape(ReplicaState.own(self.residuals[k]), [-1])
-            scale = tf.norm(local) / tf.sqrt(tf.cast(tf.size(local), tf.float32))
-            sign = tf.where(local >= 0, 1.0, -1.0)
-            ReplicaState.assign_own(self.residuals[k], local - scale * sign)
-            signs.append(local >= 0)
+            # one weight at a time: each one's float32 temporaries made only
+            # once the one before it is done
+            with tf.control_dependencies(done):
+                momentum = tf.reshape(
+                    tf.cast(self.optimizer.momentum(self.weights[k]), tf.float32), [-1])
+                local = beta * momentum + (1 - beta) * replicas * tf.cast(flat, tf.float32)
+                local += tf.reshape(ReplicaState.own(self.residuals[k]), [-1])
+                scale = tf.norm(local) / tf.sqrt(tf.cast(tf.size(local), tf.float32))
+                positive = local >= 0
+                done = [ReplicaState.assign_own(
+                    self.residuals[k], local - tf.where(positive, scale, -scale))]
+            signs.append(positive)
             scales.append(scale)
         return [_packed_bits(tf.concat(signs, 0)), tf.stack(scales)]
 
@@ -192,14 +196,16 @@ class OneBitReduce(GatheredCompression):
         packed, scales = gathered  # (N, words), (N, tensors)
         total, replicas = sum(sizes), self.mesh.data
 
-        def replica(r):  # its signs times their tensor's scale (one replica at a time)
-            return _unpacked_bits(packed[r:r + 1])[0, :total] * tf.repeat(scales[r], sizes)
+        def replica(r):  # each tensor's signs as +-its scale (one replica at a time)
+            bits = tf.split(_unpacked_bits(packed[r:r + 1])[0, :total], sizes)
+            return [tf.where(b, scale, -scale)
+                    for b, scale in zip(bits, tf.unstack(scales[r], len(sizes)))]
 
-        average = summed_rows(replicas, replica) / replicas
         beta = self.optimizer.beta_1
-        momenta = tf.concat([tf.reshape(tf.cast(self.optimizer.momentum(self.weights[k]),
-                                                tf.float32), [-1]) for k in positions], 0)
-        return (average - beta * momenta) / (1 - beta)
+        return tf.concat([
+            (total_k / replicas - beta * tf.reshape(
+                tf.cast(self.optimizer.momentum(self.weights[k]), tf.float32), [-1])) / (1 - beta)
+            for total_k, k in zip(summed_rows(replicas, replica), positions)], 0)
 
 
 def _packed_bits(bits):
@@ -209,15 +215,15 @@ def _packed_bits(bits):
 
     >>> words = _packed_bits(tf.constant([True, False, True] * 15))
     >>> words.shape, _unpacked_bits(words[tf.newaxis])[0, :4].numpy().tolist()
-    (TensorShape([2]), [1.0, -1.0, 1.0, 1.0])
+    (TensorShape([2]), [True, False, True, True])
     """
-    padded = tf.pad(tf.cast(bits, tf.int32), [[0, -bits.shape[0] % 32]])
-    octets = tf.cast(tf.reduce_sum(tf.reshape(padded, [-1, 8]) * _BITS, axis=1), tf.uint8)
+    padded = tf.pad(tf.cast(bits, tf.uint8), [[0, -bits.shape[0] % 32]])
+    octets = tf.reduce_sum(tf.reshape(padded, [-1, 8]) * _BITS.astype(np.uint8), axis=1)
     return tf.bitcast(tf.reshape(octets, [-1, 4]), tf.int32)
 
 
 def _unpacked_bits(words):
-    """+1.0 / -1.0 for each bit of the int32 `words` (N, w): (N, 32 w)."""
+    """Each bit of the int32 `words` (N, w), as booleans: (N, 32 w)."""
     octets = tf.cast(tf.bitcast(words, tf.uint8), tf.int32)  # (N, w, 4)
     bits = tf.bitwise.bitwise_and(octets[..., tf.newaxis], _BITS) > 0  # (N, w, 4, 8)
-    return tf.reshape(tf.where(bits, 1.0, -1.0), [tf.shape(words)[0], -1])
+    return tf.reshape(bits, [tf.shape(words)[0], -1])
