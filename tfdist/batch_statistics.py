@@ -31,8 +31,8 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfdist._compat import keras_functional, keras_layers, patches, tf_collectives
-from tfdist._compat.tf_distribute import current_local_replica_id
+from tfdist._compat import keras_functional, keras_layers, patches
+from tfdist.tensor.mesh import DataOnlyMesh
 
 _used = threading.local()  # whether a step's trace called batch_sum
 
@@ -55,24 +55,23 @@ def batch_sum(x):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return x
-    config = getattr(context.strategy, "config", None)
-    if config is not None and config.pipeline > 1:
-        return x
-    mesh = getattr(context.strategy, "tensor_mesh", None)
-    if mesh is not None and mesh.data == 1:
+    strategy = context.strategy
+    # The replicas holding the batch's other examples: a tfdist strategy's
+    # data group (none where statistics stay each replica's or microbatch's),
+    # every replica of another strategy.
+    group = strategy.example_group if hasattr(strategy, "example_group") else DataOnlyMesh(
+        strategy)
+    if group is None:
         return x
     if tf.executing_eagerly():
         # Eager replicas run one after another: a collective op would wait
-        # for a replica not started yet. A merge call lets them meet (over
-        # every replica: a tensor group's ranks hold the same examples).
-        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, x)
-        return summed if mesh is None else summed / mesh.tensor
+        # for a replica not started yet. A merge call lets them meet.
+        return group.eager_example_sum(context, x)
     # In a traced step, the replicas' collective launchers directly:
     # `ReplicaContext.all_reduce` would stop each replica's thread mid-forward
     # (a merge call), and the losses Keras layers add in their calls, kept on
     # the layer objects the replicas share, would mix the replicas' terms.
-    launcher = mesh.data_launcher() if mesh is not None else tf_collectives.strategy_launcher(
-        context.strategy.extended, current_local_replica_id())
+    launcher = group.data_launcher()
 
     @tf.custom_gradient
     def summed(x):

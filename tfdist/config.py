@@ -357,6 +357,45 @@ class ParallelConfig:
         """
         return bool(self.zero) or self.tensor > 1 or self.pipeline > 1
 
+    @property
+    def creates_weights_as_shards(self) -> bool:
+        """Whether the scope creates trainable weights as shards: the step
+        keeps them split, sharded or on their stage's devices (`zero=3`,
+        `tensor`, `pipeline`).
+
+        Example:
+
+        >>> ParallelConfig(data=4, zero=3).creates_weights_as_shards
+        True
+        >>> ParallelConfig(data=4, zero=1).creates_weights_as_shards
+        False
+        """
+        return self.shards_parameters or self.tensor > 1 or self.pipeline > 1
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Whether the optimizer's state is sharded over the data group (any
+        `zero`): the scope creates every slot as shards.
+
+        Example:
+
+        >>> ParallelConfig(data=4, zero=1).shards_optimizer_state
+        True
+        """
+        return self.zero > 0
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether the parameters are sharded over the data group (`zero=3`):
+        a tensor rank's slice of a split weight too.
+
+        Example:
+
+        >>> ParallelConfig(data=4, zero=2).shards_parameters
+        False
+        """
+        return self.zero == 3
+
     def changed(self, *names) -> list[str]:
         """`name=value` of each of the fields `names` not at its default.
 
@@ -486,6 +525,38 @@ class ParallelConfig:
                 f"{num_devices}, or omit `data` to use every device."
             )
         return self
+
+    @property
+    def devices_needed(self) -> int | None:
+        """The devices the mesh needs, `data * pipeline * tensor`; None while
+        `data` is unset (it then takes every device, `resolve`).
+
+        Example:
+
+        >>> ParallelConfig(data=2, tensor=2).devices_needed, ParallelConfig().devices_needed
+        (4, None)
+        """
+        return None if self.data is None else self.data * self.pipeline * self.tensor
+
+    def for_worker_tasks(self, workers: int) -> "ParallelConfig":
+        """The config of a `ParameterServerStrategy` over `workers` worker
+        tasks: `data` is their number (or unset, then filled in).
+
+        Example:
+
+        >>> ParallelConfig().for_worker_tasks(2).data
+        2
+        >>> ParallelConfig(data=4).for_worker_tasks(2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `data=4` must equal the number of worker tasks, 2, ...
+        """
+        if self.data not in (None, workers):
+            raise ValueError(
+                f"`data={self.data}` must equal the number of worker tasks, "
+                f"{workers}, under a ParameterServerStrategy (or be left unset)."
+            )
+        return self.resolve(workers)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict (JSON-serialisable).

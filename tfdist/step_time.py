@@ -169,7 +169,7 @@ def _compute_time(config, stages, costs, micro, hardware):
         """The action's multiple of its stage's forward."""
         if action.kind in (pipeline_schedule.FORWARD, pipeline_schedule.WEIGHTS):
             return 1.0
-        return (1.0 if split else 2.0) + (1.0 if config.remat else 0.0)
+        return (1.0 if split else 2.0) + float(config.remat)  # remat: the forward again
 
     if hardware.shared_cores:  # every device's work on one processor, no bubble
         flop_seconds = sum(times(a) * flops[a.stage] for order in orders for a in order)
@@ -225,20 +225,15 @@ def _data_group_time(config, model, weights, layout, hardware):
                  else hardware.device_bandwidth)
     parameters = weight_bytes(weights, layout.split)
     gradients = parameters * compression_ratio(config, weights)
-    latency = hardware.collective_latency
-    if config.zero == 0:
-        return _ring(gradients, data, bandwidth, reduce=True) + latency
-    if config.zero < 3:
-        return _ring(gradients + parameters, data, bandwidth) + 2 * latency
-    units = 1 if layout.stages else len(zero3.plan_units(model, config.zero3_unit_params))
-    gathers = 3 * units * config.microbatches  # forward, backward, reduce-scatter
-    return _ring(gradients + 2 * config.microbatches * parameters, data, bandwidth) + (
-        gathers * latency)
+    sent, summed, collectives = zero3.data_group_traffic(config, model, layout.stages,
+                                                          gradients, parameters)
+    return (_ring(sent, data, bandwidth, reduce=summed)
+            + collectives * hardware.collective_latency)
 
 
 def _tensor_group_time(config, graph, layout, rows, sequence_length, hardware):
     """Two all-reduces (forward, backward) of each split block's output."""
-    if config.tensor <= 1:
+    if not layout.decisions:  # nothing split
         return 0.0
     enclosing = _enclosing_nodes(graph)
     per_example, blocks = 0, 0

@@ -44,12 +44,10 @@ from tfdist.engine.microbatch import check_divides
 from tfdist.engine.step import TrainStep
 from tfdist.input_options import without_autotuning
 from tfdist.logs import discover_devices_quietly
-from tfdist.pipeline import stages as pipeline_stages
-from tfdist.pipeline import summary as pipeline_summary
 from tfdist.profiling import start_profiler_server
 from tfdist.sharding.creation import sharded_creation, whole_where_not_kept
 from tfdist.tensor.layout_map import check_layout_map
-from tfdist.tensor.mesh import DataOnlyMesh, TensorMesh
+from tfdist.tensor.mesh import DataOnlyMesh
 
 # Each strategy gets its own range of collective group keys: TensorFlow's
 # collective runtime remembers a group key's size for the life of the process,
@@ -146,9 +144,6 @@ class _StepOwner:
         usage_checks.warn_of_unscoped_fit(self)
         weight_files.name_unreadable_files(_StepOwner)
         start_profiler_server()  # when $TFDIST_PROFILER_PORT asks for one
-        if config.pipeline > 1:
-            pipeline_summary.install()
-            pipeline_stages.warn_of_bubble(config)
         self._config = config
 
     @property
@@ -165,6 +160,19 @@ class _StepOwner:
     def tensor_mesh(self):
         """The data x tensor `TensorMesh` of the replicas when `tensor` > 1, else None."""
         return getattr(self, "_tensor_mesh", None)
+
+    @property
+    def example_group(self):
+        """The replicas holding the global batch's other examples, over which
+        `tfdist.batch_statistics` sums (the replica mesh's data group), or
+        None where each replica's statistics are the batch's.
+
+        Example:
+
+        >>> tfdist.Strategy(data=2, devices=["/cpu:0", "/cpu:1"]).example_group.data
+        2
+        """
+        return modes.example_group(self.config, self.replica_mesh)
 
     @functools.cached_property
     def replica_mesh(self):
@@ -535,8 +543,8 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         # own devices (where their batches arrive) are the stage-0 ones.
         self.pipeline_devices = [devices[r * p:(r + 1) * p] for r in range(len(devices) // p)]
         super().__init__(devices=[group[0] for group in self.pipeline_devices])
-        if config.tensor > 1:
-            self._tensor_mesh = TensorMesh(self, config.tensor, self.pipeline_devices)
+        self._tensor_mesh = modes.tensor_mesh(self, config, self.pipeline_devices)
+        modes.start(self, config)
 
 
 class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy):
@@ -609,8 +617,8 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
             self.extended.worker_devices, config.pipeline)
         config = config.resolve(self.num_replicas_in_sync * config.pipeline)
         self._init_step_owner(config, layout_map)
-        if config.tensor > 1:
-            self._tensor_mesh = TensorMesh(self, config.tensor)
+        self._tensor_mesh = modes.tensor_mesh(self, config)
+        modes.start(self, config)
 
     @property
     def timeout_seconds(self) -> float:
@@ -655,7 +663,7 @@ def _rank(value):
 
 def _check_planned_devices(config, devices):
     """A plan is for as many devices as the strategy has."""
-    planned = config.data * config.pipeline * config.tensor
+    planned = config.devices_needed
     if planned != len(devices):
         raise ValueError(
             f"`plan` is for {planned} devices (data={config.data} x pipeline="
@@ -672,10 +680,8 @@ def _devices_hint(config, devices) -> str:
     >>> print(_devices_hint(ParallelConfig(data=2), ["CPU:0", "CPU:1", "CPU:2"]))
      To use 2 of the 3 devices, name them: tfdist.Strategy(..., devices=['CPU:0', 'CPU:1']).
     """
-    if config.data is None:
-        return ""
-    needed = config.data * config.pipeline * config.tensor
-    if needed >= len(devices):
+    needed = config.devices_needed
+    if needed is None or needed >= len(devices):
         return ""
     return (f" To use {needed} of the {len(devices)} devices, name them: "
             f"tfdist.Strategy(..., devices={list(devices[:needed])!r}).")

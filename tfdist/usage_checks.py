@@ -226,7 +226,7 @@ def check_run_function(fn, config) -> str | None:
         return None
     model = _foreign_model_in(function)
     if model is not None:
-        wanted += [f"precision={config.precision!r}"] if config.precision != "float32" else []
+        wanted += config.changed("precision")
         if wanted and _is_model_garden_trainer(model):
             raise ValueError(
                 f"official.core's {type(model).__name__} runs its task's own training "

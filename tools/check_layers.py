@@ -38,7 +38,7 @@ LAYERS = (
     ("Keras / TensorFlow internals", ("tfdist._compat", "tfdist._compat.*")),
     ("foundations: the config, logs, task environment, cluster plumbing",
      ("tfdist", "tfdist.config", "tfdist.logs", "tfdist.devices", "tfdist.input_options",
-      "tfdist.sparse_gradients", "tfdist.batch_statistics", "tfdist.weight_files",
+      "tfdist.sparse_gradients", "tfdist.weight_files",
       "tfdist.trace_phases", "tfdist.profiling", "tfdist.engine.metrics",
       "tfdist.pipeline.schedule", "tfdist.ps.ledger", "tfdist.cluster", "tfdist.cluster.*",
       # packages whose __init__ imports nothing: importing any of their
@@ -50,7 +50,8 @@ LAYERS = (
       "tfdist.sharding.collectives",
       "tfdist.sharding.replica_state",
       "tfdist.checkpoint")),
-    ("tensor parallelism", ("tfdist.tensor", "tfdist.tensor.*", "tfdist.layers")),
+    ("tensor parallelism", ("tfdist.tensor", "tfdist.tensor.*", "tfdist.layers",
+                            "tfdist.batch_statistics")),
     ("the step's generic parts",
      ("tfdist.engine.microbatch", "tfdist.engine.moving_statistics", "tfdist.engine.compute",
       "tfdist.engine.reduce", "tfdist.engine.compression", "tfdist.engine.update")),

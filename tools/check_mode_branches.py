@@ -4,9 +4,11 @@ A *mode branch* is an `if` / `elif`, a conditional expression, a `while` or a
 comprehension's `if` whose test reads a `ParallelConfig` field through a
 config (`config.zero`, `self._config.tensor`, `strategy.config.pipeline`) or
 the tensor mesh (`mesh`, `tensor_mesh`, `getattr(strategy, "tensor_mesh",
-None)`). The rules on how modes combine belong to `tfdist/config.py`; what
-each mode does to the model and the step, and the choice of parts, to the
-table of modes (`tfdist/engine/modes.py`). Every other module should take
+None)`) of a mode other than the module's own (`OWN`: the tensor modules may
+ask the tensor mesh, the pipeline's its schedule). The rules on how modes
+combine belong to `tfdist/config.py`; what each mode does to the model and
+the step, and the choice of parts, to the table of modes
+(`tfdist/engine/modes.py`). Every other module should take
 what it needs when it is built and not ask which modes are on. `ALLOWED` is
 the allowance per module, written down as the code stands: the check fails
 when a module has more mode branches than its allowance (a new branch must be
@@ -40,58 +42,63 @@ FIELDS = frozenset(field.name for field in dataclasses.fields(ParallelConfig))
 MESH_NAMES = frozenset({"mesh", "tensor_mesh"})
 # Modules whose job is the rules on modes: not counted.
 RULES = ("tfdist/config.py", "tfdist/engine/modes.py")
-# Mode branches allowed per module (path from the repository's root).
-ALLOWED = {
-    "tfdist/batch_statistics.py": 4,
-    "tfdist/engine/compute.py": 1,
-    "tfdist/engine/reduce.py": 2,
-    "tfdist/engine/step.py": 1,
-    "tfdist/pipeline/compute.py": 1,
-    "tfdist/pipeline/stages.py": 1,
-    "tfdist/ps/strategy.py": 1,
-    "tfdist/sharding/creation.py": 1,
-    "tfdist/sharding/peak.py": 5,
-    # the predicted step time (`tfdist.plan`): what each mode costs in time,
-    # as peak.py says what it costs in memory
-    "tfdist/step_time.py": 4,
-    "tfdist/strategy.py": 4,
-    "tfdist/tensor/layers.py": 4,
-    "tfdist/tensor/layout_map.py": 4,
-    "tfdist/tensor/layouts.py": 2,
-    "tfdist/tensor/plan.py": 1,
-    "tfdist/tensor/softmax.py": 1,
-    "tfdist/usage_checks.py": 1,
+# A mode's own modules (path prefixes) and its fields, the tensor mesh being
+# the tensor mode's: a branch there on its own fields is its work, not a
+# question of which modes are on; only other modes' fields count.
+OWN = {
+    "tfdist/tensor/": ("tensor", "vocab_parallel_classifier"),
+    "tfdist/layers.py": ("tensor",),
+    "tfdist/pipeline/": ("pipeline", "microbatches", "schedule", "virtual_stages",
+                         "stage_boundaries", "remat"),
+    "tfdist/optim/zero": ("zero", "zero3_unit_params"),
+    "tfdist/engine/compression.py": ("compression", "compression_warmup"),
 }
+# Mode branches allowed per module (path from the repository's root).
+ALLOWED: dict[str, int] = {}
 
 
-def reads_a_mode(test: ast.AST) -> bool:
-    """Whether the expression `test` reads a config field through a config,
-    or the tensor mesh.
+def modes_read(test: ast.AST) -> set[str]:
+    """The config fields the expression `test` reads through a config, with
+    `tensor` for a read of the tensor mesh.
 
     Example:
 
-    >>> reads_a_mode(ast.parse("self._config.zero == 3", mode="eval"))
-    True
-    >>> reads_a_mode(ast.parse("layer.built and x.data", mode="eval"))
-    False
+    >>> sorted(modes_read(ast.parse("self._config.zero == 3 and mesh.data > 1", mode="eval")))
+    ['tensor', 'zero']
+    >>> modes_read(ast.parse("layer.built and x.data", mode="eval"))
+    set()
     """
+    found = set()
     for node in ast.walk(test):
         if isinstance(node, ast.Attribute):
             if node.attr in MESH_NAMES:
-                return True
+                found.add("tensor")
             receiver = ast.unparse(node.value).lower()
             if node.attr in FIELDS and receiver.endswith(("config", "cfg")):
-                return True
+                found.add(node.attr)
         elif isinstance(node, ast.Name) and node.id in MESH_NAMES:
-            return True
+            found.add("tensor")
         elif isinstance(node, ast.Constant) and node.value in MESH_NAMES:
-            return True
-    return False
+            found.add("tensor")
+    return found
 
 
-def mode_branches(path: pathlib.Path):
-    """`(line, test source)` of every mode branch in the file at `path`, in
-    line order."""
+def own_fields(name: str) -> frozenset:
+    """The fields of the mode whose own module `name` (path from the
+    package's parent) is: branching on them there is the mode's own work.
+
+    Example:
+
+    >>> sorted(own_fields("tfdist/tensor/layers.py"))
+    ['tensor', 'vocab_parallel_classifier']
+    """
+    return frozenset(field for prefix, fields in OWN.items() if name.startswith(prefix)
+                     for field in fields)
+
+
+def mode_branches(path: pathlib.Path, own=frozenset()):
+    """`(line, test source)` of every mode branch in the file at `path`
+    (a test reading a mode other than the `own` fields), in line order."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, (ast.If, ast.IfExp, ast.While)):
@@ -100,7 +107,8 @@ def mode_branches(path: pathlib.Path):
             tests = node.ifs
         else:
             continue
-        found.extend((test.lineno, ast.unparse(test)) for test in tests if reads_a_mode(test))
+        found.extend((test.lineno, ast.unparse(test)) for test in tests
+                     if modes_read(test) - own)
     return sorted(found)
 
 
@@ -110,7 +118,7 @@ def count(package=PACKAGE) -> dict[str, list]:
     for path in sorted(package.rglob("*.py")):
         name = path.relative_to(package.parent).as_posix()
         if name not in RULES:
-            found[name].extend(mode_branches(path))
+            found[name].extend(mode_branches(path, own_fields(name)))
     return {name: branches for name, branches in found.items() if branches}
 
 

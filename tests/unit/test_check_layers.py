@@ -85,6 +85,19 @@ def test_mode_branches_are_counted_and_the_allowance_only_goes_down(tmp_path):
                      "its allowance in tools/check_mode_branches.py to 4"]
 
 
+def test_a_modes_own_module_may_branch_on_its_own_fields_only(tmp_path):
+    path = tmp_path / "layouts.py"
+    path.write_text(
+        "def f(mesh, config):\n"
+        "    if mesh.tensor > 1:\n"                # the tensor mode's own
+        "        pass\n"
+        "    if mesh.strategy.config.zero == 3:\n"  # another mode's
+        "        pass\n")
+    own = check_mode_branches.own_fields("tfdist/tensor/layouts.py")
+    assert [line for line, _ in check_mode_branches.mode_branches(path, own)] == [4]
+    assert [line for line, _ in check_mode_branches.mode_branches(path)] == [2, 4]
+
+
 def test_a_cycle_through_a_package_init_fails(tmp_path):
     # Importing tfdist.engine.compute runs tfdist/engine/__init__.py first:
     # when that imports the step, which imports the pipeline's compute, which

@@ -25,7 +25,6 @@ import tensorflow as tf
 from tfdist import sparse_gradients
 from tfdist._compat.keras_layers import keras_masks, set_keras_masks
 from tfdist._compat.keras_trainer import call_has_training_arg
-from tfdist._compat.tf_function import ReplicaSharedFunction
 from tfdist.engine import microbatch
 from tfdist.engine.moving_statistics import MovingStatistics
 
@@ -104,13 +103,7 @@ class LocalCompute(Compute):
     def __init__(self, model, microbatches: int, mesh, xla=False, loss=None):
         super().__init__(model, microbatches, mesh, loss)
         self.moving = MovingStatistics([model])
-        # Every replica calls the first one's trace with its own variables
-        # (and, with tensor parallelism, its own group's collective keys).
-        if mesh.tensor > 1:
-            self._runs = _tensor_group_runs(self._forward_backward, microbatches, xla)
-        else:
-            self._runs = [ReplicaSharedFunction(self._forward_backward,
-                                                jit_compile=xla)] * microbatches
+        self._runs = mesh.microbatch_runs(self._forward_backward, microbatches, xla)
 
     def gradients(self, x, y, sample_weight):
         total = metrics = moved = None
@@ -175,33 +168,6 @@ class PipelinedCompute(Compute):
         with tf.name_scope("split"):
             parts = self.split(x, y, sample_weight)
         return self.pipeline([(p.x, p.y, p.sample_weight, p.share, p.size) for p in parts])
-
-
-def _tensor_group_runs(forward_backward, microbatches: int, xla: bool):
-    """What runs each microbatch's `forward_backward` with tensor
-    parallelism: one trace the replicas and microbatches share, or, under XLA
-    (which compiles a collective with its keys), each replica's own compiled
-    function."""
-    if xla:
-        return [tf.function(forward_backward, jit_compile=True, reduce_retracing=True,
-                            autograph=False)] * microbatches
-    shared = ReplicaSharedFunction(forward_backward)
-    if microbatches == 1:
-        return [shared]
-    # Where the trace cannot be shared (a layer's collectives of its own),
-    # the replicas are traced into one graph, in which TensorFlow chains
-    # every stateful op without a resource (the loss's shape asserts) in
-    # program order: replica 0's microbatch 1, which waits for its microbatch
-    # 0's gradient all-reduce, would come before replica 1's microbatch 0 and
-    # that all-reduce would never meet its peer. One function call per
-    # microbatch keeps each replica's chain inside its own calls; one
-    # function per microbatch gives each microbatch's tensor-group
-    # collectives their own keys, so that they meet their peers whatever
-    # order the ranks run the microbatches in (with microbatches of unequal
-    # sizes, a shared function's collectives met another microbatch's).
-    return [shared.with_unshared(tf.function(forward_backward, reduce_retracing=True,
-                                             autograph=False))
-            for _ in range(microbatches)]
 
 
 def _gradients(tape, target, variables):

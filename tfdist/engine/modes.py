@@ -4,6 +4,8 @@ Every mode of `ParallelConfig` is one `Mode` in `MODES`. A mode says:
 
 - `on(config, optimizer)`: whether the config (or the model's optimizer:
   `OneBitAdam`) turns it on;
+- `start(strategy, config)`: what it sets up on a new strategy (`pipeline`'s
+  summary of its stages, its warning of a large bubble);
 - `check(model, config, flavour)`: what it refuses in a compiled model, before
   the first step (`keras3_only(config)`: every tf_keras model);
 - `place`, `split`, `shard` (on a `StepPlan`): what it does to the model when
@@ -47,6 +49,7 @@ Example:
 
 import dataclasses
 import gc
+import warnings
 from typing import Any
 
 import keras
@@ -81,13 +84,17 @@ from tfdist.optim.tf_keras_zero import TfKerasShardedUpdate, check_tf_keras_shar
 from tfdist.optim.zero import ShardedUpdate, check_shardable
 from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline import stages as pipeline_stages
+from tfdist.pipeline import summary as pipeline_summary
 from tfdist.pipeline.compute import pipeline_compute
+from tfdist.pipeline.cost import sequence_length_of
+from tfdist.pipeline.graph import graph_of
 from tfdist.sharding.creation import whole_where_not_kept
 from tfdist.sharding.layout import AxisLayout
 from tfdist.sharding.peak import predict_peak
 from tfdist.sharding.replica_state import StateBytes, state_of
 from tfdist.sharding.wire import CastWire, Wire
 from tfdist.tensor import plan as tensor_plan
+from tfdist.tensor.mesh import TensorMesh
 
 
 class Keras3:
@@ -196,6 +203,7 @@ class StepPlan:
         mesh: the strategy's `replica_mesh`.
         flavour: the model's `Keras3` or `TfKeras`.
         sequence_length: the first batch's, for the pipeline stages' costs.
+        first_batch: the first batch (or its symbolic tensors), when known.
         pipeline: the `PipelineCompute` once stages are placed.
         compute, reduce, update: the step's parts (None: the default's).
         whole: the reduce part of gradients reduced whole.
@@ -214,6 +222,7 @@ class StepPlan:
     mesh: Any
     flavour: Keras3
     sequence_length: int | None = None
+    first_batch: Any = None
     pipeline: Any = None
     compute: Any = None
     reduce: Any = None
@@ -272,6 +281,9 @@ class Mode:
     def named(self, config) -> str:
         """The mode as its config writes it (for messages)."""
         return f"{self.name}={getattr(config, self.name)}"
+
+    def start(self, strategy, config):
+        """What it sets up on a new `strategy` of `config`."""
 
     def check(self, model, config, flavour):
         pass
@@ -358,8 +370,22 @@ class Pipeline(Mode):
     def keras3_only(self, config):
         return True
 
+    def start(self, strategy, config):
+        pipeline_summary.install()
+        if config.microbatches < config.pipeline:  # the stages would mostly wait
+            warnings.warn(
+                f"`microbatches={config.microbatches}` < `pipeline={config.pipeline}`: "
+                f"stages wait for each other most of the step (bubble "
+                f"{(config.pipeline - 1) / (config.microbatches + config.pipeline - 1):.0%}"
+                f" of it). Use microbatches >= {config.pipeline}, ideally several times "
+                f"more.", stacklevel=4)
+
     def place(self, plan):
-        plan.pipeline = pipeline_compute(plan.model, plan.strategy, plan.sequence_length)
+        length = plan.sequence_length
+        if length is None and plan.first_batch is not None:
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(plan.first_batch)
+            length = sequence_length_of(graph_of(plan.model).inputs, x)
+        plan.pipeline = pipeline_compute(plan.model, plan.strategy, length)
         plan.compute = PipelinedCompute(plan.model, plan.config.microbatches, plan.pipeline,
                                         plan.mesh)
 
@@ -639,6 +665,48 @@ def active(config, optimizer=None) -> list[Mode]:
     return [mode for mode in MODES if mode.on(config, optimizer)]
 
 
+def start(strategy, config: ParallelConfig):
+    """Every active mode's set-up of a new tfdist `strategy` of `config`
+    (`pipeline`'s summary of the stages).
+
+    Example:
+
+    ```python
+    start(strategy, config)
+    ```
+    """
+    for mode in active(config):
+        mode.start(strategy, config)
+
+
+def tensor_mesh(strategy, config: ParallelConfig, stage_devices=None):
+    """The `TensorMesh` of `strategy`'s replicas (stage s of replica r on
+    `stage_devices[r][s]`) when `config.tensor` > 1, else None.
+
+    Example:
+
+    ```python
+    tensor_mesh(strategy, strategy.config).tensor   # 2 under tensor=2
+    ```
+    """
+    return TensorMesh(strategy, config.tensor, stage_devices) if config.tensor > 1 else None
+
+
+def example_group(config: ParallelConfig, mesh):
+    """The replicas whose examples make up the global batch with each one's,
+    for `tfdist.batch_statistics`: `mesh`'s data group, or None where each
+    replica's statistics are the batch's already (one data replica) or stay
+    each microbatch's (`pipeline`).
+
+    Example:
+
+    ```python
+    example_group(strategy.config, strategy.replica_mesh).data_launcher()
+    ```
+    """
+    return None if config.pipeline > 1 or mesh.data == 1 else mesh
+
+
 def check(model, config: ParallelConfig, optimizer=None):
     """Every active mode's rules on the compiled `model` (a Keras 3 or
     tf_keras model; `optimizer`, else its compiled one), before the first
@@ -696,10 +764,11 @@ def check_synchronized_batch_norm(model, config: ParallelConfig):
                 f"every replica), or drop {' and '.join(nested)}.")
 
 
-def assemble(model, config: ParallelConfig, sequence_length=None, loss=None, optimizer=None):
+def assemble(model, config: ParallelConfig, sequence_length=None, loss=None, optimizer=None,
+             first_batch=None):
     """The (compute, reduce, update) parts of `model`'s step under `config`.
 
-    `sequence_length`, when the first batch gives the lengths the model's
+    `sequence_length` (or else `first_batch`'s), the length the model's
     inputs leave unknown, sizes the pipeline stages' cost estimates. A
     tf_keras model's step uses `loss` (default `TfKerasLoss`) and
     `optimizer` (default its compiled one).
@@ -724,7 +793,7 @@ def assemble(model, config: ParallelConfig, sequence_length=None, loss=None, opt
         gc.collect()
     flavour = flavour_of(model, loss, optimizer)
     plan = StepPlan(model, config, model.distribute_strategy.replica_mesh, flavour,
-                    sequence_length)
+                    sequence_length, first_batch)
     if config.zero and not getattr(flavour.optimizer, "built", True):
         raise RuntimeError(
             "The optimizer is not built: call `TrainStep.build(...)` "

@@ -100,6 +100,7 @@ class DataGroupAllReduce:
         self.mesh = mesh
         self.share_non_finite = share_non_finite
         self.bucket_bytes = bucket_bytes
+        self._one_replica_per_group = mesh.data == 1  # (nothing to sum)
 
     def __call__(self, grads):
         return self.with_states(grads, [])[0]
@@ -110,7 +111,7 @@ class DataGroupAllReduce:
         the same examples)."""
         mesh = self.mesh
         present = [g for g in grads if g is not None]
-        if mesh.data > 1:
+        if not self._one_replica_per_group:
             launcher = mesh.data_launcher()
             present, states = _summed_together(
                 lambda values: data_group_sum(values, launcher, self.bucket_bytes),
@@ -272,5 +273,5 @@ class ShardedReduce:
                                           [self.layouts[i] for i in scattered],
                                           mesh.data_launcher(), self.wire)
             for i, g in zip(scattered, parts):  # times t: see DataGroupAllReduce
-                shards[i] = g * tf.cast(mesh.tensor, g.dtype) if mesh.tensor > 1 else g
+                shards[i] = g * tf.cast(mesh.tensor, g.dtype)
         return [shards.get(i) for i in range(len(grads))], states

@@ -36,8 +36,6 @@ from tfdist._compat.tf_function import eagerly_outside_the_trace
 from tfdist.config import ParallelConfig
 from tfdist.engine import build, modes, tf_keras
 from tfdist.engine.metrics import local_states, synced_results
-from tfdist.pipeline.cost import sequence_length_of
-from tfdist.pipeline.graph import graph_of
 
 
 class TrainStep:
@@ -120,13 +118,9 @@ class TrainStep:
         """
         if self.compute is None:
             batch_statistics.use_global_router_losses(self.model)
-            length = None
-            if data is not None and self.config.pipeline > 1:
-                x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-                length = sequence_length_of(graph_of(self.model).inputs, x)
             with eagerly_outside_the_trace():  # when the first trace calls it: one trace
                 self.compute, self.reduce, self.update = modes.assemble(
-                    self.model, self.config, length)
+                    self.model, self.config, first_batch=data)
 
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""

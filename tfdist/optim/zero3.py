@@ -365,3 +365,54 @@ class GatheredUnits(StagedCompute):
 
     def program(self, microbatches):
         return unit_program(len(self.runners), microbatches)
+
+
+def data_group_traffic(config, model, stages, gradients: float, parameters: float):
+    """What a replica's data group collectives move in a step under
+    `config.zero`, for `tfdist.plan`'s step time: (bytes its ring sends,
+    whether they are summed by an all-reduce rather than reduce-scattered or
+    gathered, collectives per step), from the bytes of its `gradients` (as
+    compressed) and `parameters`. zero=3 gathers every unit (or with
+    `stages`, the stage) forward and backward and reduce-scatters it, per
+    microbatch.
+
+    Example:
+
+    >>> from tfdist.config import ParallelConfig
+    >>> data_group_traffic(ParallelConfig(data=4, zero=1), None, None, 100, 100)
+    (200, False, 2)
+    """
+    if config.zero == 0:
+        return gradients, True, 1
+    if config.zero < 3:  # a reduce-scatter of the gradients, a gather of the parameters
+        return gradients + parameters, False, 2
+    units = 1 if stages else len(plan_units(model, config.zero3_unit_params))
+    return (gradients + 2 * config.microbatches * parameters, False,
+            3 * units * config.microbatches)
+
+
+def held_at_peak(config, model, local: int, state: int, stages, size_of):
+    """(parameters, gathered, gradients, optimizer state): the bytes a device
+    holds at its step's peak under `config.zero` (resolved), for
+    `tfdist.sharding.peak`, from the `local` bytes of the weights it computes
+    with and their optimizer `state`, both unsharded; `size_of(weights)`
+    counts a unit's bytes. zero 1/2 keep a shard of the state and a
+    parameter shard buffer; zero=3 a shard of the parameters, gathering two
+    units at once (with `stages`, its whole stage), and one unit's gradients.
+
+    Example:
+
+    >>> from tfdist.config import ParallelConfig
+    >>> held_at_peak(ParallelConfig(data=4, zero=1), None, 400, 800, None, None)
+    (400, 0, 800, 300)
+    """
+    shard = local // config.data
+    if config.zero:
+        state = state // config.data + (shard if config.zero < 3 else 0)
+    if config.zero < 3:
+        return local, 0, 2 * local, state
+    if stages:  # a whole stage gathered at a time
+        return shard, local, 2 * local, state
+    units = sorted((size_of(unit_weights(u)) for u in plan_units(model, config.zero3_unit_params)),
+                   reverse=True)
+    return shard, sum(units[:2]), shard + 2 * units[0], state

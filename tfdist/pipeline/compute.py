@@ -107,7 +107,7 @@ class StagedCompute:
         self.mesh = mesh
         self.loss = MicrobatchLoss(model, mesh)
         self.peak_held = [0] * (1 + max(device_of))
-        self._per_replica = {}  # with tensor groups: local replica -> its tf.function
+        self._per_replica = {}  # local replica -> what runs its actions
 
     def program(self, microbatches: int) -> Program:
         """The instructions of a replica's step of `microbatches` microbatches."""
@@ -124,20 +124,9 @@ class StagedCompute:
         if replica is None:
             raise RuntimeError("pipeline: the replica id is not known while tracing.")
         local = int(local_replica_id(strategy.extended, replica))
-        mesh = self.mesh
-        if mesh.tensor == 1:
-            return self._finish(*self._replica_actions(slices, local, mesh), local)
-        # With tensor groups, actions all-reduce with the other replicas. The
-        # replicas are traced into one graph, in which TensorFlow chains
-        # every stateful op without a resource (such as a loss's shape
-        # assert) in trace order: replica 0's second loss before replica 1's
-        # first, which (1F1B) waits for a backward whose all-reduce needs
-        # replica 0's second forward: a cycle. One function call per replica
-        # keeps each replica's chain inside its own call.
         if local not in self._per_replica:
-            self._per_replica[local] = tf.function(
-                functools.partial(self._replica_actions, local=local, mesh=mesh),
-                autograph=False)
+            self._per_replica[local] = self.mesh.in_own_function(
+                functools.partial(self._replica_actions, local=local, mesh=self.mesh))
         return self._finish(*self._per_replica[local](slices), local)
 
     def _finish(self, totals, metrics, starts, moved, local):

@@ -14,12 +14,11 @@ balance: each named layer starts a stage.
 
 import dataclasses
 import math
-import warnings
 
 from tfdist.config import check_boundary_count
 from tfdist.pipeline.cost import node_cost
 from tfdist.pipeline.graph import LayerGraph
-from tfdist.pipeline.schedule import stage_device
+from tfdist.pipeline.schedule import held_activations, stage_device, stage_orders
 
 
 @dataclasses.dataclass
@@ -262,22 +261,24 @@ def describe(stages, devices) -> str:
     return "\n".join(lines)
 
 
-def warn_of_bubble(config):
-    """Warns when `microbatches` < `pipeline`: the stages would mostly wait.
+def held_activation_bytes(config, stage_bytes: int, input_bytes: int) -> int:
+    """The activations a stage's device holds at once under `config`'s
+    schedule, for `tfdist.sharding.peak`: a stage's outputs of one microbatch
+    (`stage_bytes`) times the microbatches the schedule holds at once; with
+    `remat`, only those microbatches' stage inputs (`input_bytes`, the
+    largest stage's) plus one stage's outputs recomputed.
 
     Example:
 
-    ```python
-    warn_of_bubble(ParallelConfig(pipeline=4, microbatches=2))   # UserWarning: bubble 60%
-    ```
+    >>> from tfdist.config import ParallelConfig
+    >>> held_activation_bytes(ParallelConfig(pipeline=2, microbatches=4), 100, 10)
+    400
     """
-    if config.microbatches < config.pipeline:
-        warnings.warn(
-            f"`microbatches={config.microbatches}` < `pipeline={config.pipeline}`: "
-            f"stages wait for each other most of the step (bubble "
-            f"{(config.pipeline - 1) / (config.microbatches + config.pipeline - 1):.0%}"
-            f" of it). Use microbatches >= {config.pipeline}, ideally several times more.",
-            stacklevel=2)
+    in_flight = max(held_activations(stage_orders(
+        config.schedule, config.pipeline, config.microbatches, config.virtual_stages)))
+    if config.remat:
+        return stage_bytes + input_bytes * in_flight
+    return stage_bytes * in_flight
 
 
 def _weights(operation):

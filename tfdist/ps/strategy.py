@@ -103,12 +103,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
                 f"validation on the chief with `fit(validation_data=...)`."
             )
         check_timeout_seconds(timeout_seconds)
-        workers = len(cluster["worker"])
-        if config.data not in (None, workers):
-            raise ValueError(
-                f"`data={config.data}` must equal the number of worker tasks, "
-                f"{workers}, under a ParameterServerStrategy (or be left unset)."
-            )
+        config = config.for_worker_tasks(len(cluster["worker"]))
         partitioner = _partitioner(variable_partitioner, len(cluster["ps"]))
         # Everything checked: now wait (bounded) for the tasks to serve.
         wait_for_peers(timeout_seconds, cluster_resolver,
@@ -116,7 +111,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
         super().__init__(resolver, variable_partitioner=partitioner)
         # Keras 3 optimizers update each variable whole, partitioned ones too.
         tf_parameter_server.serve_keras_variables(self)
-        self._init_step_owner(config.resolve(workers))
+        self._init_step_owner(config)
         self._coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
         self._task_monitor = TaskMonitor(
             {f"{job}:{index}": address for job in ("worker", "ps")

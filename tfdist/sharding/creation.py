@@ -63,12 +63,12 @@ def sharded_creation(strategy, config):
     """
     if not config.shards_state:
         return contextlib.nullcontext()
-    weights_too = config.zero == 3 or config.tensor > 1 or config.pipeline > 1
+    weights_too, every_slot = config.creates_weights_as_shards, config.shards_optimizer_state
 
     def create(next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")
         slot_of = colocate_with if getattr(colocate_with, "trainable", False) and (
-            config.zero or isinstance(colocate_with, ShardedStorage)) else None
+            every_slot or isinstance(colocate_with, ShardedStorage)) else None
         weight = weights_too and colocate_with is None and kwargs.get("trainable") is True
         if slot_of is None and not weight:
             return next_creator(**kwargs)

@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from tfdist._compat.keras_optimizer import trainable_variables_of
 from tfdist.optim import zero3
-from tfdist.pipeline import schedule as pipeline_schedule
+from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline.graph import graph_nodes, graph_of
 from tfdist.sharding.slots import optimizer_slots
 
@@ -108,29 +108,15 @@ def predict_peak(config, model, batch_size: int, sequence_length=None,
     slots = _slot_counts(model)
     weights = held_weights(model, stages, split)
     local = weight_bytes(weights, split)  # each weight's tensor slice (or all of it)
-    shard = local // data
     state = sum(slots.get(id(v), 0) * weight_bytes([v], split) for v in weights)
-    if config.zero:
-        state = state // data + (shard if config.zero < 3 else 0)  # zero 1/2's buffers
-    parameters, gathered, gradients = local, 0, 2 * local
-    if config.zero == 3 and stages:  # a whole stage gathered at a time
-        parameters, gathered = shard, local
-    elif config.zero == 3:
-        units = sorted((weight_bytes(zero3.unit_weights(u), split)
-                        for u in zero3.plan_units(model, config.zero3_unit_params)),
-                       reverse=True)
-        parameters, gathered, gradients = shard, sum(units[:2]), shard + 2 * units[0]
+    parameters, gathered, gradients, state = zero3.held_at_peak(
+        config, model, local, state, stages, lambda unit: weight_bytes(unit, split))
     rows = math.ceil(batch_size / data / config.microbatches)
     activations = _activation_bytes(model, rows, sequence_length)
     if stages:  # the mean stage's, times the microbatches its device holds at once
-        activations //= len(stages)
-        in_flight = max(pipeline_schedule.held_activations(pipeline_schedule.stage_orders(
-            config.schedule, config.pipeline, config.microbatches, config.virtual_stages)))
-        if config.remat:  # each held microbatch's stage inputs; one recomputed whole
-            kept = max(tensors_bytes(stage.inputs, rows, sequence_length) for stage in stages)
-            activations += kept * in_flight
-        else:
-            activations *= in_flight
+        activations = pipeline_stages.held_activation_bytes(
+            config, activations // len(stages),
+            max(tensors_bytes(stage.inputs, rows, sequence_length) for stage in stages))
     return PeakEstimate(parameters, gradients, state, gathered, activations)
 
 

@@ -344,7 +344,7 @@ class Heads(TensorLayout):
 
 def _split(variable, axis, mesh):
     layout = AxisLayout(variable.shape, axis, mesh.tensor)
-    if mesh.strategy.config.zero == 3:  # straight into zero=3's shards of each rank's slice
+    if mesh.strategy.config.shards_parameters:  # straight into zero=3's shards of each rank's slice
         layout = MeshShardLayout(variable.shape, mesh.tensor, mesh.data, layout)
     with mesh.strategy.scope():
         shard_keras_variable(variable, layout, mesh.strategy)

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tfdist._compat import tf_collectives, tf_distribute
 from tfdist._compat.tf_collectives import group_launcher
-from tfdist._compat.tf_function import caller_value, sharing_a_trace
+from tfdist._compat.tf_function import ReplicaSharedFunction, caller_value, sharing_a_trace
 
 
 class _ReplicaMesh:
@@ -60,6 +60,19 @@ class _ReplicaMesh:
 
     def _stage_index(self):
         return getattr(self._stage, "index", 0)
+
+    def eager_example_sum(self, context, x):
+        """`x` summed over the replicas holding other examples, in eager
+        replica `context` (a merge call over every replica; a tensor
+        group's ranks hold the same examples: counted once).
+
+        Example:
+
+        ```python
+        total = mesh.eager_example_sum(tf.distribute.get_replica_context(), count)
+        ```
+        """
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, x) / self.tensor
 
     def replica(self):
         """The current replica's id in the sync group (across workers), or
@@ -155,6 +168,58 @@ class TensorMesh(_ReplicaMesh):
         if sharing_a_trace():  # each caller's own group and keys
             return tf_collectives.CallerLauncher(f"tensor/stage{self._stage_index()}", own)
         return own()
+
+    def microbatch_runs(self, forward_backward, microbatches: int, xla: bool):
+        """What runs each microbatch's `forward_backward` with tensor groups:
+        one trace the replicas and microbatches share (each with its own
+        variables and its own group's collective keys), or, under XLA (which
+        compiles a collective with its keys), each replica's own compiled
+        function.
+
+        Example:
+
+        ```python
+        runs = mesh.microbatch_runs(compute._forward_backward, 2, xla=False)
+        ```
+        """
+        if xla:
+            return [tf.function(forward_backward, jit_compile=True, reduce_retracing=True,
+                                autograph=False)] * microbatches
+        shared = ReplicaSharedFunction(forward_backward)
+        if microbatches == 1:
+            return [shared]
+        # Where the trace cannot be shared (a layer's collectives of its own),
+        # the replicas are traced into one graph, in which TensorFlow chains
+        # every stateful op without a resource (the loss's shape asserts) in
+        # program order: replica 0's microbatch 1, which waits for its microbatch
+        # 0's gradient all-reduce, would come before replica 1's microbatch 0 and
+        # that all-reduce would never meet its peer. One function call per
+        # microbatch keeps each replica's chain inside its own calls; one
+        # function per microbatch gives each microbatch's tensor-group
+        # collectives their own keys, so that they meet their peers whatever
+        # order the ranks run the microbatches in (with microbatches of unequal
+        # sizes, a shared function's collectives met another microbatch's).
+        return [shared.with_unshared(tf.function(forward_backward, reduce_retracing=True,
+                                                 autograph=False))
+                for _ in range(microbatches)]
+
+    def in_own_function(self, fn):
+        """`fn`, a replica's part of the step (pipeline stages' actions), in
+        a function of its own. Its actions all-reduce with the other
+        replicas; traced into one graph, the replicas' stateful ops without a
+        resource (such as a loss's shape assert) would be chained in trace
+        order: replica 0's second loss before replica 1's first, which (1F1B)
+        waits for a backward whose all-reduce needs replica 0's second
+        forward, a cycle. One function call per replica keeps each replica's
+        chain inside its own call.
+
+        Example:
+
+        ```python
+        run = mesh.in_own_function(functools.partial(actions, local=0))
+        ```
+        """
+        return tf.function(fn, autograph=False)
 
     def data_launcher(self):
         """The current replica's launcher of collectives over its data group
@@ -318,6 +383,23 @@ class DataOnlyMesh(_ReplicaMesh):
         """0 in this strategy's replica context, else None."""
         return None if self.replica() is None else 0
 
+    def microbatch_runs(self, forward_backward, microbatches: int, xla: bool):
+        """What runs each microbatch's `forward_backward`: one trace every
+        replica calls with its own variables (`ReplicaSharedFunction`),
+        compiled under `xla`.
+
+        Example:
+
+        ```python
+        runs = mesh.microbatch_runs(compute._forward_backward, 2, xla=False)
+        ```
+        """
+        return [ReplicaSharedFunction(forward_backward, jit_compile=xla)] * microbatches
+
+    def in_own_function(self, fn):
+        """`fn`, a replica's part of the step: called as it is (see `TensorMesh`'s)."""
+        return fn
+
     def data_launcher(self):
         """The current replica's launcher of collectives over its data group
         on the current stage's devices (the strategy's own on stage 0)."""
@@ -337,6 +419,9 @@ class DataOnlyMesh(_ReplicaMesh):
 
     def reduce(self, x):
         return x
+
+    def eager_example_sum(self, context, x):
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, x)
 
     def copy(self, x):
         return x

@@ -358,7 +358,7 @@ def partition_model(model, mesh):
                 # Its weight's slices; under `zero` straight into the shards
                 # of them that `ShardedUpdate` keeps.
                 layout = (MeshShardLayout(split.shape, mesh.tensor, mesh.data, split)
-                          if mesh.strategy.config.zero else split)
+                          if mesh.strategy.config.shards_optimizer_state else split)
                 shard_keras_variable(slot, layout, mesh.strategy)
 
 
