@@ -549,7 +549,7 @@ def measured_step_seconds(config: ParallelConfig, model_fn, batch_size: int,
     """
     from tfdist.strategy import Strategy
 
-    devices = config.data * config.pipeline * config.tensor
+    devices = config.devices_needed
     available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
     if len(available) < devices:
         raise ValueError(

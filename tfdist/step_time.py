@@ -174,8 +174,7 @@ def _compute_time(config, stages, costs, micro, hardware):
     if hardware.shared_cores:  # every device's work on one processor, no bubble
         flop_seconds = sum(times(a) * flops[a.stage] for order in orders for a in order)
         overhead_seconds = sum(times(a) * overheads[a.stage] for order in orders for a in order)
-        devices = min(hardware.devices_per_host or math.inf,
-                      config.data * config.pipeline * config.tensor)
+        devices = min(hardware.devices_per_host or math.inf, config.devices_needed)
         copies = devices / config.pipeline  # the replicas and tensor ranks on the host
         return copies * (flop_seconds + overhead_seconds / hardware.shared_cores), 0.0
 
@@ -220,7 +219,7 @@ def _data_group_time(config, model, weights, layout, hardware):
     data = config.data
     if data <= 1:
         return 0.0
-    devices = data * config.pipeline * config.tensor
+    devices = config.devices_needed
     bandwidth = (hardware.link_bandwidth if hardware.hosts_of(devices) > 1
                  else hardware.device_bandwidth)
     parameters = weight_bytes(weights, layout.split)

@@ -1,7 +1,7 @@
 """Benchmark: `tfdist.plan`'s predictions against every valid plan measured.
 
     python tools/bench_plan.py [--models=mlp,convnet,gpt2,llama] [--devices=4]
-        [--batch_size=32] [--steps=12] [--out=results.jsonl]
+        [--batch_size=32] [--steps=12] [--repeats=2] [--out=results.jsonl]
 
 For each model (small configurations of a wide MLP, a keras-io convnet, and
 keras-hub GPT-2 and Llama backbones with a token classifier; Adam), on
@@ -14,7 +14,9 @@ plan as it is timed (predicted peak and time, measured time), then one per
 model: the
 rank the prediction gave the plan measured fastest, the measured time of
 the plan the prediction chose (`plans` ranked without measuring) against the
-fastest's, and the rank correlation of predicted and measured times.
+fastest's (also with both timed `--repeats` times more, their best times;
+and what `measure=3` / `measure=5` would pick from the times above), and
+the rank correlation of predicted and measured times.
 
     python tools/bench_plan.py --measured=results.jsonl
 
@@ -40,6 +42,8 @@ flags.DEFINE_float("memory_fraction", 0.7, "Memory per device, as a fraction of 
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 flags.DEFINE_integer("max_plans", 0, "Time only the first this many plans that fit, in "
                      "predicted order (0: every one).")
+flags.DEFINE_integer("repeats", 2, "Times the chosen and the fastest plan are timed again "
+                     "(alternately), for their best times.")
 flags.DEFINE_string("measured", None, "JSON lines of an earlier run: its measured times "
                     "are reused (the predictions are made again), nothing is trained.")
 
@@ -111,6 +115,24 @@ def bench_model(name):
     timed = [p for p in predicted if p.measured is not None]
     fastest = min(timed, key=lambda p: p.measured)
     chosen = predicted.best
+    # What `tfdist.plan(..., measure=K)` picks: the fastest measured of the
+    # first K fitting plans (their times above, not measured again).
+    with_measure = {
+        f"measure_{k}_over_fastest": round(min(p.measured for p in timed[:k]) / fastest.measured, 3)
+        for k in (3, 5) if len(timed) >= k}
+    # The chosen and the fastest timed again, alternately, `--repeats` times:
+    # each one's best time (a single median of a few steps moves by 10-25%).
+    again = {}
+    if FLAGS.repeats and not FLAGS.measured:
+        best = {id(chosen): [chosen.measured], id(fastest): [fastest.measured]}
+        for _ in range(FLAGS.repeats):
+            for p in {id(chosen): chosen, id(fastest): fastest}.values():
+                best[id(p)].append(measured_step_seconds(
+                    p.config, lambda: make_model(name), FLAGS.batch_size, sequence, FLAGS.steps))
+        again = {"chosen_best_ms": round(1e3 * min(best[id(chosen)]), 2),
+                 "fastest_best_ms": round(1e3 * min(best[id(fastest)]), 2),
+                 "chosen_over_fastest_best": round(min(best[id(chosen)])
+                                                   / min(best[id(fastest)]), 3)}
     emit({"bench": "plan_summary", "model": name, "devices": FLAGS.devices,
           "memory_per_device_bytes": limit, "plans_fitting": fitting,
           "plans_refused": len(predicted.refused),
@@ -122,7 +144,8 @@ def bench_model(name):
           "predicted_rank_of_fastest": predicted.index(fastest) + 1,
           "rank_correlation": round(rank_correlation(
               [p.time.total for p in timed], [p.measured for p in timed]), 3),
-          "median_measured_ms": round(1e3 * statistics.median(p.measured for p in timed), 2)},
+          "median_measured_ms": round(1e3 * statistics.median(p.measured for p in timed), 2),
+          **with_measure, **again},
          FLAGS.out)
 
 
