@@ -35,6 +35,7 @@ from tfdist._compat import keras_functional, keras_layers, patches
 from tfdist.tensor.mesh import DataOnlyMesh
 
 _used = threading.local()  # whether a step's trace called batch_sum
+_EVERY_REPLICA = object()  # (a strategy that is not tfdist's)
 
 
 def batch_sum(x):
@@ -59,8 +60,9 @@ def batch_sum(x):
     # The replicas holding the batch's other examples: a tfdist strategy's
     # data group (none where statistics stay each replica's or microbatch's),
     # every replica of another strategy.
-    group = strategy.example_group if hasattr(strategy, "example_group") else DataOnlyMesh(
-        strategy)
+    group = getattr(strategy, "example_group", _EVERY_REPLICA)
+    if group is _EVERY_REPLICA:
+        group = DataOnlyMesh(strategy)
     if group is None:
         return x
     if tf.executing_eagerly():

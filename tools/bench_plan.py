@@ -124,10 +124,11 @@ def bench_model(name):
     # each one's best time (a single median of a few steps moves by 10-25%).
     again = {}
     if FLAGS.repeats and not FLAGS.measured:
-        best = {id(chosen): [chosen.measured], id(fastest): [fastest.measured]}
+        timed_again = {id(p): p for p in (chosen, fastest)}  # one, if they are the same
+        best = {key: [p.measured] for key, p in timed_again.items()}
         for _ in range(FLAGS.repeats):
-            for p in {id(chosen): chosen, id(fastest): fastest}.values():
-                best[id(p)].append(measured_step_seconds(
+            for key, p in timed_again.items():
+                best[key].append(measured_step_seconds(
                     p.config, lambda: make_model(name), FLAGS.batch_size, sequence, FLAGS.steps))
         again = {"chosen_best_ms": round(1e3 * min(best[id(chosen)]), 2),
                  "fastest_best_ms": round(1e3 * min(best[id(fastest)]), 2),

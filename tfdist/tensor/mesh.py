@@ -61,19 +61,6 @@ class _ReplicaMesh:
     def _stage_index(self):
         return getattr(self._stage, "index", 0)
 
-    def eager_example_sum(self, context, x):
-        """`x` summed over the replicas holding other examples, in eager
-        replica `context` (a merge call over every replica; a tensor
-        group's ranks hold the same examples: counted once).
-
-        Example:
-
-        ```python
-        total = mesh.eager_example_sum(tf.distribute.get_replica_context(), count)
-        ```
-        """
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, x) / self.tensor
-
     def replica(self):
         """The current replica's id in the sync group (across workers), or
         None outside this mesh's replicas."""
@@ -168,6 +155,19 @@ class TensorMesh(_ReplicaMesh):
         if sharing_a_trace():  # each caller's own group and keys
             return tf_collectives.CallerLauncher(f"tensor/stage{self._stage_index()}", own)
         return own()
+
+    def eager_example_sum(self, context, x):
+        """`x` summed over the replicas holding other examples, in eager
+        replica `context` (a merge call over every replica; a tensor
+        group's ranks hold the same examples: counted once).
+
+        Example:
+
+        ```python
+        total = mesh.eager_example_sum(tf.distribute.get_replica_context(), count)
+        ```
+        """
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, x) / self.tensor
 
     def microbatch_runs(self, forward_backward, microbatches: int, xla: bool):
         """What runs each microbatch's `forward_backward` with tensor groups:
