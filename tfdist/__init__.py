@@ -29,6 +29,7 @@ from tfdist.config import ParallelConfig  # noqa: E402
 __version__ = "0.1.0"
 
 _LAZY = {
+    "ChiefStrategy": "tfdist.chief",
     "MultiWorkerStrategy": "tfdist.strategy",
     "ParameterServerStrategy": "tfdist.ps",
     "Strategy": "tfdist.strategy",

@@ -22,7 +22,7 @@ COMPRESSIONS = _FIXED_COMPRESSIONS + ("topk:<fraction>", "powersgd:<rank>")
 # The values a field takes from a fixed list (the command line's choices).
 CHOICES = {"precision": PRECISIONS, "schedule": SCHEDULES}
 # The strategies a config can be validated for (`validate(strategy=...)`).
-STRATEGIES = ("Strategy", "MultiWorkerStrategy", "ParameterServerStrategy")
+STRATEGIES = ("Strategy", "MultiWorkerStrategy", "ParameterServerStrategy", "ChiefStrategy")
 # Fields that must keep their default under the asynchronous parameter-server
 # strategy, and why.
 _NOT_UNDER_PS = {
@@ -149,7 +149,7 @@ class ParallelConfig:
         With `strategy` (one of `STRATEGIES`), also the rules of that
         strategy: `MultiWorkerStrategy` runs pipeline and tensor parallelism
         one at a time; `ParameterServerStrategy` (asynchronous) runs neither,
-        nor `zero`.
+        nor `zero`; `ChiefStrategy` runs one replica (`data` and `tensor` 1).
 
         Raises `TypeError` for a value of the wrong type, `ValueError` for a
         value out of range or a combination that cannot work, and
@@ -484,6 +484,15 @@ class ParallelConfig:
             raise NotImplementedError(
                 f"`pipeline={self.pipeline}` with `tensor={self.tensor}` runs on "
                 f"one host (tfdist.Strategy); MultiWorkerStrategy takes one of them.")
+        replicas = (self.data or 1) * self.tensor
+        if strategy == "ChiefStrategy" and replicas > 1:
+            raise NotImplementedError(
+                f"`data={self.data}` x `tensor={self.tensor}` is {replicas} replicas; a "
+                f"ChiefStrategy runs one (TensorFlow's MirroredStrategy puts no replicas "
+                f"on several workers' devices in eager mode, and data and tensor groups "
+                f"are replicas). Use `pipeline` equal to the workers' devices, or "
+                f"tfdist.MultiWorkerStrategy for data and tensor parallelism across "
+                f"workers.")
         if strategy == "ParameterServerStrategy":
             for name, (off, why) in _NOT_UNDER_PS.items():
                 if getattr(self, name) != off:

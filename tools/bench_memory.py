@@ -2,7 +2,7 @@
 
     python tools/bench_memory.py [--width=4096] [--layers=8] [--workers=4]
         [--modes=single,zero0,zero1,zero2,zero3,tensor4,pipeline4,data2_tensor2_zero3,
-                 int8,topk,powersgd,zero3_int8,one_bit_adam]
+                 chief_pipeline4,int8,topk,powersgd,zero3_int8,one_bit_adam]
         [--task_env=TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2] [--checkpoint]
         [--out=results.jsonl]
 
@@ -15,7 +15,10 @@ parameters) for `--epochs` epochs of `model.fit`:
 
 - `single`: one process, no strategy, the whole model;
 - every other mode: `tfdist launch --workers N`, each task a
-  `MultiWorkerStrategy` with that `ParallelConfig` on one CPU device.
+  `MultiWorkerStrategy` with that `ParallelConfig` on one CPU device;
+  `chief_pipeline4`: `tfdist launch --chief --workers N`, a
+  `tfdist.ChiefStrategy(pipeline=4, microbatches=4)`: the chief trains, stage
+  k on worker k, and each worker, serving, writes its own measures.
 
 Each process measures its baseline (RSS once TensorFlow and the strategy
 exist), resets its high-water mark (`/proc/self/clear_refs`), builds,
@@ -43,6 +46,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -93,7 +97,10 @@ MODES = {"zero0": [], "zero1": ["--zero=1"], "zero2": ["--zero=2"], "zero3": ["-
          "data2_tensor2_zero3": ["--tensor=2", "--zero=3"],
          "int8": ["--compression=int8"], "topk": ["--compression=topk:0.01"],
          "powersgd": ["--compression=powersgd:4"], "one_bit_adam": [],
-         "zero3_int8": ["--zero=3", "--compression=int8"]}
+         "zero3_int8": ["--zero=3", "--compression=int8"],
+         "chief_pipeline4": ["--chief", "--pipeline=4", "--microbatches=4"]}
+# Modes of `tfdist.ChiefStrategy`: the chief trains, the workers only serve.
+CHIEF_MODES = ("chief_pipeline4",)
 
 
 def status_bytes(field):
@@ -128,7 +135,12 @@ def run_task():
     import tfdist
 
     strategy = None
-    if FLAGS.mode != "single":
+    if FLAGS.mode in CHIEF_MODES:
+        if _task_name().startswith("worker"):  # serves in the strategy: measured aside
+            threading.Thread(target=report_while_serving, args=(status_bytes("VmRSS"),),
+                             daemon=True).start()
+        strategy = tfdist.ChiefStrategy(config=tfdist.ParallelConfig.from_env())
+    elif FLAGS.mode != "single":
         strategy = tfdist.MultiWorkerStrategy(config=tfdist.ParallelConfig.from_env())
     rng = np.random.default_rng(0)
     x = rng.normal(size=(FLAGS.examples, FLAGS.width)).astype("float32")
@@ -182,6 +194,21 @@ def run_task():
             if first:
                 np.save(pathlib.Path(FLAGS.weights, f"{i}.npy"), value)
     write_report(record)
+
+
+def report_while_serving(baseline, period_seconds=0.2):
+    """A `tfdist.ChiefStrategy` worker's measures, written every
+    `period_seconds` until the job stops it: it serves the chief's steps and
+    never returns to the script. Its baseline is its RSS before the server
+    starts."""
+    reset_peak()
+    tensor_peak_bytes(reset=True)
+    while True:
+        peak = status_bytes("VmHWM")
+        write_report({"mode": FLAGS.mode, "task": _task_name(), "baseline_bytes": baseline,
+                      "peak_bytes": peak, "peak_above_baseline_bytes": peak - baseline,
+                      "tensor_peak_bytes": tensor_peak_bytes()})
+        time.sleep(period_seconds)
 
 
 def tensor_peak_bytes(reset=False):

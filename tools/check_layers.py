@@ -62,8 +62,8 @@ LAYERS = (
       "tfdist.engine.modes", "tfdist.engine.tf_keras", "tfdist.engine.step",
       "tfdist.model_garden", "tfdist.usage_checks", "tfdist.step_time")),
     ("strategies and callbacks",
-     ("tfdist.strategy", "tfdist.ps", "tfdist.ps.*", "tfdist.callbacks", "tfdist.callbacks.*",
-      "tfdist.planning")),
+     ("tfdist.strategy", "tfdist.chief", "tfdist.ps", "tfdist.ps.*", "tfdist.callbacks",
+      "tfdist.callbacks.*", "tfdist.planning")),
     ("the command line", ("tfdist.cli",)),
 )
 

@@ -123,3 +123,23 @@ def test_a_stored_shard_does_not_keep_the_whole_value_alive():
         del whole
     gc.collect()
     assert _rss_mib() - before < 300  # 8 x 16 MiB kept, plus the allocator's slack
+
+
+def test_pipeline_holds_each_new_weight_on_the_stage_device_holding_least():
+    # Until the first step places the stages, a replica's stage devices share
+    # the weights (under ChiefStrategy they are other hosts): each weight,
+    # whole for the one replica, on the device with the fewest bytes so far.
+    reference = _model()
+    model = _built(tfdist.Strategy(pipeline=2, devices=DEVICES[:2]))
+    held = {device: 0 for device in DEVICES[:2]}
+    for variable, expected in zip(model.trainable_weights, reference.trainable_weights):
+        (component,) = storage_of(variable).values
+        device = next(d for d in held if component.device.endswith(d[1:]))
+        assert held[device] == min(held.values()), variable.path
+        held[device] += expected.numpy().nbytes
+        np.testing.assert_array_equal(variable.numpy(), expected.numpy())
+    assert all(held.values())  # both devices hold some
+    for weight, momentum, velocity in _slots(model):  # Adam's slots beside their weight
+        devices = [c.device for c in storage_of(weight).values]
+        assert [c.device for c in storage_of(momentum).values] == devices
+        assert [c.device for c in storage_of(velocity).values] == devices

@@ -54,13 +54,6 @@ def _accumulate(totals, weights, grads):
         totals[index] = sparse_gradients.add(totals[index], grad)
 
 
-def _meet(per_stage):
-    """Each weight's gradient summed over the stages (a tied weight has two;
-    Megatron's embedding all-reduce), per stage accumulated on its device."""
-    return [functools.reduce(sparse_gradients.add, grads, None)
-            for grads in zip(*per_stage)]
-
-
 class StagedCompute:
     """The one executor of a replica's `Program` (`tfdist.pipeline.program`):
     the refreshes of tied copies, gathers, forwards, backwards, deferred
@@ -204,7 +197,8 @@ class _Run:
         program = self.compute.program(len(self.slices))
         for block in program.blocks():
             self._run_block(program, block)
-        met = meet_on_replica_device(self.totals, self.devices)
+        met = meet_on_stage_devices(self.totals, [self.devices[self.compute.device_of[s]]
+                                                  for s in range(len(self.totals))])
         grads = [shard if shard is not None else g for shard, g in zip(self.shards, met)]
         return grads, self.metrics, self.starts, self.moved
 
@@ -393,20 +387,30 @@ class PipelineCompute(StagedCompute):
             runner.split_copies(self.model.distribute_strategy)
 
 
-def meet_on_replica_device(totals, devices):
+def meet_on_stage_devices(totals, devices):
     """Each weight's gradient from the stages' `totals` (one list per stage,
-    aligned with the model's trainable weights), on the replica's own device
-    `devices[0]`: the data-parallel reduce is then one packed all-reduce, as
-    without stages.
+    aligned with the model's trainable weights), summed on the device of the
+    first stage that has one (`devices[s]`: this replica's device of stage
+    s), which holds the weight: a tied weight's two (Megatron's embedding
+    all-reduce) meet there, and no gradient leaves its stage's device (under
+    `tfdist.ChiefStrategy` another host's). The data-parallel reduce takes
+    them from there.
 
     Example:
 
     ```python
-    grads = meet_on_replica_device(totals, strategy.pipeline_devices[0])
+    grads = meet_on_stage_devices(totals, ["/device:CPU:0", "/device:CPU:1"])
     ```
     """
-    with tf.device(devices[0]):
-        return [None if g is None else tf.identity(g) for g in _meet(totals)]
+    met = []
+    for grads in zip(*totals):
+        held = [(stage, g) for stage, g in enumerate(grads) if g is not None]
+        if not held:
+            met.append(None)
+            continue
+        with tf.device(devices[held[0][0]]):
+            met.append(functools.reduce(sparse_gradients.add, [g for _, g in held]))
+    return met
 
 
 def pipeline_compute(model, strategy, sequence_length=None) -> PipelineCompute:

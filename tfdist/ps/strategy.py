@@ -16,14 +16,13 @@ import warnings
 import weakref
 
 import tensorflow as tf
-from absl import logging
 
 from tfdist._compat import tf_parameter_server
 from tfdist._compat.tf_logging import quiet_server_logs
 from tfdist.cluster.liveness import TaskMonitor
 from tfdist.cluster.rendezvous import check_timeout_seconds, wait_for_peers
+from tfdist.cluster.serve import serve, server_config
 from tfdist.cluster.tf_config import free_ports, read_tf_config
-from tfdist.profiling import start_profiler_server
 from tfdist.ps import keras_fit
 from tfdist.strategy import _StepOwner, requested_config
 
@@ -230,33 +229,6 @@ def _partitioner(value, num_ps):
     )
 
 
-def _server_config(num_workers):
-    """Enough inter-op threads for every worker's concurrent requests."""
-    config = tf.compat.v1.ConfigProto()
-    config.inter_op_parallelism_threads = num_workers + 1
-    return config
-
-
-def serve(resolver):
-    """Runs this worker or ps task's server until the process is stopped.
-
-    `ParameterServerStrategy(...)` calls it on worker and ps tasks; it does
-    not return.
-    """
-    start_profiler_server()
-    cluster = resolver.cluster_spec()
-    server = tf.distribute.Server(
-        cluster,
-        job_name=resolver.task_type,
-        task_index=resolver.task_id,
-        protocol=resolver.rpc_layer or "grpc",
-        config=_server_config(len(cluster.as_dict()["worker"])),
-        start=True,
-    )
-    logging.info("%s:%d serving at %s", resolver.task_type, resolver.task_id, server.target)
-    server.join()
-
-
 def in_process_cluster(workers=2, ps=1):
     """Starts `workers` worker and `ps` ps servers in this process.
 
@@ -288,7 +260,7 @@ def in_process_cluster(workers=2, ps=1):
     for job in ("worker", "ps"):
         for index in range(len(cluster[job])):
             tf.distribute.Server(spec, job_name=job, task_index=index, protocol="grpc",
-                                 config=_server_config(workers), start=True)
+                                 config=server_config(workers), start=True)
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         spec, task_type="chief", task_id=0, rpc_layer="grpc"
     )

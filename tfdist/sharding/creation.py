@@ -38,6 +38,7 @@ with strategy.scope():   # (the strategy's scope installs it)
 """
 
 import contextlib
+import weakref
 
 import tensorflow as tf
 
@@ -81,7 +82,8 @@ def sharded_creation(strategy, config):
             inherited = isinstance(slot_of, ShardedStorage)
             layout = (slot_of.layout if inherited else
                       MeshShardLayout(value.shape, 1, strategy.num_replicas_in_sync))
-            devices = [v.device for v in slot_of.values] if slot_of is not None else None
+            devices = ([v.device for v in slot_of.values] if slot_of is not None
+                       else _holding_devices(strategy, value))
             name = kwargs.get("name") or "Variable"
             storage = ShardedStorage.create(strategy, layout, value, name, value.dtype,
                                             trainable=weight, devices=devices)
@@ -92,11 +94,28 @@ def sharded_creation(strategy, config):
     return tf.variable_creator_scope(create)
 
 
+def _holding_devices(strategy, value):
+    """Where each local replica holds its shard of a new weight: one of the
+    replica's pipeline devices (its own without `pipeline`), the one holding
+    the fewest bytes so far, so that the devices of a replica's stages (on
+    other hosts under `tfdist.ChiefStrategy`) share the model until the first
+    step places each weight on its stage."""
+    groups = getattr(strategy, "pipeline_devices", None) or [
+        [device] for device in strategy.extended.worker_devices]
+    held = _held_bytes.setdefault(strategy, [0] * len(groups[0]))
+    position = held.index(min(held))
+    held[position] += value.shape.num_elements() * value.dtype.size
+    return [group[position] for group in groups]
+
+
 def _full_shape(variable):
     """A (possibly sharded) TensorFlow variable's full shape."""
     layout = getattr(variable, "layout", None)
     return layout.shape if layout is not None else variable.shape
 
+
+# Bytes of new weights held on each pipeline device of a replica, by strategy.
+_held_bytes = weakref.WeakKeyDictionary()
 
 # Marks the storage `sharded_creation` made (a variable that keeps it is in
 # the layout it was created with).

@@ -1,0 +1,60 @@
+"""`tfdist.ChiefStrategy`: pipeline stages on different worker processes.
+
+Jobs run under `tfdist launch --chief --workers N` (tests/scripts/chief_fit.py):
+the chief trains, each worker serves its stage and ends with the chief.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import TFDIST, assert_parity, data, make_model, output_tail, train
+
+SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "chief_fit.py"
+
+
+@pytest.mark.multiprocess
+def test_stages_on_two_workers_match_one_device_and_live_there(tmp_path):
+    out, saved = tmp_path / "chief.json", tmp_path / "saved.weights.h5"
+    done = subprocess.run(
+        [*TFDIST, "launch", "--chief", "--workers=2", "--timeout=240", "--pipeline=2",
+         "--microbatches=2", "--schedule=1f1b", "--",
+         sys.executable, str(SCRIPT), f"--out={out}", f"--weights={saved}"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, output_tail(done.stdout) + output_tail(done.stderr)
+    # The workers end by themselves once the chief has.
+    assert "[launch] worker:0 finished" in done.stdout
+    assert "[launch] worker:1 finished" in done.stdout
+    chief = json.loads(out.read_text())
+    reference = train()  # one device, the same model, weights and batches
+    assert_parity((chief["losses"], [np.array(w) for w in chief["weights"]], None),
+                  reference, rtol=1e-5)
+    for value, ref in zip(chief["optimizer"], reference[2].optimizer.variables):
+        np.testing.assert_allclose(value, ref.numpy(), rtol=1e-5, atol=1e-6)
+    # Stage k's weights and their momentum on worker k alone; none on the chief.
+    where = {path: {d.split("/device:")[0] for d in devices}
+             for path, devices in chief["weight_devices"].items()}
+    first, last = "/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"
+    paths = [w.path for w in reference[2].weights]
+    assert where[paths[0]] == where[paths[1]] == {first}   # the first Dense
+    assert where[paths[-1]] == where[paths[-2]] == {last}  # the classifier
+    assert all(len(hosts) == 1 and not hosts & {"/job:chief/replica:0/task:0"}
+               for hosts in where.values())
+    for path, devices in chief["slot_devices"]:
+        assert {d.split("/device:")[0] for d in devices} == where[path]
+    # evaluate and predict read each stage's weights from its worker.
+    x, y = data()
+    np.testing.assert_allclose(chief["evaluate"],
+                               reference[2].evaluate(x, y, batch_size=32, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(chief["predict"],
+                               reference[2].predict(x[:64], batch_size=32, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    # save_weights wrote whole tensors: a one-device model loads them.
+    model = make_model()
+    model.load_weights(saved)
+    for value, ref in zip(model.get_weights(), reference[1]):
+        np.testing.assert_allclose(value, ref, rtol=1e-5, atol=1e-6)

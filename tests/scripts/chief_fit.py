@@ -1,0 +1,52 @@
+"""A `tfdist.ChiefStrategy` job under `tfdist launch --chief --workers N`.
+
+Every task runs it: the workers serve inside the strategy and end when the
+chief does. The chief trains the test MLP with `model.fit` (ParallelConfig
+from TFDIST_CONFIG) and writes to `--out` the reported losses, the final
+weights and optimizer state, where each weight and slot lives, `evaluate`'s
+loss and `predict`'s outputs; and saves the weights with `save_weights`
+into `--weights`.
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string("out", None, "Where the chief writes its results.")
+flags.DEFINE_string("weights", None, "Where the chief saves the weights (.weights.h5).")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    keras.config.disable_traceback_filtering()  # whole tracebacks in the test log
+    import tfdist
+
+    strategy = tfdist.ChiefStrategy(config=tfdist.ParallelConfig.from_env(),
+                                    timeout_seconds=120)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from helpers import data, train
+    from tfdist._compat.keras_optimizer import trainable_variables_of
+    from tfdist.pipeline.placement import component_devices
+    from tfdist.sharding.slots import optimizer_slots
+
+    x, y = data()
+    losses, weights, model = train(strategy, x=x, y=y)
+    variables = trainable_variables_of(model.optimizer)
+    slots = [(variables[index].path, component_devices(slot))
+             for slot, index in optimizer_slots(model.optimizer, variables)]
+    model.save_weights(FLAGS.weights)
+    with open(FLAGS.out, "w") as f:
+        json.dump({"losses": losses, "weights": [w.tolist() for w in weights],
+                   "optimizer": [v.numpy().tolist() for v in model.optimizer.variables],
+                   "weight_devices": {w.path: component_devices(w) for w in model.weights},
+                   "slot_devices": slots,
+                   "evaluate": model.evaluate(x, y, batch_size=32, verbose=0),
+                   "predict": model.predict(x[:64], batch_size=32, verbose=0).tolist()}, f)
+
+
+if __name__ == "__main__":
+    app.run(main)
