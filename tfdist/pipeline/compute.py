@@ -287,9 +287,15 @@ class _Run:
 
     def _add(self, s, weights):
         """Adds a backward's weight gradients to stage s's totals; returns
-        their tensors."""
-        _accumulate(self.totals[s], self.compute.runners[s].weights, weights)
-        return [g for g in tf.nest.flatten(weights, expand_composites=True) if g is not None]
+        the totals' tensors after the addition: the next block on the device
+        waits for them, so a microbatch's gradients are added (and released)
+        before the next backward makes its own, instead of every microbatch's
+        being held until the additions catch up."""
+        totals = self.totals[s]
+        indices = [index for index, _ in self.compute.runners[s].weights]
+        _accumulate(totals, self.compute.runners[s].weights, weights)
+        return [g for g in tf.nest.flatten([totals[i] for i in indices], expand_composites=True)
+                if g is not None]
 
 
 @contextlib.contextmanager
