@@ -49,7 +49,7 @@ class ChiefStrategy(Strategy):
             worker to serve, and a worker for the chief to answer (a
             `TimeoutError` names those that do not). A worker that freezes
             during training (alive, not answering) ends the chief within
-            about 15 s with an error naming it; one that dies fails the call
+            about 30 s with an error naming it; one that dies fails the call
             waiting on it.
         layout_map: as `tfdist.Strategy`'s.
         **fields: the `ParallelConfig` fields.

@@ -5,9 +5,13 @@ the chief trains, each worker serves its stage and ends with the chief.
 """
 
 import json
+import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -44,6 +48,8 @@ def test_stages_on_two_workers_match_one_device_and_live_there(tmp_path):
     assert where[paths[-1]] == where[paths[-2]] == {last}  # the classifier
     assert all(len(hosts) == 1 and not hosts & {"/job:chief/replica:0/task:0"}
                for hosts in where.values())
+    assert "stage 0  [worker:0/CPU:0]" in chief["describe"]
+    assert "stage 1  [worker:1/CPU:0]" in chief["describe"]
     for path, devices in chief["slot_devices"]:
         assert {d.split("/device:")[0] for d in devices} == where[path]
     # evaluate and predict read each stage's weights from its worker.
@@ -58,3 +64,43 @@ def test_stages_on_two_workers_match_one_device_and_live_there(tmp_path):
     model.load_weights(saved)
     for value, ref in zip(model.get_weights(), reference[1]):
         np.testing.assert_allclose(value, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_a_frozen_worker_ends_the_chief_naming_it():
+    launcher = subprocess.Popen(
+        [*TFDIST, "launch", "--chief", "--workers=2", "--timeout=240", "--pipeline=2",
+         "--microbatches=2", "--", sys.executable, str(SCRIPT), "--epochs=100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    try:
+        for line in launcher.stdout:
+            output.append(line)
+            if line.startswith("[chief:0] epoch 2"):
+                break
+        pid = int(re.search(r"started worker:1 \(pid (\d+)\)", "".join(output)).group(1))
+        for child in [pid] + _children(pid):  # the worker's process, not only its supervisor
+            os.kill(child, signal.SIGSTOP)
+        stopped = time.monotonic()
+        rest, _ = launcher.communicate(timeout=120)
+        waited = time.monotonic() - stopped
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    output = "".join(output) + rest
+    assert launcher.returncode == 1, output_tail(output)
+    assert re.search(r"Task worker:1 \(127\.0\.0\.1:\d+, no answer for \d+ s\) stopped "
+                     r"answering during training", output), output_tail(output)
+    assert "[launch] chief:0 failed with exit code 1" in output
+    assert waited < 60, waited
+
+
+def _children(pid):
+    """Every process below `pid`."""
+    found = []
+    for line in subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True,
+                               text=True).stdout.splitlines():
+        child, parent = map(int, line.split())
+        if parent == pid:
+            found += [child] + _children(child)
+    return found

@@ -16,6 +16,8 @@ from absl import app, flags
 
 flags.DEFINE_string("out", None, "Where the chief writes its results.")
 flags.DEFINE_string("weights", None, "Where the chief saves the weights (.weights.h5).")
+flags.DEFINE_integer("epochs", 1, "Epochs of fit; more than 1: only trains, printing each "
+                     "epoch's end (a long job for the failure tests).")
 FLAGS = flags.FLAGS
 
 
@@ -28,12 +30,19 @@ def main(argv):
     strategy = tfdist.ChiefStrategy(config=tfdist.ParallelConfig.from_env(),
                                     timeout_seconds=120)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from helpers import data, train
+    from helpers import data, make_model, train
     from tfdist._compat.keras_optimizer import trainable_variables_of
     from tfdist.pipeline.placement import component_devices
     from tfdist.sharding.slots import optimizer_slots
 
     x, y = data()
+    if FLAGS.epochs > 1:
+        with strategy.scope():
+            model = make_model()
+        model.fit(x, y, batch_size=32, epochs=FLAGS.epochs, verbose=0, callbacks=[
+            keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda epoch, _: print(f"epoch {epoch}", flush=True))])
+        return
     losses, weights, model = train(strategy, x=x, y=y)
     variables = trainable_variables_of(model.optimizer)
     slots = [(variables[index].path, component_devices(slot))
@@ -44,6 +53,7 @@ def main(argv):
                    "optimizer": [v.numpy().tolist() for v in model.optimizer.variables],
                    "weight_devices": {w.path: component_devices(w) for w in model.weights},
                    "slot_devices": slots,
+                   "describe": strategy.describe(model),
                    "evaluate": model.evaluate(x, y, batch_size=32, verbose=0),
                    "predict": model.predict(x[:64], batch_size=32, verbose=0).tolist()}, f)
 

@@ -15,6 +15,8 @@ balance: each named layer starts a stage.
 import dataclasses
 import math
 
+import tensorflow as tf
+
 from tfdist.config import check_boundary_count
 from tfdist.pipeline.cost import node_cost
 from tfdist.pipeline.graph import LayerGraph
@@ -252,7 +254,7 @@ def describe(stages, devices) -> str:
     lines = []
     for stage, stage_devices in zip(stages, devices):
         names = ", ".join(layer.name for layer in stage.layers)
-        where = ", ".join(d.split("device:")[-1] for d in stage_devices)
+        where = ", ".join(_short_name(d) for d in stage_devices)
         ratio = stage.cost / mean if mean else 1.0
         tied = "".join(f"; tied: {layer.name} (a copy of stage 0's)" for layer in stage.tied)
         lines.append(
@@ -284,3 +286,11 @@ def held_activation_bytes(config, stage_bytes: int, input_bytes: int) -> int:
 def _weights(operation):
     """A layer's weights; none for a Keras op such as `x + y` in a functional model."""
     return getattr(operation, "weights", ())
+
+
+def _short_name(device):
+    """A device's name as `describe` prints it: "CPU:1" on this host,
+    "worker:2/CPU:0" on another task's (`tfdist.ChiefStrategy`)."""
+    spec = tf.DeviceSpec.from_string(device)
+    local = f"{spec.device_type}:{spec.device_index}"
+    return local if spec.job in (None, "localhost") else f"{spec.job}:{spec.task}/{local}"
