@@ -24,11 +24,12 @@ SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "chief_fit.py"
 @pytest.mark.multiprocess
 def test_stages_on_two_workers_match_one_device_and_live_there(tmp_path):
     out, saved = tmp_path / "chief.json", tmp_path / "saved.weights.h5"
-    done = subprocess.run(
-        [*TFDIST, "launch", "--chief", "--workers=2", "--timeout=240", "--pipeline=2",
-         "--microbatches=2", "--schedule=1f1b", "--",
-         sys.executable, str(SCRIPT), f"--out={out}", f"--weights={saved}"],
-        capture_output=True, text=True, timeout=300)
+    checkpoint = tmp_path / "checkpoint"
+    job = [*TFDIST, "launch", "--chief", "--workers=2", "--timeout=240", "--pipeline=2",
+           "--microbatches=2", "--schedule=1f1b", "--", sys.executable, str(SCRIPT),
+           f"--checkpoint={checkpoint}"]
+    done = subprocess.run([*job, f"--out={out}", f"--weights={saved}"],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, output_tail(done.stdout) + output_tail(done.stderr)
     # The workers end by themselves once the chief has.
     assert "[launch] worker:0 finished" in done.stdout
@@ -59,6 +60,15 @@ def test_stages_on_two_workers_match_one_device_and_live_there(tmp_path):
     np.testing.assert_allclose(chief["predict"],
                                reference[2].predict(x[:64], batch_size=32, verbose=0),
                                rtol=1e-5, atol=1e-6)
+    # A new job reads the sharded checkpoint back: weights and optimizer state.
+    restored = tmp_path / "restored.json"
+    done = subprocess.run([*job, f"--out={restored}", "--restore"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, output_tail(done.stdout) + output_tail(done.stderr)
+    restored = json.loads(restored.read_text())
+    for value, ref in zip(restored["weights"] + restored["optimizer"],
+                          chief["weights"] + chief["optimizer"]):
+        np.testing.assert_array_equal(value, ref)
     # save_weights wrote whole tensors: a one-device model loads them.
     model = make_model()
     model.load_weights(saved)

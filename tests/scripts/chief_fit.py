@@ -16,6 +16,10 @@ from absl import app, flags
 
 flags.DEFINE_string("out", None, "Where the chief writes its results.")
 flags.DEFINE_string("weights", None, "Where the chief saves the weights (.weights.h5).")
+flags.DEFINE_string("checkpoint", None, "A sharded checkpoint's directory: saved after fit, or "
+                    "with --restore read into a new model instead of training.")
+flags.DEFINE_bool("restore", False, "Build the model, restore --checkpoint, write its "
+                  "weights and optimizer state to --out.")
 flags.DEFINE_integer("epochs", 1, "Epochs of fit; more than 1: only trains, printing each "
                      "epoch's end (a long job for the failure tests).")
 FLAGS = flags.FLAGS
@@ -36,6 +40,15 @@ def main(argv):
     from tfdist.sharding.slots import optimizer_slots
 
     x, y = data()
+    if FLAGS.restore:
+        with strategy.scope():
+            model = make_model()
+            model.optimizer.build(model.trainable_variables)
+        tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint).restore()
+        with open(FLAGS.out, "w") as f:
+            json.dump({"weights": [w.tolist() for w in model.get_weights()],
+                       "optimizer": [v.numpy().tolist() for v in model.optimizer.variables]}, f)
+        return
     if FLAGS.epochs > 1:
         with strategy.scope():
             model = make_model()
@@ -48,6 +61,7 @@ def main(argv):
     slots = [(variables[index].path, component_devices(slot))
              for slot, index in optimizer_slots(model.optimizer, variables)]
     model.save_weights(FLAGS.weights)
+    tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint, asynchronous=False).save()
     with open(FLAGS.out, "w") as f:
         json.dump({"losses": losses, "weights": [w.tolist() for w in weights],
                    "optimizer": [v.numpy().tolist() for v in model.optimizer.variables],
