@@ -188,7 +188,7 @@ def run_task():
         model.save_weights(_weights_file())  # every task gathers each weight
         record["h5_save_peak_above_baseline_bytes"] = status_bytes("VmHWM") - baseline
     if FLAGS.weights:  # every task reads (gathers) each weight; the first saves it
-        first = record["task"] in ("single:0", "worker:0")
+        first = record["task"] in ("single:0", "worker:0", "chief:0")
         for i, variable in enumerate(model.weights):
             value = variable.numpy()
             if first:
