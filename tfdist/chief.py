@@ -19,8 +19,7 @@ import tensorflow as tf
 from tfdist._compat.tf_logging import quiet_server_logs
 from tfdist.cluster.liveness import TaskMonitor
 from tfdist.cluster.rendezvous import check_timeout_seconds, wait_for_peers
-from tfdist.cluster.serve import serve
-from tfdist.cluster.tf_config import read_tf_config
+from tfdist.cluster.serve import resolver_or_tf_config, serve
 from tfdist.strategy import Strategy, requested_config
 
 # A worker found frozen (alive, not answering) ends the chief this long after,
@@ -71,9 +70,7 @@ class ChiefStrategy(Strategy):
                  timeout_seconds: float = 300.0, layout_map=None, **fields):
         quiet_server_logs()
         config = requested_config(config, fields, "ChiefStrategy")
-        if cluster_resolver is None:
-            read_tf_config()  # a malformed TF_CONFIG fails here, naming the field
-        resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        resolver = resolver_or_tf_config(cluster_resolver)
         cluster = _check_cluster(resolver)
         if resolver.task_type == "worker":  # serves until the chief ends, then ends
             check_timeout_seconds(timeout_seconds)

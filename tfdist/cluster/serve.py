@@ -11,7 +11,24 @@ import tensorflow as tf
 from absl import logging
 
 from tfdist.cluster.liveness import probe
+from tfdist.cluster.tf_config import read_tf_config
 from tfdist.profiling import start_profiler_server
+
+
+def resolver_or_tf_config(cluster_resolver=None):
+    """`cluster_resolver`, or else one reading `TF_CONFIG` (validated first:
+    a malformed one raises a `ValueError` naming the field).
+
+    Example:
+
+    ```python
+    resolver = resolver_or_tf_config()   # TF_CONFIG's cluster and task
+    ```
+    """
+    if cluster_resolver is not None:
+        return cluster_resolver
+    read_tf_config()
+    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
 
 
 def server_config(num_workers):

@@ -21,8 +21,8 @@ from tfdist._compat import tf_parameter_server
 from tfdist._compat.tf_logging import quiet_server_logs
 from tfdist.cluster.liveness import TaskMonitor
 from tfdist.cluster.rendezvous import check_timeout_seconds, wait_for_peers
-from tfdist.cluster.serve import serve, server_config
-from tfdist.cluster.tf_config import free_ports, read_tf_config
+from tfdist.cluster.serve import resolver_or_tf_config, serve, server_config
+from tfdist.cluster.tf_config import free_ports
 from tfdist.ps import keras_fit
 from tfdist.strategy import _StepOwner, requested_config
 
@@ -89,9 +89,7 @@ class ParameterServerStrategy(_StepOwner, tf.distribute.experimental.ParameterSe
                  variable_partitioner="auto", timeout_seconds: float = 300.0, **fields):
         quiet_server_logs()
         config = requested_config(config, fields, "ParameterServerStrategy")
-        if cluster_resolver is None:
-            read_tf_config()  # a malformed TF_CONFIG fails here, naming the field
-        resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        resolver = resolver_or_tf_config(cluster_resolver)
         cluster = _check_cluster(resolver)
         if resolver.task_type in ("worker", "ps"):
             serve(resolver)  # does not return
