@@ -77,6 +77,27 @@ def test_stages_on_two_workers_match_one_device_and_live_there(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_chief_killed_mid_fit_resumes_from_its_backup(tmp_path):
+    out, backup = tmp_path / "resumed.json", tmp_path / "backup"
+    job = [*TFDIST, "launch", "--chief", "--workers=2", "--timeout=240", "--pipeline=2",
+           "--microbatches=2", "--", sys.executable, str(SCRIPT), f"--backup={backup}",
+           f"--out={out}"]
+    crashed = subprocess.run([*job, "--crash"], capture_output=True, text=True, timeout=300)
+    assert "[launch] chief:0 failed with exit code 3" in crashed.stdout, \
+        output_tail(crashed.stdout) + output_tail(crashed.stderr)
+    done = subprocess.run(job, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, output_tail(done.stdout) + output_tail(done.stderr)
+    resumed = json.loads(out.read_text())
+    # Epoch 0 came from the backup (epoch 1's too, if its save had ended:
+    # saves are written while training goes on).
+    assert resumed["epochs_run"] in ([1, 2], [2]), resumed["epochs_run"]
+    _, weights, model = train(epochs=3)  # uninterrupted, one device
+    assert resumed["iterations"] == int(model.optimizer.iterations.numpy()) == 60
+    for value, ref in zip(resumed["weights"], weights):
+        np.testing.assert_allclose(value, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
 def test_a_frozen_worker_ends_the_chief_naming_it():
     launcher = subprocess.Popen(
         [*TFDIST, "launch", "--chief", "--workers=2", "--timeout=240", "--pipeline=2",

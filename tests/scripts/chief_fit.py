@@ -20,6 +20,11 @@ flags.DEFINE_string("checkpoint", None, "A sharded checkpoint's directory: saved
                     "with --restore read into a new model instead of training.")
 flags.DEFINE_bool("restore", False, "Build the model, restore --checkpoint, write its "
                   "weights and optimizer state to --out.")
+flags.DEFINE_string("backup", None, "Train 3 epochs with tfdist.callbacks.BackupAndRestore "
+                    "into this directory; write the weights, the step count and the "
+                    "epochs this run began to --out.")
+flags.DEFINE_bool("crash", False, "With --backup: end the chief (exit code 3) as epoch 2 "
+                  "begins.")
 flags.DEFINE_integer("epochs", 1, "Epochs of fit; more than 1: only trains, printing each "
                      "epoch's end (a long job for the failure tests).")
 FLAGS = flags.FLAGS
@@ -48,6 +53,24 @@ def main(argv):
         with open(FLAGS.out, "w") as f:
             json.dump({"weights": [w.tolist() for w in model.get_weights()],
                        "optimizer": [v.numpy().tolist() for v in model.optimizer.variables]}, f)
+        return
+    if FLAGS.backup:
+        with strategy.scope():
+            model = make_model()
+        epochs_run = []
+
+        def begin(epoch, _):
+            if FLAGS.crash and epoch == 2:
+                os._exit(3)
+            epochs_run.append(epoch)
+
+        model.fit(x, y, batch_size=32, epochs=3, verbose=0, shuffle=False,
+                  callbacks=[tfdist.callbacks.BackupAndRestore(FLAGS.backup),
+                             keras.callbacks.LambdaCallback(on_epoch_begin=begin)])
+        with open(FLAGS.out, "w") as f:
+            json.dump({"weights": [w.tolist() for w in model.get_weights()],
+                       "iterations": int(model.optimizer.iterations.numpy()),
+                       "epochs_run": epochs_run}, f)
         return
     if FLAGS.epochs > 1:
         with strategy.scope():
