@@ -31,11 +31,13 @@ class ChiefStrategy(Strategy):
     """Synchronous training on the devices of every worker task, driven by the chief.
 
     A `tfdist.Strategy` whose devices are the cluster's worker devices (task
-    0's first, in task order): `data`, `pipeline`, `microbatches`, `schedule`,
-    `remat`, `precision` and `zero` as in one process, with data replica r
-    running stage s on device `r * pipeline + s`. With one device per worker
-    and `pipeline=p`, worker k holds stage k of each replica: a model whose
-    training state does not fit one worker trains on several.
+    0's first, in task order), with one data replica: `pipeline` equals the
+    workers' devices, and `microbatches`, `schedule`, `virtual_stages`,
+    `remat`, `precision` and `xla` work as in one process. With one device
+    per worker, worker k holds stage k: a model whose training state does
+    not fit one worker trains on several. `data` and `tensor` above 1 are
+    refused (TensorFlow places no `MirroredStrategy` replicas on several
+    workers' devices in eager mode): for them, `tfdist.MultiWorkerStrategy`.
 
     Args:
         config: a `ParallelConfig` (or its dict); or give its fields as
