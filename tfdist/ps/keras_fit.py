@@ -43,6 +43,7 @@ from tfdist._compat.tf_parameter_server import (
     wait_for_result,
 )
 from tfdist._compat.tf_variables import storage_of
+from tfdist.cluster.liveness import probe
 from tfdist.ps.ledger import StepLedger
 
 # Steps in flight per worker before a train-function call waits for the oldest
@@ -50,6 +51,8 @@ from tfdist.ps.ledger import StepLedger
 _IN_FLIGHT_PER_WORKER = 4
 # How often the chief's waits for steps look whether a task has frozen.
 _POLL_SECONDS = 0.5
+# How long a probe of a ps task waits, after an error, to tell if it is down.
+_PROBE_SECONDS = 2.0
 
 
 def install(strategy_class):
@@ -230,14 +233,14 @@ class ScheduledTrainFunction:
         self._pending.append(
             self._strategy.coordinator.schedule(self._worker_steps, args=(per_worker, first_id))
         )
-        with _ps_failure_explained():
+        with _ps_failure_explained(self._strategy):
             while len(self._pending) > self._depth:
                 self._take_oldest()
         return self._latest
 
     def flush(self):
         """Waits for every scheduled step; returns the newest step's logs."""
-        with _ps_failure_explained():
+        with _ps_failure_explained(self._strategy):
             join(self._strategy)
             while self._pending:
                 self._take_oldest()
@@ -252,17 +255,23 @@ class ScheduledTrainFunction:
 
 
 @contextlib.contextmanager
-def _ps_failure_explained():
+def _ps_failure_explained(strategy):
     """The coordinator retries steps of failed workers itself; what reaches
-    the chief as "unavailable", or as a ps failure by TensorFlow's own
+    the chief as "unavailable", as a ps failure by TensorFlow's own
     reckoning (a ps restarted on its address before the coordinator noticed),
-    is a lost parameter server."""
+    or as any error while a ps task is down (the coordinator may first see
+    a worker's step cancelled by the loss, or its input ended), is a lost
+    parameter server."""
     try:
         yield
     except Exception as e:  # the coordinator also wraps errors (ClosureInputError)
-        if not (isinstance(e, tf.errors.UnavailableError) or is_ps_failure(e)):
+        down = [] if isinstance(e, tf.errors.UnavailableError) or is_ps_failure(e) else [
+            f"{name} at {address} is down"
+            for name, address in strategy.task_monitor.tasks.items()
+            if name.startswith("ps:") and probe(address, timeout=_PROBE_SECONDS) == "down"]
+        if not (isinstance(e, tf.errors.UnavailableError) or is_ps_failure(e) or down):
             raise
-        detail = _first_line(e)
+        detail = "; ".join(down) or _first_line(e)
         raise RuntimeError(
             f"A parameter server task became unreachable during fit ({detail}). "
             f"The variables it held are lost: restart the job; with "
