@@ -9,6 +9,7 @@ ps does not hold. The multi-process drill is tests/cluster/test_ps.py.
 import pytest
 import tensorflow as tf
 
+from tfdist.cluster.tf_config import free_ports
 from tfdist.ps.keras_fit import _ps_failure_explained
 
 FROM_PS = ("Additional GRPC error information from remote target /job:ps/replica:0/task:0 "
@@ -26,7 +27,7 @@ FROM_PS = ("Additional GRPC error information from remote target /job:ps/replica
 def test_a_lost_ps_is_said_so(error):
     with pytest.raises(RuntimeError, match=r"^A parameter server task became unreachable "
                                            r"during fit .*BackupAndRestore") as raised:
-        with _ps_failure_explained():
+        with _ps_failure_explained({}):
             raise error
     assert raised.value.__cause__ is error
 
@@ -38,6 +39,17 @@ def test_a_lost_ps_is_said_so(error):
 ])
 def test_other_errors_pass_through_unchanged(error):
     with pytest.raises(type(error)) as raised:
-        with _ps_failure_explained():
+        with _ps_failure_explained({}):
             raise error
     assert raised.value is error
+
+
+def test_any_error_while_a_ps_task_is_down_is_said_so():
+    # The coordinator may first report a worker's step cancelled by the loss.
+    (port,) = free_ports(1)  # nothing listens there: the ps is down
+    error = tf.errors.CancelledError(None, None, "RemoteExecuteNode::RunAsync")
+    with pytest.raises(RuntimeError, match=rf"unreachable during fit \(ps:0 at "
+                                           rf"127\.0\.0\.1:{port} is down\)") as raised:
+        with _ps_failure_explained({"ps:0": f"127.0.0.1:{port}"}):
+            raise error
+    assert raised.value.__cause__ is error

@@ -233,14 +233,14 @@ class ScheduledTrainFunction:
         self._pending.append(
             self._strategy.coordinator.schedule(self._worker_steps, args=(per_worker, first_id))
         )
-        with _ps_failure_explained(self._strategy):
+        with _ps_failure_explained(_ps_tasks(self._strategy)):
             while len(self._pending) > self._depth:
                 self._take_oldest()
         return self._latest
 
     def flush(self):
         """Waits for every scheduled step; returns the newest step's logs."""
-        with _ps_failure_explained(self._strategy):
+        with _ps_failure_explained(_ps_tasks(self._strategy)):
             join(self._strategy)
             while self._pending:
                 self._take_oldest()
@@ -255,20 +255,20 @@ class ScheduledTrainFunction:
 
 
 @contextlib.contextmanager
-def _ps_failure_explained(strategy):
+def _ps_failure_explained(ps_tasks):
     """The coordinator retries steps of failed workers itself; what reaches
     the chief as "unavailable", as a ps failure by TensorFlow's own
     reckoning (a ps restarted on its address before the coordinator noticed),
-    or as any error while a ps task is down (the coordinator may first see
-    a worker's step cancelled by the loss, or its input ended), is a lost
-    parameter server."""
+    or as any error while a ps task of `ps_tasks` (name -> "host:port") is
+    down (the coordinator may first see a worker's step cancelled by the
+    loss, or its input ended), is a lost parameter server."""
     try:
         yield
     except Exception as e:  # the coordinator also wraps errors (ClosureInputError)
         down = [] if isinstance(e, tf.errors.UnavailableError) or is_ps_failure(e) else [
             f"{name} at {address} is down"
-            for name, address in strategy.task_monitor.tasks.items()
-            if name.startswith("ps:") and probe(address, timeout=_PROBE_SECONDS) == "down"]
+            for name, address in ps_tasks.items()
+            if probe(address, timeout=_PROBE_SECONDS) == "down"]
         if not (isinstance(e, tf.errors.UnavailableError) or is_ps_failure(e) or down):
             raise
         detail = "; ".join(down) or _first_line(e)
@@ -278,6 +278,12 @@ def _ps_failure_explained(strategy):
             f"keras.callbacks.BackupAndRestore, fit resumes from the last "
             f"completed epoch."
         ) from e
+
+
+def _ps_tasks(strategy):
+    """The strategy's ps tasks: name -> "host:port"."""
+    return {name: address for name, address in strategy.task_monitor.tasks.items()
+            if name.startswith("ps:")}
 
 
 def _metrics_after_join(original, model, strategy, logs):
