@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfdist._compat.tf_logging import quiet_server_logs
 from tfdist.cluster.liveness import TaskMonitor
 from tfdist.cluster.rendezvous import check_timeout_seconds, wait_for_peers
-from tfdist.cluster.serve import resolver_or_tf_config, serve
+from tfdist.cluster.serve import describe_jobs, resolver_or_tf_config, serve
 from tfdist.strategy import Strategy, requested_config
 
 # A worker found frozen (alive, not answering) ends the chief this long after,
@@ -74,15 +74,14 @@ class ChiefStrategy(Strategy):
         config = requested_config(config, fields, "ChiefStrategy")
         resolver = resolver_or_tf_config(cluster_resolver)
         cluster = _check_cluster(resolver)
+        check_timeout_seconds(timeout_seconds)
         if resolver.task_type == "worker":  # serves until the chief ends, then ends
-            check_timeout_seconds(timeout_seconds)
             serve(resolver, until_gone=cluster["chief"][0], timeout_seconds=timeout_seconds)
             sys.exit(0)
         if resolver.task_type not in (None, "chief"):
             raise ValueError(
                 f"This task is {resolver.task_type!r}: a ChiefStrategy runs on the "
                 f"chief and serves on worker tasks.")
-        check_timeout_seconds(timeout_seconds)
         wait_for_peers(timeout_seconds, cluster_resolver, peer_types=("chief", "worker"))
         tf.config.experimental_connect_to_cluster(
             resolver, job_name="chief", task_index=0, make_master_device_default=False)
@@ -129,9 +128,8 @@ def worker_devices(workers: int) -> list[str]:
 def _check_cluster(resolver):
     cluster = resolver.cluster_spec().as_dict()
     if not cluster.get("chief") or not cluster.get("worker") or cluster.get("ps"):
-        described = ", ".join(f"{len(v)} {k}" for k, v in sorted(cluster.items())) or "empty"
         raise ValueError(
             f"A ChiefStrategy needs a chief and at least one worker task and no "
-            f"ps task, but the cluster has {described}. Start it with e.g. "
+            f"ps task, but the cluster has {describe_jobs(cluster)}. Start it with e.g. "
             f"`tfdist launch --chief --workers 4 -- python train.py`.")
     return cluster

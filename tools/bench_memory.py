@@ -198,9 +198,9 @@ def run_task():
 
 def report_while_serving(baseline, period_seconds=0.2):
     """A `tfdist.ChiefStrategy` worker's measures, written every
-    `period_seconds` until the job stops it: it serves the chief's steps and
-    never returns to the script. Its baseline is its RSS before the server
-    starts."""
+    `period_seconds` until its process ends: it serves the chief's steps
+    inside the strategy and ends with the chief, never returning to the
+    script. Its baseline is its RSS before the server starts."""
     reset_peak()
     tensor_peak_bytes(reset=True)
     while True:

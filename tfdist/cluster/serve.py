@@ -31,6 +31,17 @@ def resolver_or_tf_config(cluster_resolver=None):
     return tf.distribute.cluster_resolver.TFConfigClusterResolver()
 
 
+def describe_jobs(cluster) -> str:
+    """A cluster's jobs (a `ClusterSpec.as_dict()`), for a message.
+
+    Example:
+
+    >>> describe_jobs({"worker": ["h:1", "h:2"], "chief": ["h:0"]})
+    '1 chief, 2 worker'
+    """
+    return ", ".join(f"{len(v)} {k}" for k, v in sorted(cluster.items())) or "empty"
+
+
 def server_config(num_workers):
     """Enough inter-op threads for every worker's concurrent requests.
 
@@ -72,12 +83,12 @@ def serve(resolver, until_gone=None, timeout_seconds=300.0, interval=1.0):
     )
     logging.info("%s:%d serving at %s", resolver.task_type, resolver.task_id, server.target)
     # (`server.join()` would hold Python's lock: the script's threads would stop.)
+    while until_gone is None:
+        time.sleep(3600)
     deadline = time.monotonic() + timeout_seconds
     answered = False
     while True:
-        time.sleep(interval if until_gone else 3600)
-        if until_gone is None:
-            continue
+        time.sleep(interval)
         status = probe(until_gone, timeout=max(interval, 5.0))
         if status == "down" and answered:
             logging.info("%s:%d: %s has ended; stopping", resolver.task_type,

@@ -192,6 +192,7 @@ class ScheduledTrainFunction:
 
     def __init__(self, model, strategy):
         self._strategy = strategy
+        self._ps_tasks = _ps_tasks(strategy)
         self._pending = collections.deque()
         self._latest = {}
         self._depth = _IN_FLIGHT_PER_WORKER * strategy.num_workers
@@ -233,14 +234,14 @@ class ScheduledTrainFunction:
         self._pending.append(
             self._strategy.coordinator.schedule(self._worker_steps, args=(per_worker, first_id))
         )
-        with _ps_failure_explained(_ps_tasks(self._strategy)):
+        with _ps_failure_explained(self._ps_tasks):
             while len(self._pending) > self._depth:
                 self._take_oldest()
         return self._latest
 
     def flush(self):
         """Waits for every scheduled step; returns the newest step's logs."""
-        with _ps_failure_explained(_ps_tasks(self._strategy)):
+        with _ps_failure_explained(self._ps_tasks):
             join(self._strategy)
             while self._pending:
                 self._take_oldest()
@@ -265,11 +266,11 @@ def _ps_failure_explained(ps_tasks):
     try:
         yield
     except Exception as e:  # the coordinator also wraps errors (ClosureInputError)
-        down = [] if isinstance(e, tf.errors.UnavailableError) or is_ps_failure(e) else [
-            f"{name} at {address} is down"
-            for name, address in ps_tasks.items()
-            if probe(address, timeout=_PROBE_SECONDS) == "down"]
-        if not (isinstance(e, tf.errors.UnavailableError) or is_ps_failure(e) or down):
+        known = isinstance(e, tf.errors.UnavailableError) or is_ps_failure(e)
+        down = [] if known else [f"{name} at {address} is down"
+                                 for name, address in ps_tasks.items()
+                                 if probe(address, timeout=_PROBE_SECONDS) == "down"]
+        if not (known or down):
             raise
         detail = "; ".join(down) or _first_line(e)
         raise RuntimeError(

@@ -21,7 +21,7 @@ from tfdist._compat import tf_parameter_server
 from tfdist._compat.tf_logging import quiet_server_logs
 from tfdist.cluster.liveness import TaskMonitor
 from tfdist.cluster.rendezvous import check_timeout_seconds, wait_for_peers
-from tfdist.cluster.serve import resolver_or_tf_config, serve, server_config
+from tfdist.cluster.serve import describe_jobs, resolver_or_tf_config, serve, server_config
 from tfdist.cluster.tf_config import free_ports
 from tfdist.ps import keras_fit
 from tfdist.strategy import _StepOwner, requested_config
@@ -203,15 +203,11 @@ def _check_cluster(resolver):
     if missing:
         raise ValueError(
             f"A ParameterServerStrategy needs at least one ps and one worker "
-            f"task, but the cluster ({_describe(cluster)}) has no "
+            f"task, but the cluster ({describe_jobs(cluster)}) has no "
             f"{' and no '.join(missing)} tasks. Start it with e.g. "
             f"`tfdist launch --chief --workers 2 --ps 1 -- python train.py`."
         )
     return cluster
-
-
-def _describe(cluster):
-    return ", ".join(f"{len(v)} {k}" for k, v in sorted(cluster.items())) or "empty"
 
 
 def _partitioner(value, num_ps):

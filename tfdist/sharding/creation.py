@@ -100,8 +100,7 @@ def _holding_devices(strategy, value):
     the fewest bytes so far, so that the devices of a replica's stages (on
     other hosts under `tfdist.ChiefStrategy`) share the model until the first
     step places each weight on its stage."""
-    groups = getattr(strategy, "pipeline_devices", None) or [
-        [device] for device in strategy.extended.worker_devices]
+    groups = strategy.pipeline_devices
     held = _held_bytes.setdefault(strategy, [0] * len(groups[0]))
     position = held.index(min(held))
     held[position] += value.shape.num_elements() * value.dtype.size
