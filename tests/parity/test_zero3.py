@@ -24,6 +24,7 @@ from tfdist.callbacks.metrics import variable_bytes
 from tfdist.optim.zero3 import plan_units
 from tfdist.pipeline.placement import component_devices
 from tfdist.pipeline.schedule import stage_device
+from tfdist.sharding import collectives
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -453,3 +454,25 @@ def test_what_zero3_cannot_shard_is_refused_before_the_first_step(make, message)
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     with pytest.raises(NotImplementedError, match=message):
         model.fit(*data(32), batch_size=16, verbose=0)
+
+
+def test_large_weights_are_gathered_and_reduce_scattered_alone(monkeypatch):
+    # Packing a unit's weights into one collective copies each into the pack
+    # and out of it: at a large unit's gather, two more copies of the unit.
+    # A weight of ALONE_BYTES or more (lowered here to 1 KiB, so that the
+    # LM's kernels and embedding count as large) has collectives of its own.
+    monkeypatch.setattr(collectives, "ALONE_BYTES", 1024)
+    x, y = lm_data()
+    result = lm_run(2, "adam", zero=3)
+    assert_parity(result, trained_reference(make=lm("adam"), x=x, y=y, batch_size=16))
+    graph = _step_graph(result[2])
+    packed = []
+    for op in graph.get_operations():
+        if not re.search(r"/(gather|reduce_scatter)/", op.name):
+            continue
+        values = (op.inputs[:-1] if op.type == "ConcatV2" else
+                  op.outputs if op.type in ("Split", "SplitV") else [])
+        packed += [op.name for t in values if t.shape.num_elements() * t.dtype.size >= 1024]
+    assert not packed
+    gathers, _ = _gathers_and_scatters(graph, "CPU:0")
+    assert max(op.inputs[0].shape.num_elements() * 4 for op in gathers) >= 1024  # alone

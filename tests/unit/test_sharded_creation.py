@@ -143,3 +143,34 @@ def test_pipeline_holds_each_new_weight_on_the_stage_device_holding_least():
         devices = [c.device for c in storage_of(weight).values]
         assert [c.device for c in storage_of(momentum).values] == devices
         assert [c.device for c in storage_of(velocity).values] == devices
+
+
+def test_zeros_are_made_shard_by_shard_and_other_values_computed_whole(monkeypatch):
+    # Adam's slots and Dense biases start at zeros: made as zero shards, no
+    # whole value computed (under MultiWorkerStrategy: nothing broadcast);
+    # kernels, ones and Adagrad's 0.1 accumulators are computed whole and cut.
+    from tfdist.sharding import creation
+
+    whole = []
+    computed = creation.agreed_initial_value
+    monkeypatch.setattr(creation, "agreed_initial_value", lambda extended, **kwargs: whole.append(
+        kwargs["name"]) or computed(extended, **kwargs))
+    reference = _model()
+    strategy = tfdist.Strategy(zero=3, devices=DEVICES)
+    model = _built(strategy)
+    assert sorted(whole) == ["gamma", "kernel", "kernel"]  # BatchNormalization's gamma: ones
+    for variable, expected in zip(model.trainable_weights, reference.trainable_weights):
+        assert isinstance(storage_of(variable), ShardedStorage), variable.path
+        np.testing.assert_array_equal(variable.numpy(), expected.numpy())
+    for variable, momentum, velocity in _slots(model):
+        for slot in (momentum, velocity):
+            assert storage_of(slot).layout is storage_of(variable).layout
+            np.testing.assert_array_equal(slot.numpy(), np.zeros(variable.shape))
+    del whole[:]
+    with strategy.scope():
+        adagrad = keras.optimizers.Adagrad(initial_accumulator_value=0.1)
+        adagrad.build(model.trainable_variables)
+    assert len(whole) == len(model.trainable_variables)
+    for variable, accumulator in zip(model.trainable_variables, adagrad._accumulators):
+        assert storage_of(accumulator).layout is storage_of(variable).layout
+        np.testing.assert_allclose(accumulator.numpy(), np.full(variable.shape, 0.1))

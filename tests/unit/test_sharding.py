@@ -268,3 +268,44 @@ def test_gathered_int8_rows_are_decoded_and_summed_one_replica_at_a_time():
         np.testing.assert_allclose(result, expected)
     np.testing.assert_allclose(one_at_a_time(), all_at_once(), rtol=1e-5, atol=1e-5)
     assert peaks[one_at_a_time] <= 3 < replicas <= peaks[all_at_once], peaks
+
+
+@pytest.mark.parametrize("wire", ["plain", "int8"])
+def test_a_large_reduce_scatter_goes_in_pieces_that_sum_as_the_whole(monkeypatch, wire):
+    # Rows that would receive more than PIECE_BYTES go in pieces of columns
+    # (a multiple of 4096), each all-to-all after the sum before it: the
+    # received buffer stays a piece, and the shards equal one all-to-all's.
+    from tfdist.sharding import collectives
+    from tfdist.sharding.wire import Int8Wire, Wire
+
+    wire = Int8Wire() if wire == "int8" else Wire()
+    replicas, width = 2, 3 * 4096 + 100
+    strategy = tfdist.Strategy(devices=DEVICES)
+    rows = [tf.random.stateless_normal([replicas, width], seed=[r, 1]) for r in range(replicas)]
+
+    def scatter(pieces):
+        monkeypatch.setattr(collectives, "PIECE_BYTES",
+                            replicas * 4 * 4096 if pieces else collectives.PIECE_BYTES)
+
+        @tf.function
+        def step():
+            return strategy.run(lambda: collectives.reduce_scatter(
+                tf.stack(rows)[tf.distribute.get_replica_context().replica_id_in_sync_group],
+                wire=wire))
+
+        shards = [s.numpy() for s in strategy.experimental_local_results(step())]
+        received = [op.outputs[0].shape for op in step.get_concrete_function().graph
+                    .get_operations() if op.type == "CollectiveAllToAllV2"]
+        return shards, received
+
+    parts = 2 if wire.block > 1 else 1  # int8: levels and scales
+    whole, received = scatter(pieces=False)
+    assert len(received) == replicas * parts
+    shards, received = scatter(pieces=True)
+    # 4 pieces on each replica: 3 of 4096 columns, one of 100.
+    assert len(received) == replicas * 4 * parts
+    if parts == 1:
+        assert sorted(shape[1] for shape in received) == [100] * 2 + [4096] * 6
+    np.testing.assert_array_equal(np.stack(shards), np.stack(whole))
+    if parts == 1:
+        np.testing.assert_allclose(np.stack(shards), sum(r.numpy() for r in rows), rtol=1e-6)

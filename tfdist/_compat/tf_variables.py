@@ -7,6 +7,8 @@ Its sharded storage is a `tf.distribute` on-read variable, whose base class and
 context checks are TensorFlow internals.
 """
 
+import tensorflow as tf
+from keras import initializers
 from tensorflow.python.distribute import distribute_lib, values, values_util
 from tensorflow.python.ops import resource_variable_ops
 
@@ -73,3 +75,30 @@ def in_cross_replica_context(strategy) -> bool:
     with distribute_lib.enter_or_assert_strategy(strategy):
         return (distribute_lib.in_cross_replica_context()
                 and not values_util.in_replica_update_context())
+
+
+def keras_zeros(initial_value):
+    """The shape and dtype of the Keras variable whose `tf.Variable` gets
+    `initial_value`, when that is Keras's deferred call of a `Zeros`
+    initializer (`Variable._initialize_with_initializer`: every optimizer slot
+    of Adam or SGD's momentum, most biases), else None. Zeros are the same on
+    every task and in every shard: such a variable can be made shard by
+    shard, with no whole value and nothing broadcast.
+
+    Example:
+
+    ```python
+    zeros = keras_zeros(kwargs["initial_value"])   # in a variable creator: (shape, dtype)
+    ```
+    """
+    qualified = getattr(initial_value, "__qualname__", "")
+    if not qualified.endswith("._initialize_with_initializer.<locals>.<lambda>"):
+        return None
+    cells = dict(zip(initial_value.__code__.co_freevars, initial_value.__closure__ or ()))
+    initializer, variable = cells.get("initializer"), cells.get("self")
+    if initializer is None or variable is None:
+        return None
+    if type(initializer.cell_contents) is not initializers.Zeros:
+        return None
+    variable = variable.cell_contents
+    return tf.TensorShape(variable.shape), tf.as_dtype(variable.dtype)

@@ -60,7 +60,7 @@ from tfdist.pipeline.graph import LayerGraph, graph_of
 from tfdist.pipeline.program import unit_program
 from tfdist.pipeline.runner import StageRunner, substituted
 from tfdist.pipeline.stages import Stage, connect
-from tfdist.sharding.collectives import packed_all_gather
+from tfdist.sharding.collectives import PIECE_BYTES, packed_all_gather
 from tfdist.sharding.layout import MeshShardLayout
 from tfdist.sharding.storage import storage_layout
 
@@ -398,7 +398,8 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
     with and their optimizer `state`, both unsharded; `size_of(weights)`
     counts a unit's bytes. zero 1/2 keep a shard of the state and a
     parameter shard buffer; zero=3 a shard of the parameters, gathering two
-    units at once (with `stages`, its whole stage), and one unit's gradients.
+    units at once (with `stages`, its whole stage), and one unit's gradients
+    with a piece of its reduce-scatter.
 
     Example:
 
@@ -415,4 +416,6 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
         return shard, local, 2 * local, state
     units = sorted((size_of(unit_weights(u)) for u in plan_units(model, config.zero3_unit_params)),
                    reverse=True)
-    return shard, sum(units[:2]), shard + 2 * units[0], state
+    # A unit's whole gradient, and the reduce-scatter's received rows (in
+    # pieces of at most PIECE_BYTES).
+    return shard, sum(units[:2]), shard + units[0] + min(units[0], PIECE_BYTES), state

@@ -9,20 +9,33 @@ same on one host and across workers:
 
 - `reduce_scatter`: one all-to-all (each replica sends shard r to replica r) and
   a local sum of the N shards received: each replica ends up with only its own
-  reduced shard; no replica ever holds another replica's reduced shard.
+  reduced shard; no replica ever holds another replica's reduced shard. Rows
+  that would receive more than `PIECE_BYTES` go in pieces of columns, one
+  all-to-all after the other's sum, so the received buffer stays small.
 - `all_gather`: one gather of equal-shaped shards along a new leading axis.
 - `packed_reduce_scatter`, `packed_all_gather`: the same for many values of
-  shard layouts (ZeRO's gradients and parameters), one collective per dtype.
+  shard layouts (ZeRO's gradients and parameters), one collective per dtype
+  for the values under `ALONE_BYTES`, one per value for larger ones (packing
+  copies a value in and out: at the step's peak, two copies of a unit).
 
 Both take an optional `launcher`: a subgroup's launcher for this replica (a
 `TensorMesh` data group), in place of the strategy's all-replica one.
 """
+
+import math
 
 import tensorflow as tf
 
 from tfdist._compat import tf_collectives
 from tfdist._compat.tf_distribute import current_local_replica_id
 from tfdist.sharding.wire import Wire
+
+# A value of at least this many bytes is gathered or reduce-scattered in a
+# collective of its own; smaller ones are packed per dtype.
+ALONE_BYTES = 1 << 20
+# A reduce-scatter receives at most about this many bytes per all-to-all: the
+# rows of a larger one are sent in pieces of columns, one after another.
+PIECE_BYTES = 16 << 20
 
 
 def _launcher():
@@ -50,9 +63,31 @@ def reduce_scatter(rows, launcher=None, wire=None):
     """
     launcher = launcher or _launcher()
     wire = wire or Wire()
+    width = rows.shape[1]
+    columns = _piece_columns(rows, wire)
+    sums = []
     with tf.device(tf_collectives.launcher_device(launcher)):
-        received = [tf_collectives.all_to_all(launcher, part) for part in wire.encode(rows)]
-        return tf.reduce_sum(wire.decode(received, rows.shape[1], rows.dtype), axis=0)
+        for start in range(0, width, columns):
+            # One piece at a time: each waits for the sum before it.
+            with tf.control_dependencies(sums[-1:]):
+                piece = rows if columns >= width else rows[:, start:start + columns]
+                received = [tf_collectives.all_to_all(launcher, part)
+                            for part in wire.encode(piece)]
+                sums.append(tf.reduce_sum(wire.decode(received, piece.shape[1], rows.dtype),
+                                          axis=0))
+    return _concat(sums, 0)
+
+
+def _piece_columns(rows, wire):
+    """Columns of `rows` sent per all-to-all: as many as make at most
+    `PIECE_BYTES` received, a multiple of 4096 and of the elements `wire`
+    encodes together (so the pieces encode as the whole rows would)."""
+    width = rows.shape[1]
+    per_column = rows.shape[0] * rows.dtype.size
+    if width is None or width * per_column <= PIECE_BYTES:
+        return width
+    multiple = math.lcm(4096, wire.block)
+    return max(1, PIECE_BYTES // per_column // multiple) * multiple
 
 
 def all_gather(row, launcher=None):
@@ -83,7 +118,7 @@ def packed_reduce_scatter(grads, layouts, launcher=None, wire=None):
     ```
     """
     return _per_dtype(grads, layouts,
-                      lambda rows: reduce_scatter(tf.concat(rows, 1), launcher, wire),
+                      lambda rows: reduce_scatter(_concat(rows, 1), launcher, wire),
                       lambda layout, g: layout.rows(g))
 
 
@@ -101,7 +136,7 @@ def packed_all_gather(shards, layouts, launcher=None, wire=None):
     wire = wire or Wire()
 
     def gather(parts):
-        row = tf.concat(parts, 0)
+        row = _concat(parts, 0)
         return wire.decode([all_gather(t, launcher) for t in wire.encode(row)],
                            row.shape[0], row.dtype)
 
@@ -111,17 +146,30 @@ def packed_all_gather(shards, layouts, launcher=None, wire=None):
 
 def _per_dtype(values, layouts, collective, prepare, axis=0):
     """Runs `collective` once per dtype on the concatenated `prepare`d values
-    and splits its result back (along `axis`) into per-value shard-size parts."""
+    and splits its result back (along `axis`) into per-value shard-size parts;
+    a value of `ALONE_BYTES` or more has a collective of its own, so that it
+    is never copied into a pack and out of it (two transient copies of the
+    largest weights, at the step's peak)."""
     results = [None] * len(values)
     groups = {}
     for position, value in enumerate(values):
-        groups.setdefault(value.dtype, []).append(position)
+        alone = (value.shape.num_elements() or 0) * value.dtype.size >= ALONE_BYTES
+        groups.setdefault(position if alone else value.dtype, []).append(position)
     for positions in groups.values():
-        out = collective([prepare(layouts[p], values[p]) for p in positions])
+        prepared = [prepare(layouts[p], values[p]) for p in positions]
+        if len(positions) == 1:
+            results[positions[0]] = collective(prepared)
+            continue
+        out = collective(prepared)
         sizes = [layouts[p].shard_size for p in positions]
         for p, part in zip(positions, tf.split(out, sizes, axis=axis)):
             results[p] = part
     return results
+
+
+def _concat(values, axis):
+    """`values` concatenated along `axis`; one value as it is (no copy)."""
+    return values[0] if len(values) == 1 else tf.concat(values, axis)
 
 
 def non_finite_count(tensors):

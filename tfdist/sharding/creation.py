@@ -16,7 +16,9 @@ device (under `MultiWorkerStrategy` the chief's value, broadcast, as
 `tf.distribute` does for every variable), each local replica keeps its
 shard, and the whole value is dropped before the next variable is made: the
 values equal a one-device build's with the same seed, and the largest
-transient is one variable. Other variables (non-trainable ones, the
+transient is one variable. A variable Keras initialises with zeros (every
+slot of Adam or of SGD's momentum, most biases) is made as zero shards: no
+whole value, nothing broadcast. Other variables (non-trainable ones, the
 optimizer's counter, Adafactor's factors) are made as `tf.distribute` makes
 them.
 
@@ -43,7 +45,7 @@ import weakref
 import tensorflow as tf
 
 from tfdist._compat.tf_distribute import agreed_initial_value
-from tfdist._compat.tf_variables import storage_of
+from tfdist._compat.tf_variables import keras_zeros, storage_of
 from tfdist.pipeline.placement import move_variable
 from tfdist.sharding.keys import optimizer_keys_follow
 from tfdist.sharding.layout import MeshShardLayout
@@ -74,18 +76,21 @@ def sharded_creation(strategy, config):
         if slot_of is None and not weight:
             return next_creator(**kwargs)
         with tf.init_scope():
-            value = agreed_initial_value(strategy.extended, **kwargs)
-            if slot_of is not None and value.shape != _full_shape(slot_of):
-                return next_creator(**{**kwargs, "initial_value": value})
+            # Zeros are made shard by shard (`value` None): nothing to agree on.
+            zeros = keras_zeros(kwargs.get("initial_value"))
+            value = None if zeros else agreed_initial_value(strategy.extended, **kwargs)
+            shape, dtype = zeros or (value.shape, value.dtype)
+            if slot_of is not None and shape != _full_shape(slot_of):
+                return next_creator(**kwargs if zeros else {**kwargs, "initial_value": value})
             # A slot of a sharded weight takes its weight's layout (a holding
             # one only if the weight's is); anything else gets a holding one.
             inherited = isinstance(slot_of, ShardedStorage)
             layout = (slot_of.layout if inherited else
-                      MeshShardLayout(value.shape, 1, strategy.num_replicas_in_sync))
+                      MeshShardLayout(shape, 1, strategy.num_replicas_in_sync))
             devices = ([v.device for v in slot_of.values] if slot_of is not None
-                       else _holding_devices(strategy, value))
+                       else _holding_devices(strategy, shape.num_elements() * dtype.size))
             name = kwargs.get("name") or "Variable"
-            storage = ShardedStorage.create(strategy, layout, value, name, value.dtype,
+            storage = ShardedStorage.create(strategy, layout, value, name, dtype,
                                             trainable=weight, devices=devices)
             if not inherited or getattr(slot_of, _CREATED, False):
                 setattr(storage, _CREATED, True)
@@ -94,16 +99,16 @@ def sharded_creation(strategy, config):
     return tf.variable_creator_scope(create)
 
 
-def _holding_devices(strategy, value):
-    """Where each local replica holds its shard of a new weight: one of the
-    replica's pipeline devices (its own without `pipeline`), the one holding
-    the fewest bytes so far, so that the devices of a replica's stages (on
-    other hosts under `tfdist.ChiefStrategy`) share the model until the first
-    step places each weight on its stage."""
+def _holding_devices(strategy, size):
+    """Where each local replica holds its shard of a new weight of `size`
+    bytes: one of the replica's pipeline devices (its own without
+    `pipeline`), the one holding the fewest bytes so far, so that the devices
+    of a replica's stages (on other hosts under `tfdist.ChiefStrategy`) share
+    the model until the first step places each weight on its stage."""
     groups = strategy.pipeline_devices
     held = _held_bytes.setdefault(strategy, [0] * len(groups[0]))
     position = held.index(min(held))
-    held[position] += value.shape.num_elements() * value.dtype.size
+    held[position] += size
     return [group[position] for group in groups]
 
 

@@ -31,6 +31,10 @@ class Wire:
     TensorShape([2, 3])
     """
 
+    # Elements encoded together: rows cut into pieces of columns encode as
+    # the whole rows would when each piece's width is a multiple of it.
+    block = 1
+
     def encode(self, rows) -> list:
         """The tensors that carry `rows` (shape `(..., m)`), each with the
         same leading axes."""
