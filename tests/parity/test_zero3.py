@@ -472,7 +472,7 @@ def test_large_weights_are_gathered_and_reduce_scattered_alone(monkeypatch):
             continue
         values = (op.inputs[:-1] if op.type == "ConcatV2" else
                   op.outputs if op.type in ("Split", "SplitV") else [])
-        packed += [op.name for t in values if t.shape.num_elements() * t.dtype.size >= 1024]
+        packed += [op.name for t in values if (t.shape.num_elements() or 0) * t.dtype.size >= 1024]
     assert not packed
     gathers, _ = _gathers_and_scatters(graph, "CPU:0")
     assert max(op.inputs[0].shape.num_elements() * 4 for op in gathers) >= 1024  # alone

@@ -63,14 +63,13 @@ def reduce_scatter(rows, launcher=None, wire=None):
     """
     launcher = launcher or _launcher()
     wire = wire or Wire()
-    width = rows.shape[1]
-    columns = _piece_columns(rows, wire)
+    columns = _piece_columns(rows, wire)  # None: all at once
     sums = []
     with tf.device(tf_collectives.launcher_device(launcher)):
-        for start in range(0, width, columns):
+        for start in [0] if columns is None else range(0, rows.shape[1], columns):
             # One piece at a time: each waits for the sum before it.
             with tf.control_dependencies(sums[-1:]):
-                piece = rows if columns >= width else rows[:, start:start + columns]
+                piece = rows if columns is None else rows[:, start:start + columns]
                 received = [tf_collectives.all_to_all(launcher, part)
                             for part in wire.encode(piece)]
                 sums.append(tf.reduce_sum(wire.decode(received, piece.shape[1], rows.dtype),
@@ -81,11 +80,12 @@ def reduce_scatter(rows, launcher=None, wire=None):
 def _piece_columns(rows, wire):
     """Columns of `rows` sent per all-to-all: as many as make at most
     `PIECE_BYTES` received, a multiple of 4096 and of the elements `wire`
-    encodes together (so the pieces encode as the whole rows would)."""
+    encodes together (so the pieces encode as the whole rows would); None
+    when the rows fit in one (or their width is unknown)."""
     width = rows.shape[1]
     per_column = rows.shape[0] * rows.dtype.size
     if width is None or width * per_column <= PIECE_BYTES:
-        return width
+        return None
     multiple = math.lcm(4096, wire.block)
     return max(1, PIECE_BYTES // per_column // multiple) * multiple
 
