@@ -232,8 +232,12 @@ def reset_peak():
 
 
 def write_report(record):
-    """Writes this task's `record` into `--report`, one file per task."""
-    pathlib.Path(FLAGS.report, f"{_file_name()}.json").write_text(json.dumps(record))
+    """Writes this task's `record` into `--report`, one file per task, whole
+    or not at all (a serving worker rewrites it until it is stopped)."""
+    path = pathlib.Path(FLAGS.report, f"{_file_name()}.json")
+    written = path.with_suffix(".partial")
+    written.write_text(json.dumps(record))
+    os.replace(written, path)
 
 
 def _weights_file():
