@@ -7,6 +7,7 @@ import re
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfdist
 from helpers import (
@@ -456,12 +457,16 @@ def test_what_zero3_cannot_shard_is_refused_before_the_first_step(make, message)
         model.fit(*data(32), batch_size=16, verbose=0)
 
 
-def test_large_weights_are_gathered_and_reduce_scattered_alone(monkeypatch):
+def test_large_weights_go_alone_and_large_reduce_scatters_in_pieces(monkeypatch):
     # Packing a unit's weights into one collective copies each into the pack
     # and out of it: at a large unit's gather, two more copies of the unit.
-    # A weight of ALONE_BYTES or more (lowered here to 1 KiB, so that the
-    # LM's kernels and embedding count as large) has collectives of its own.
+    # A weight of ALONE_BYTES or more has collectives of its own, and a
+    # reduce-scatter receiving more than PIECE_BYTES goes in pieces of
+    # columns, one after another (both lowered here, so that the LM's
+    # kernels and embedding count as large and its reduce-scatters as wide).
     monkeypatch.setattr(collectives, "ALONE_BYTES", 1024)
+    monkeypatch.setattr(collectives, "PIECE_BYTES", 256)
+    monkeypatch.setattr(collectives, "PIECE_COLUMNS", 4)
     x, y = lm_data()
     result = lm_run(2, "adam", zero=3)
     assert_parity(result, trained_reference(make=lm("adam"), x=x, y=y, batch_size=16))
@@ -474,5 +479,9 @@ def test_large_weights_are_gathered_and_reduce_scattered_alone(monkeypatch):
                   op.outputs if op.type in ("Split", "SplitV") else [])
         packed += [op.name for t in values if (t.shape.num_elements() or 0) * t.dtype.size >= 1024]
     assert not packed
-    gathers, _ = _gathers_and_scatters(graph, "CPU:0")
+    gathers, scatters = _gathers_and_scatters(graph, "CPU:0")
     assert max(op.inputs[0].shape.num_elements() * 4 for op in gathers) >= 1024  # alone
+    # Pieces of 32 columns (2 rows of float32: 256 bytes), the last narrower.
+    widths = [op.inputs[0].shape[1] for op in scatters if "/reduce_scatter/" in op.name
+              and op.inputs[0].dtype == tf.float32]
+    assert max(widths) == 32 and len(widths) > len(plan_units(result[2]))

@@ -145,6 +145,18 @@ def launcher_device(launcher) -> str:
     return launcher._device
 
 
+def launcher_group_size(launcher) -> int:
+    """How many replicas a launcher's collectives span.
+
+    Example:
+
+    ```python
+    whole_bytes = shard_bytes * launcher_group_size(launcher)   # what a gather returns
+    ```
+    """
+    return launcher._group_size
+
+
 def all_gather(launcher, tensor, options=None):
     """`tensor` of every replica of the launcher's group (all of one shape),
     concatenated along the first axis in group order (the launcher's

@@ -15,8 +15,9 @@ same on one host and across workers:
 - `all_gather`: one gather of equal-shaped shards along a new leading axis.
 - `packed_reduce_scatter`, `packed_all_gather`: the same for many values of
   shard layouts (ZeRO's gradients and parameters), one collective per dtype
-  for the values under `ALONE_BYTES`, one per value for larger ones (packing
-  copies a value in and out: at the step's peak, two copies of a unit).
+  for the weights under `ALONE_BYTES`, one per weight for larger ones
+  (packing copies a weight in and out: at the step's peak, two copies of a
+  unit).
 
 Both take an optional `launcher`: a subgroup's launcher for this replica (a
 `TensorMesh` data group), in place of the strategy's all-replica one.
@@ -30,12 +31,16 @@ from tfdist._compat import tf_collectives
 from tfdist._compat.tf_distribute import current_local_replica_id
 from tfdist.sharding.wire import Wire
 
-# A value of at least this many bytes is gathered or reduce-scattered in a
-# collective of its own; smaller ones are packed per dtype.
-ALONE_BYTES = 1 << 20
+# A weight of at least this many bytes (whole: as gathered, or its gradient)
+# is gathered or reduce-scattered in a collective of its own; smaller ones
+# are packed per dtype (packing copies them into the pack and out of it;
+# every collective a step runs costs TensorFlow a little memory for good).
+ALONE_BYTES = 16 << 20
 # A reduce-scatter receives at most about this many bytes per all-to-all: the
 # rows of a larger one are sent in pieces of columns, one after another.
 PIECE_BYTES = 16 << 20
+# A piece's columns are a multiple of this (and of the wire's block).
+PIECE_COLUMNS = 4096
 
 
 def _launcher():
@@ -79,14 +84,14 @@ def reduce_scatter(rows, launcher=None, wire=None):
 
 def _piece_columns(rows, wire):
     """Columns of `rows` sent per all-to-all: as many as make at most
-    `PIECE_BYTES` received, a multiple of 4096 and of the elements `wire`
+    `PIECE_BYTES` received, a multiple of `PIECE_COLUMNS` and of the elements `wire`
     encodes together (so the pieces encode as the whole rows would); None
     when the rows fit in one (or their width is unknown)."""
     width = rows.shape[1]
     per_column = rows.shape[0] * rows.dtype.size
     if width is None or width * per_column <= PIECE_BYTES:
         return None
-    multiple = math.lcm(4096, wire.block)
+    multiple = math.lcm(PIECE_COLUMNS, wire.block)
     return max(1, PIECE_BYTES // per_column // multiple) * multiple
 
 
@@ -119,7 +124,7 @@ def packed_reduce_scatter(grads, layouts, launcher=None, wire=None):
     """
     return _per_dtype(grads, layouts,
                       lambda rows: reduce_scatter(_concat(rows, 1), launcher, wire),
-                      lambda layout, g: layout.rows(g))
+                      lambda layout, g: layout.rows(g), axis=0, whole_bytes=_bytes)
 
 
 def packed_all_gather(shards, layouts, launcher=None, wire=None):
@@ -134,26 +139,29 @@ def packed_all_gather(shards, layouts, launcher=None, wire=None):
     ```
     """
     wire = wire or Wire()
+    launcher = launcher or _launcher()
+    replicas = tf_collectives.launcher_group_size(launcher)
 
     def gather(parts):
         row = _concat(parts, 0)
         return wire.decode([all_gather(t, launcher) for t in wire.encode(row)],
                            row.shape[0], row.dtype)
 
-    gathered = _per_dtype(shards, layouts, gather, lambda layout, s: s, axis=1)
+    gathered = _per_dtype(shards, layouts, gather, lambda layout, s: s, axis=1,
+                          whole_bytes=lambda shard: replicas * _bytes(shard))
     return [layout.unshard(rows) for layout, rows in zip(layouts, gathered)]
 
 
-def _per_dtype(values, layouts, collective, prepare, axis=0):
+def _per_dtype(values, layouts, collective, prepare, axis, whole_bytes):
     """Runs `collective` once per dtype on the concatenated `prepare`d values
     and splits its result back (along `axis`) into per-value shard-size parts;
-    a value of `ALONE_BYTES` or more has a collective of its own, so that it
-    is never copied into a pack and out of it (two transient copies of the
-    largest weights, at the step's peak)."""
+    a value whose weight is `ALONE_BYTES` or more (`whole_bytes(value)`) has a
+    collective of its own, so that it is never copied into a pack and out of
+    it (two transient copies of the largest weights, at the step's peak)."""
     results = [None] * len(values)
     groups = {}
     for position, value in enumerate(values):
-        alone = (value.shape.num_elements() or 0) * value.dtype.size >= ALONE_BYTES
+        alone = whole_bytes(value) >= ALONE_BYTES
         groups.setdefault(position if alone else value.dtype, []).append(position)
     for positions in groups.values():
         prepared = [prepare(layouts[p], values[p]) for p in positions]
@@ -165,6 +173,11 @@ def _per_dtype(values, layouts, collective, prepare, axis=0):
         for p, part in zip(positions, tf.split(out, sizes, axis=axis)):
             results[p] = part
     return results
+
+
+def _bytes(tensor):
+    """Bytes of `tensor` (0 when its shape is not known)."""
+    return (tensor.shape.num_elements() or 0) * tensor.dtype.size
 
 
 def _concat(values, axis):
