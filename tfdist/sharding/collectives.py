@@ -164,13 +164,10 @@ def _per_dtype(values, layouts, collective, prepare, axis, whole_bytes):
         alone = whole_bytes(value) >= ALONE_BYTES
         groups.setdefault(position if alone else value.dtype, []).append(position)
     for positions in groups.values():
-        prepared = [prepare(layouts[p], values[p]) for p in positions]
-        if len(positions) == 1:
-            results[positions[0]] = collective(prepared)
-            continue
-        out = collective(prepared)
+        out = collective([prepare(layouts[p], values[p]) for p in positions])
         sizes = [layouts[p].shard_size for p in positions]
-        for p, part in zip(positions, tf.split(out, sizes, axis=axis)):
+        parts = [out] if len(positions) == 1 else tf.split(out, sizes, axis=axis)
+        for p, part in zip(positions, parts):
             results[p] = part
     return results
 
