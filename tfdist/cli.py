@@ -93,6 +93,10 @@ flags.DEFINE_float("timeout", None, "Seconds the whole job may take.")
 flags.DEFINE_boolean("host_network", False, "Run the tasks in this host's network "
                      "(they reach other hosts; their TensorFlow servers, on every "
                      "interface, are reachable from them), not in a private one.")
+# launch and tfjob
+flags.DEFINE_boolean("release_memory", False, "Every task's allocators give freed memory "
+                     "back to the system: a lower peak per worker, slower steps "
+                     "(tfdist.cluster.release_memory).")
 # tfjob
 flags.DEFINE_string("name", None, "TFJob name (a Kubernetes name).")
 flags.DEFINE_string("image", None, "Container image, with a tag or digest.")
@@ -203,7 +207,8 @@ def _launch_command(command):
                   restart_on_failure=FLAGS.restart_on_failure,
                   timeout=FLAGS.timeout, config=config_from_flags(),
                   profiler_port=FLAGS.profiler_port,
-                  host_network=FLAGS.host_network)
+                  host_network=FLAGS.host_network,
+                  release_memory=FLAGS.release_memory)
 
 
 def _tfjob_command(command):
@@ -219,7 +224,8 @@ def _tfjob_command(command):
         memory=FLAGS.memory, config=config_from_flags(), logdir=FLAGS.logdir,
         profiler_port=FLAGS.profiler_port,
         restart_policy=FLAGS.restart_policy,
-        backoff_limit=FLAGS.backoff_limit, env=_env_items(FLAGS.env))
+        backoff_limit=FLAGS.backoff_limit, env=_env_items(FLAGS.env),
+        release_memory=FLAGS.release_memory)
     if FLAGS.submit:
         submit(manifest)
         print(f"created TFJob {FLAGS.namespace}/{FLAGS.name}")
@@ -358,7 +364,7 @@ COMMANDS = {
                        "tfdist config --config parallel.json --microbatches 4"),
     "launch": _Command(_launch_command, _CONFIG_FLAGS + _TASK_FLAGS
                        + ("restart_on_failure", "timeout", "profiler_port",
-                          "host_network"),
+                          "host_network", "release_memory"),
                        "Run COMMAND as every task of a local cluster (TF_CONFIG on "
                        "127.0.0.1).",
                        "tfdist launch --workers 2 --microbatches 2 python train.py "
@@ -366,7 +372,7 @@ COMMANDS = {
     "tfjob": _Command(_tfjob_command, _CONFIG_FLAGS + _TASK_FLAGS
                       + ("name", "image", "namespace", "gpus_per_worker", "cpu",
                          "memory", "logdir", "profiler_port", "restart_policy",
-                         "backoff_limit", "env", "submit"),
+                         "backoff_limit", "env", "release_memory", "submit"),
                       "Print a Kubeflow TFJob manifest for COMMAND (--submit creates it).",
                       "tfdist tfjob --name mnist --image registry.example.com/mnist:1 "
                       "--workers 2 python train.py"),

@@ -3,8 +3,8 @@
     python tools/bench_memory.py [--width=4096] [--layers=8] [--workers=4]
         [--modes=single,zero0,zero1,zero2,zero3,tensor4,pipeline4,data2_tensor2_zero3,
                  chief_pipeline4,int8,topk,powersgd,zero3_int8,one_bit_adam]
-        [--task_env=TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2] [--checkpoint]
-        [--out=results.jsonl]
+        [--task_env=TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2] [--release_memory]
+        [--checkpoint] [--out=results.jsonl]
 
 A model-parallel mode exists so that a model one worker cannot train alone
 trains on several: each worker's *peak* (not only its steady state) must be a
@@ -53,6 +53,7 @@ import numpy as np
 from absl import app, flags
 
 from results import emit
+from tfdist.cluster.release_memory import release_memory_env
 
 flags.DEFINE_integer("width", 4096, "Units of each square Dense layer.")
 flags.DEFINE_integer("layers", 8, "Dense layers.")
@@ -81,6 +82,9 @@ flags.DEFINE_string("weights", None, "Internal: where the first task saves the t
 flags.DEFINE_string("report", None, "Internal: where this task writes its measures.")
 flags.DEFINE_list("task_env", [], "KEY=VALUE environment variables of every process of "
                   "every mode, e.g. the allocator's: TF_ENABLE_ONEDNN_OPTS=0,MALLOC_ARENA_MAX=2.")
+flags.DEFINE_bool("release_memory", False, "Launch every mode with `tfdist launch "
+                  "--release_memory` (tfdist.cluster.release_memory); `single` then runs "
+                  "twice, as it is and with the same settings.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 flags.register_validator("task_env", lambda items: all(item.split("=")[0] and "=" in item
                                                         for item in items),
@@ -101,6 +105,8 @@ MODES = {"zero0": [], "zero1": ["--zero=1"], "zero2": ["--zero=2"], "zero3": ["-
          "chief_pipeline4": ["--chief", "--pipeline=4", "--microbatches=4"]}
 # Modes of `tfdist.ChiefStrategy`: the chief trains, the workers only serve.
 CHIEF_MODES = ("chief_pipeline4",)
+# The one process again, with the allocator settings of `--release_memory`.
+RELEASED_SINGLE = "single, memory released"
 
 
 def status_bytes(field):
@@ -259,18 +265,22 @@ def _task_name():
     return f"{task['type']}:{task['index']}"
 
 
-def run_mode(mode, task_flags=(), must_succeed=True):
+def run_mode(mode, task_flags=(), must_succeed=True, released_single=False):
     """The records of every process of one mode (none if it failed and need
-    not succeed)."""
+    not succeed). A launched mode's tasks release memory with
+    `--release_memory`; the one process only if `released_single`."""
     with tempfile.TemporaryDirectory() as report:
         script = [sys.executable, __file__, f"--mode={mode}", f"--report={report}",
                   f"--width={FLAGS.width}", f"--layers={FLAGS.layers}",
                   f"--epochs={FLAGS.epochs}", f"--examples={FLAGS.examples}", *task_flags]
+        env = {**os.environ, **task_env()}
         if mode != "single":
+            released = ["--release_memory"] if FLAGS.release_memory else []
             script = [sys.executable, "-m", "tfdist.cli", "launch", f"--workers={FLAGS.workers}",
-                      *MODES[mode], "--timeout=3600", "--", *script]
-        done = subprocess.run(script, capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, **task_env()})
+                      *MODES[mode], *released, "--timeout=3600", "--", *script]
+        elif released_single:
+            env.update(release_memory_env(env))
+        done = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, env=env)
         if done.returncode and must_succeed:
             sys.exit(f"{mode} failed ({done.returncode}):\n{done.stdout[-3000:]}"
                      f"{done.stderr[-3000:]}")
@@ -380,50 +390,69 @@ def main(argv):
     if unknown:
         sys.exit(f"--modes: unknown {unknown}; choose from single, {', '.join(MODES)}")
     worst, predicted, tensors, checkpoints = {}, {}, {}, {}
-    for mode in FLAGS.modes:
+    runs = [(mode, False) for mode in FLAGS.modes]
+    if FLAGS.release_memory and "single" in FLAGS.modes:
+        runs.insert(FLAGS.modes.index("single") + 1, ("single", True))
+    for mode, released_single in runs:
+        name = RELEASED_SINGLE if released_single else mode
         with tempfile.TemporaryDirectory() as directory:
             saving = [f"--checkpoint_dir={directory}"] if FLAGS.checkpoint else []
-            records = run_mode(mode, saving)
+            records = run_mode(mode, saving, released_single=released_single)
             reads = [r for kind in ("sharded", "h5") if FLAGS.checkpoint
-                     for r in run_mode(mode, [*saving, f"--restore={kind}"])]
+                     for r in run_mode(mode, [*saving, f"--restore={kind}"],
+                                       released_single=released_single)]
         for record in records:
             for read in (r for r in reads if r["task"] == record["task"]):
                 record.update((k, v) for k, v in read.items() if "_read_peak_" in k)
             emit({"bench": "memory", "width": FLAGS.width, "layers": FLAGS.layers,
                   "workers": 1 if mode == "single" else FLAGS.workers,
-                  "task_env": task_env(), **record}, FLAGS.out)
-            worst[mode] = max(worst.get(mode, 0), record["peak_above_baseline_bytes"])
-            predicted[mode] = max(predicted.get(mode, 0), record.get("predicted_peak_bytes", 0))
-            tensors[mode] = max(tensors.get(mode, 0), record.get("tensor_peak_bytes") or 0)
+                  "task_env": task_env(), "release_memory": released_single or (
+                      FLAGS.release_memory and mode != "single"), **record}, FLAGS.out)
+            worst[name] = max(worst.get(name, 0), record["peak_above_baseline_bytes"])
+            predicted[name] = max(predicted.get(name, 0), record.get("predicted_peak_bytes", 0))
+            tensors[name] = max(tensors.get(name, 0), record.get("tensor_peak_bytes") or 0)
             if FLAGS.checkpoint:
-                checkpoints[mode] = [max(checkpoints.get(mode, [0] * 4)[i],
+                checkpoints[name] = [max(checkpoints.get(name, [0] * 4)[i],
                                          record[f"{key}_peak_above_baseline_bytes"])
                                      for i, key in enumerate(CHECKPOINT_PEAKS)]
-    single = worst.get("single")
+    print_table(worst, predicted, tensors)
+    if checkpoints:
+        print_checkpoints(worst, checkpoints)
+
+
+def print_table(worst, predicted, tensors):
+    """Each run's worst worker against the one process (and against the one
+    process with the same allocator settings, with `--release_memory`)."""
+    single, released = worst.get("single"), worst.get(RELEASED_SINGLE)
+    settings = "tfdist launch --release_memory" if FLAGS.release_memory else "as they are"
     print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, {FLAGS.workers} workers, "
-          f"environment {task_env() or 'unchanged'}")
+          f"environment {task_env() or 'unchanged'}, allocators {settings}")
     print("| mode | worst worker's peak above baseline (GiB) | x single process "
-          "| predicted (GiB) | measured / predicted "
+          "| x single, memory released | predicted (GiB) | measured / predicted "
           "| TensorFlow's tensors at their peak (GiB) | tensors / predicted |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for mode, peak in worst.items():
-        ratio = f"{peak / single:.2f}" if single else "-"
+        ratios = " | ".join(f"{peak / base:.2f}" if base else "-" for base in (single, released))
         guess = predicted[mode]
         versus = f"{guess / 2**30:.2f} | {peak / guess:.2f}" if guess else "- | -"
         held = tensors[mode]
         counted = (f"{held / 2**30:.2f} | " + (f"{held / guess:.2f}" if guess else "-")
                    if held else "- | -")
-        print(f"| {mode} | {peak / 2**30:.2f} | {ratio} | {versus} | {counted} |")
-    if checkpoints:
-        print("\nCheckpoints, worst worker's peak above baseline (GiB): training; after it, "
-              "a sharded save and a whole-tensor save_weights; a new job's build with the "
-              "sharded restore, and with load_weights")
-        print("| mode | training | sharded save | save_weights | build + sharded restore "
-              "| build + load_weights |")
-        print("|---|---|---|---|---|---|")
-        for mode, peaks in checkpoints.items():
-            print(f"| {mode} | {worst[mode] / 2**30:.2f} | "
-                  + " | ".join(f"{p / 2**30:.2f}" for p in peaks) + " |")
+        print(f"| {mode} | {peak / 2**30:.2f} | {ratios} | {versus} | {counted} |")
+
+
+def print_checkpoints(worst, checkpoints):
+    """The `--checkpoint` table: each save's and read's worst worker against
+    its training peak."""
+    print("\nCheckpoints, worst worker's peak above baseline (GiB): training; after it, "
+          "a sharded save and a whole-tensor save_weights; a new job's build with the "
+          "sharded restore, and with load_weights")
+    print("| mode | training | sharded save | save_weights | build + sharded restore "
+          "| build + load_weights |")
+    print("|---|---|---|---|---|---|")
+    for mode, peaks in checkpoints.items():
+        print(f"| {mode} | {worst[mode] / 2**30:.2f} | "
+              + " | ".join(f"{p / 2**30:.2f}" for p in peaks) + " |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`tfdist launch` and TF_CONFIG: operator-shaped clusters on localhost, no orphans."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from helpers import PRINT_TF_CONFIG, TFDIST, alive, run_tfdist
+from tfdist.cluster.release_memory import RELEASE_MEMORY_ENV
 from tfdist.cluster.tf_config import read_tf_config
 
 pytestmark = pytest.mark.alone
@@ -51,6 +53,21 @@ def test_every_task_gets_the_operators_tf_config_on_localhost():
         assert config["environment"] == "cloud"
         assert set(config) == {"cluster", "task", "environment"}
         assert read_tf_config({"TF_CONFIG": json.dumps(config)}).task == task
+
+
+def test_release_memory_sets_the_allocator_settings_the_user_has_not():
+    show = [sys.executable, "-c", "import json, os; print(json.dumps("
+            f"{{k: os.environ.get(k) for k in {list(RELEASE_MEMORY_ENV)}}}))"]
+    mine = dict(os.environ, MALLOC_ARENA_MAX="4")
+    mine.pop("MALLOC_MMAP_THRESHOLD_", None)
+    released = run_tfdist("launch", "--workers=2", "--release_memory", "--", *show, env=mine)
+    plain = run_tfdist("launch", "--workers=1", "--", *show, env=mine)
+    for done in (released, plain):
+        assert done.returncode == 0, done.stdout + done.stderr
+    for task in ("worker:0", "worker:1"):
+        assert json.loads(task_lines(released.stdout)[task][0]) == {
+            **RELEASE_MEMORY_ENV, "MALLOC_ARENA_MAX": "4"}
+    assert json.loads(task_lines(plain.stdout)["worker:0"][0])["MALLOC_MMAP_THRESHOLD_"] is None
 
 
 def test_parallel_config_reaches_every_task():

@@ -15,6 +15,7 @@ from kubeflow.training import TrainingClient, models
 from kubeflow.training.utils import utils as training_utils
 
 from helpers import run_tfdist
+from tfdist.cluster.release_memory import RELEASE_MEMORY_ENV
 from tfdist.cluster.tfjob import TFJobManifest, submit, tfjob
 from tfdist.config import ParallelConfig
 
@@ -330,6 +331,7 @@ BAD_INPUTS = [
     (dict(env={"TF_CONFIG": "{}"}), ValueError,
      "`env` has 'TF_CONFIG', which the job sets itself: the training operator writes it."),
     (dict(env={"TFDIST_CONFIG": "{}"}), ValueError, "which the job sets itself: pass `config`"),
+    (dict(release_memory="yes"), ValueError, "`release_memory` must be True or False"),
 ]
 
 
@@ -425,6 +427,19 @@ def test_cli_prints_a_manifest_that_matches_the_crd(validator):
     assert {"name": "tfdist-profiler", "containerPort": 6009} in worker["ports"]
     assert worker["env"][-2:] == [{"name": "MALLOC_ARENA_MAX", "value": "2"},
                                   {"name": "TF_ONEDNN_USE_SYSTEM_ALLOCATOR", "value": "1"}]
+
+
+def test_release_memory_adds_the_allocator_settings_and_env_wins():
+    manifest = tfjob("mnist", IMAGE, COMMAND, workers=2, release_memory=True,
+                     env={"MALLOC_ARENA_MAX": "4"})
+    assert env(manifest, "Worker") == {**RELEASE_MEMORY_ENV, "MALLOC_ARENA_MAX": "4"}
+    assert not container(tfjob("mnist", IMAGE, COMMAND), "Worker").get("env")
+    done = run_tfdist("tfjob", "--name=digits", f"--image={IMAGE}", "--release_memory",
+                      "--", *COMMAND)
+    assert done.returncode == 0, done.stderr
+    (worker,) = yaml.safe_load(done.stdout)["spec"]["tfReplicaSpecs"]["Worker"]["template"][
+        "spec"]["containers"]
+    assert {v["name"]: v["value"] for v in worker["env"]} == RELEASE_MEMORY_ENV
 
 
 @pytest.mark.parametrize("args, message", [

@@ -36,6 +36,7 @@ import threading
 import time
 
 from tfdist.cluster.private_network import PrivateNetwork
+from tfdist.cluster.release_memory import release_memory_env
 from tfdist.cluster.tf_config import TF_CONFIG_ENV, TFConfig, local_tf_configs
 from tfdist.config import CONFIG_ENV, PROFILER_PORT_ENV, ParallelConfig
 
@@ -68,8 +69,10 @@ class _Task:
 
 
 class _Cluster:
-    def __init__(self, command, configs, parallel_config, profiler_port, network, output):
+    def __init__(self, command, configs, parallel_config, profiler_port, network, output,
+                 environment):
         self.command = list(command)
+        self.environment = environment  # added to every task's, beside TF_CONFIG
         self.tasks = [_Task(c) for c in configs]
         self.parallel_config = parallel_config
         self.profiler_port = profiler_port
@@ -84,7 +87,7 @@ class _Cluster:
             self.output.flush()
 
     def start(self, task):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.environment)
         env[TF_CONFIG_ENV] = task.config.to_json()
         if self.parallel_config is not None:
             env[CONFIG_ENV] = self.parallel_config.to_json()
@@ -186,7 +189,7 @@ def _raise_terminated(signum, frame):
 
 def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
            restart_on_failure=0, timeout=None, config=None, profiler_port=None,
-           host_network=False, output=None) -> int:
+           host_network=False, release_memory=False, output=None) -> int:
     """Runs `command` as every task of a local cluster; returns the job's exit code.
 
     Args:
@@ -206,6 +209,9 @@ def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
             one: they can then reach other hosts and this host's servers, and
             their TensorFlow servers can be reached from every network this
             host is on.
+        release_memory: every task's allocators give freed memory back to the
+            system (`tfdist.cluster.release_memory`): a lower peak per worker,
+            slower steps. Variables the launcher's environment sets win.
         output: where the prefixed output goes (default `sys.stdout`).
 
     Raises:
@@ -240,6 +246,8 @@ def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(
             timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"`timeout` must be a number of seconds > 0, got {timeout!r}.")
+    if not isinstance(release_memory, bool):
+        raise ValueError(f"`release_memory` must be True or False, got {release_memory!r}.")
     if isinstance(config, dict):
         config = ParallelConfig.from_dict(config)
     configs = local_tf_configs(chief=chief, workers=workers, ps=ps, evaluator=evaluator)
@@ -256,7 +264,8 @@ def launch(command, *, chief=False, workers=1, ps=0, evaluator=False,
                 range(profiler_port, profiler_port + len(configs)))
             network = stack.enter_context(PrivateNetwork(forward=ports))
         cluster = _Cluster(command, configs, config, profiler_port, network,
-                           output or sys.stdout)
+                           output or sys.stdout,
+                           release_memory_env(os.environ) if release_memory else {})
         if network is not None:
             forwarded = (f"; profiler ports {ports[0]}-{ports[-1]} forwarded from this "
                          f"host's 127.0.0.1" if ports else "")

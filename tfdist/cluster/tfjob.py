@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from tfdist.cluster.release_memory import RELEASE_MEMORY_ENV
 from tfdist.cluster.tf_config import TF_CONFIG_ENV, check_task_counts
 from tfdist.config import CONFIG_ENV, LOGDIR_ENV, PROFILER_PORT_ENV, ParallelConfig
 
@@ -142,6 +143,7 @@ def tfjob(
     clean_pod_policy: str = "Running",
     port: int = 2222,
     env: dict[str, str] | None = None,
+    release_memory: bool = False,
 ) -> TFJobManifest:
     """Builds a Kubeflow TFJob that runs `command` in `image` on every replica.
 
@@ -179,6 +181,10 @@ def tfjob(
         env: more environment variables of every replica's container
             ({name: value}), e.g. an allocator's settings; not `TF_CONFIG`
             (the operator's) nor the variables the arguments above set.
+        release_memory: add the allocator settings under which every replica
+            gives freed memory back to the system
+            (`tfdist.cluster.release_memory`): a lower peak per worker, slower
+            steps. A variable also in `env` takes `env`'s value.
 
     Returns:
         A `TFJobManifest`.
@@ -225,6 +231,10 @@ def tfjob(
     if backoff_limit is not None:
         _check_int("backoff_limit", backoff_limit, minimum=0)
     env = _check_env(env)
+    if not isinstance(release_memory, bool):
+        raise ValueError(f"`release_memory` must be True or False, got {release_memory!r}.")
+    if release_memory:
+        env = {**RELEASE_MEMORY_ENV, **env}
 
     import kubernetes
     from kubeflow.training import models
