@@ -43,6 +43,7 @@ import errno
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import tempfile
@@ -143,8 +144,7 @@ def run_task():
     strategy = None
     if FLAGS.mode in CHIEF_MODES:
         if _task_name().startswith("worker"):  # serves in the strategy: measured aside
-            threading.Thread(target=report_while_serving, args=(status_bytes("VmRSS"),),
-                             daemon=True).start()
+            threading.Thread(target=report_while_serving, daemon=True).start()
         strategy = tfdist.ChiefStrategy(config=tfdist.ParallelConfig.from_env())
     elif FLAGS.mode != "single":
         strategy = tfdist.MultiWorkerStrategy(config=tfdist.ParallelConfig.from_env())
@@ -202,11 +202,22 @@ def run_task():
     write_report(record)
 
 
-def report_while_serving(baseline, period_seconds=0.2):
+def report_while_serving(period_seconds=0.2, settle_seconds=0.3):
     """A `tfdist.ChiefStrategy` worker's measures, written every
     `period_seconds` until its process ends: it serves the chief's steps
     inside the strategy and ends with the chief, never returning to the
-    script. Its baseline is its RSS before the server starts."""
+    script. Its baseline, as a `MultiWorkerStrategy` task's includes its
+    server, is its RSS once its server accepts connections (and
+    `settle_seconds` more); the chief builds nothing before every worker
+    serves."""
+    host, port = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][
+        int(_task_name().split(":")[1])].rsplit(":", 1)
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), 0.1):
+            break
+        time.sleep(0.02)
+    time.sleep(settle_seconds)
+    baseline = status_bytes("VmRSS")
     reset_peak()
     tensor_peak_bytes(reset=True)
     while True:

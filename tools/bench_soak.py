@@ -1,7 +1,7 @@
 """Benchmark: a long multi-worker `fit` - threads, RSS and open files per worker over time.
 
     python tools/bench_soak.py [--workers=2] [--steps=5000] [--zero=0] [--out=results.jsonl]
-        [--compression=none] [--compression_warmup=0]
+        [--compression=none] [--compression_warmup=0] [--release_memory]
     python tools/bench_soak.py --strategy=keras   # the same job under plain tf.distribute
     python tools/bench_soak.py --zero=3 --checkpoint_every=50   # and an asynchronous
                                                                 # sharded save every 50 steps
@@ -47,6 +47,7 @@ flags.DEFINE_integer("checkpoint_every", 0, "Steps between two sharded checkpoin
 flags.DEFINE_enum("strategy", "tfdist", ["tfdist", "keras"],
                   "tfdist: tfdist.MultiWorkerStrategy; keras: "
                   "tf.distribute.MultiWorkerMirroredStrategy and Keras's own step.")
+flags.DEFINE_bool("release_memory", False, "Launch with `tfdist launch --release_memory`.")
 flags.DEFINE_float("timeout_seconds", 300, "MultiWorkerStrategy(timeout_seconds=).")
 flags.DEFINE_integer("stall_task", -1, "Task index that stalls (default: none).")
 flags.DEFINE_integer("stall_at", 0, "Step at which --stall_task sleeps.")
@@ -186,7 +187,8 @@ def bench():
         done = subprocess.run(
             [sys.executable, "-m", "tfdist.cli", "launch", f"--workers={FLAGS.workers}",
              f"--zero={FLAGS.zero}", f"--compression={FLAGS.compression}",
-             f"--compression-warmup={FLAGS.compression_warmup}", "--timeout=7200", "--",
+             f"--compression-warmup={FLAGS.compression_warmup}", "--timeout=7200",
+             *(["--release_memory"] if FLAGS.release_memory else []), "--",
              sys.executable, __file__,
              f"--samples={samples}", f"--steps={FLAGS.steps}",
              f"--steps_per_epoch={FLAGS.steps_per_epoch}",
@@ -201,7 +203,7 @@ def bench():
                     for index in range(FLAGS.workers)}
     job = {"zero": FLAGS.zero, "compression": FLAGS.compression,
            "compression_warmup": FLAGS.compression_warmup,
-           "checkpoint_every": FLAGS.checkpoint_every}
+           "checkpoint_every": FLAGS.checkpoint_every, "release_memory": FLAGS.release_memory}
     rows = []
     for index, task_samples in per_task.items():
         for sample in task_samples:
