@@ -6,10 +6,10 @@ freed buffers in its heaps. A worker's resident peak is then its tensors' peak
 plus what the pools kept. With these settings (`tfdist launch
 --release_memory`, `tfdist tfjob --release_memory`) each large buffer is a
 mapping of its own, returned when freed, so the resident peak follows the
-tensors (`Strategy.predicted_peak`): a model-parallel worker's peak fell from
-0.49-0.59 to 0.33-0.35 of one process's in `tools/bench_memory.py`, while its
-steps took up to 1.4 x as long (the kernel maps and zeroes each large buffer
-anew). Host memory only: a GPU's memory is TensorFlow's own allocator's.
+tensors: in `tools/bench_memory.py` a model-parallel worker's peak fell from
+0.47-0.56 to 0.33-0.40 of one process's, while its `fit` took up to 1.4 x as
+long (the kernel maps and zeroes each large buffer anew). Host memory only: a
+GPU's memory is TensorFlow's own allocator's.
 """
 
 RELEASE_MEMORY_ENV = {
