@@ -202,19 +202,26 @@ def run_task():
     write_report(record)
 
 
-def report_while_serving(period_seconds=0.2, settle_seconds=0.3):
+def report_while_serving(period_seconds=0.2, settle_seconds=0.3, timeout_seconds=300.0):
     """A `tfdist.ChiefStrategy` worker's measures, written every
     `period_seconds` until its process ends: it serves the chief's steps
     inside the strategy and ends with the chief, never returning to the
     script. Its baseline, as a `MultiWorkerStrategy` task's includes its
     server, is its RSS once its server accepts connections (and
-    `settle_seconds` more); the chief builds nothing before every worker
-    serves."""
-    host, port = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][
-        int(_task_name().split(":")[1])].rsplit(":", 1)
+    `settle_seconds` more, for the server's own set-up; the chief builds
+    nothing before every worker serves). A server not accepting within
+    `timeout_seconds` ends the thread with an error naming it and writes no
+    report (the bench then names the task that did not report)."""
+    address = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][
+        int(_task_name().split(":")[1])]
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_seconds
     while True:
         with contextlib.suppress(OSError), socket.create_connection((host, int(port)), 0.1):
             break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{_task_name()}'s server at {address} accepted no "
+                               f"connection within {timeout_seconds:g} s: no measures")
         time.sleep(0.02)
     time.sleep(settle_seconds)
     baseline = status_bytes("VmRSS")
@@ -297,7 +304,13 @@ def run_mode(mode, task_flags=(), must_succeed=True, released_single=False):
                      f"{done.stderr[-3000:]}")
         if done.returncode:
             return []
-        return [json.loads(p.read_text()) for p in sorted(pathlib.Path(report).glob("*.json"))]
+        records = [json.loads(p.read_text()) for p in sorted(pathlib.Path(report).glob("*.json"))]
+        tasks = 1 if mode == "single" else FLAGS.workers + (mode in CHIEF_MODES)
+        if len(records) != tasks:
+            sys.exit(f"{mode}: {tasks} tasks ran but {len(records)} reported "
+                     f"({[r['task'] for r in records]}):\n{done.stdout[-3000:]}"
+                     f"{done.stderr[-3000:]}")
+        return records
 
 
 def task_env():

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from tfdist.cluster.release_memory import RELEASE_MEMORY_ENV
+from tfdist.cluster.release_memory import release_memory_env
 from tfdist.cluster.tf_config import TF_CONFIG_ENV, check_task_counts
 from tfdist.config import CONFIG_ENV, LOGDIR_ENV, PROFILER_PORT_ENV, ParallelConfig
 
@@ -234,7 +234,7 @@ def tfjob(
     if not isinstance(release_memory, bool):
         raise ValueError(f"`release_memory` must be True or False, got {release_memory!r}.")
     if release_memory:
-        env = {**RELEASE_MEMORY_ENV, **env}
+        env = {**env, **release_memory_env(env)}
 
     import kubernetes
     from kubeflow.training import models
