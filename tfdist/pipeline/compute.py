@@ -216,6 +216,8 @@ class _Run:
                 with tf.name_scope(instruction.kind) if instruction is not lead \
                         else contextlib.nullcontext():
                     results = getattr(self, instruction.op)(instruction) or results
+            if not program.wait_for_all_ops:  # (else `built` says when it is done)
+                results = [done for value in results for done in _run_when_done(value)]
         if program.wait_for_all_ops:
             done.append(built)
         else:
@@ -313,7 +315,22 @@ def _recording(device):
     here = _local_device(device)
     ops = [op for op in graph.get_operations()[built:] if _local_device(op.device) == here]
     read = {t.op for op in ops for t in op.inputs} | {c for op in ops for c in op.control_inputs}
-    last += [op for op in ops if op not in read]
+    last += [done for op in ops if op not in read for done in _run_when_done(op)]
+
+
+# Function call ops: TensorFlow inlines their bodies before running a step.
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
+def _run_when_done(value):
+    """What has run only once `value`'s work is done (an op, or a tensor's):
+    `value`, and for a function call an identity of each output (once
+    TensorFlow inlines the call, a control edge from it waits only for its
+    body's stateful ops: a pure forward's would wait for nothing)."""
+    op = getattr(value, "op", value)
+    if getattr(op, "type", None) not in _CALLS:
+        return [value]
+    return [value] + [tf.identity(t).op for t in op.outputs]
 
 
 @functools.cache  # a step's ops name a few devices, thousands of times
