@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -43,21 +42,42 @@ def _doctest_names(doctest_namespace):
 # The suite's bound on one test (docs/development.md); setup.cfg's
 # faulthandler_timeout prints Python stacks at 120 s.
 SLOW_TEST_SECONDS = 60
+# A test's closing garbage collection (`_iterators_freed_by_their_test`)
+# taking longer than this is a stall.
+SLOW_COLLECTION_SECONDS = 10
 STACKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".pytest_cache",
                           "native-stacks")
 
 
+@functools.cache
+def _stall_watcher():
+    """This process's `tests/scripts/stall_watcher.py`: told where the
+    process is, it records its native stacks (every thread, inside
+    TensorFlow too: `py-spy dump --native`) when a span lasts too long, and
+    the run's summary prints them: a stalled test's log says what it waits
+    for. A process of its own: a collection stalled inside TensorFlow holds
+    Python's lock, so no thread of this process could."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "scripts",
+                          "stall_watcher.py")
+    return subprocess.Popen([sys.executable, script, f"--pid={os.getpid()}",
+                             f"--dir={STACKS_DIR}"], stdin=subprocess.PIPE, text=True)
+
+
+def _watched(key, seconds, label):
+    """Tells the stall watcher that span `key` starts (with `seconds` and
+    `label`) or, with `seconds` None, that it ended."""
+    line = f"end {key}\n" if seconds is None else f"start {key} {seconds} {label}\n"
+    _stall_watcher().stdin.write(line)
+    _stall_watcher().stdin.flush()
+
+
 @pytest.fixture(autouse=True)
 def _native_stacks_of_a_slow_test(request):
-    """A test still running after 60 s gets its process's native stacks (every
-    thread, inside TensorFlow too: `py-spy dump --native`) recorded, and the
-    run's summary prints them: a stalled test's log says what it waits for."""
-    timer = threading.Timer(SLOW_TEST_SECONDS, _record_native_stacks,
-                            args=(request.node.nodeid,))
-    timer.daemon = True
-    timer.start()
+    """A test still running after 60 s gets its process's native stacks recorded."""
+    _watched("test", SLOW_TEST_SECONDS,
+             f"{request.node.nodeid} still running after {SLOW_TEST_SECONDS} s")
     yield
-    timer.cancel()
+    _watched("test", None, None)
 
 
 class _IteratorCount:
@@ -80,7 +100,7 @@ OwnedIterator.__init__ = _IteratorCount.counting(OwnedIterator.__init__)
 
 
 @pytest.fixture(autouse=True)
-def _iterators_freed_by_their_test():
+def _iterators_freed_by_their_test(request):
     """A test that made a tf.data iterator ends with a garbage collection, so
     its iterators are destroyed then, young, not by whichever later test's
     allocation starts a collection. Destroying an iterator with tf.data
@@ -92,20 +112,11 @@ def _iterators_freed_by_their_test():
     made = _IteratorCount.made
     yield
     if _IteratorCount.made > made:
+        _watched("collection", SLOW_COLLECTION_SECONDS,
+                 f"the garbage collection closing {request.node.nodeid} still running after "
+                 f"{SLOW_COLLECTION_SECONDS} s")
         gc.collect()
-
-
-def _record_native_stacks(test):
-    py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable))
-    if py_spy is None:
-        return
-    done = subprocess.run([py_spy, "dump", "--native", "--pid", str(os.getpid())],
-                          capture_output=True, text=True, timeout=120)
-    os.makedirs(STACKS_DIR, exist_ok=True)
-    name = f"{os.getpid()}-{abs(hash(test))}.txt"
-    with open(os.path.join(STACKS_DIR, name), "w") as f:
-        f.write(f"{test} still running after {SLOW_TEST_SECONDS} s; native stacks "
-                f"(py-spy):\n{done.stdout}{done.stderr}\n")
+        _watched("collection", None, None)
 
 
 def pytest_sessionstart(session):
