@@ -314,9 +314,10 @@ def test_pipeline_schedules_and_zero3_units_are_programs_one_executor_runs(confi
     strategy = strategy_on_its_devices(**config)
     x, y = data(64)
     model = train(strategy, x=x, y=y)[2]
-    compute = strategy.train_step(model).compute.pipeline
+    step = strategy.train_step(model)
+    compute = step.compute.pipeline
     assert isinstance(compute, StagedCompute)
-    program = compute.program(config["microbatches"])
+    program = compute.program(config["microbatches"], step.update)
     for replica in range(config.get("data", 1)):
         assert [i for local, i in ran if local == replica] == list(program.instructions)
     scopes = [program.lead(block).scope(program.name) for block in program.blocks()]

@@ -55,11 +55,15 @@ class Compute:
         self.mesh = mesh
         self.loss = loss or microbatch.MicrobatchLoss(model, mesh)
 
-    def __call__(self, data):
+    def __call__(self, data, update=None):
+        """(this replica's gradients, metrics) of its batch `data`. `update` is
+        the step's update part, given when the whole step runs: a compute
+        that applies some weights' updates itself (`PipelinedCompute` running
+        ZeRO-3's units) gives None for their gradients."""
         with tf.name_scope("group_batch"):  # a tensor group shares its batch
             data, _ = self.mesh.group_batch(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        return self.gradients(x, y, sample_weight)
+        return self.gradients(x, y, sample_weight, update)
 
     def split(self, x, y, sample_weight):
         """The batch's microbatches, after checking it can be cut into them,
@@ -73,7 +77,7 @@ class Compute:
             rows, replicas = microbatch.global_rows(microbatch.batch_size_of(x))
         return microbatch.split(x, y, sample_weight, k, rows, replicas)
 
-    def gradients(self, x, y, sample_weight):
+    def gradients(self, x, y, sample_weight, update=None):
         raise NotImplementedError
 
 
@@ -105,7 +109,7 @@ class LocalCompute(Compute):
         self.moving = MovingStatistics([model])
         self._runs = mesh.microbatch_runs(self._forward_backward, microbatches, xla)
 
-    def gradients(self, x, y, sample_weight):
+    def gradients(self, x, y, sample_weight, update=None):
         total = metrics = moved = None
         with tf.name_scope("split"):
             parts = self.split(x, y, sample_weight)
@@ -164,10 +168,11 @@ class PipelinedCompute(Compute):
         super().__init__(model, microbatches, mesh)
         self.pipeline = pipeline
 
-    def gradients(self, x, y, sample_weight):
+    def gradients(self, x, y, sample_weight, update=None):
         with tf.name_scope("split"):
             parts = self.split(x, y, sample_weight)
-        return self.pipeline([(p.x, p.y, p.sample_weight, p.share, p.size) for p in parts])
+        return self.pipeline([(p.x, p.y, p.sample_weight, p.share, p.size) for p in parts],
+                             update)
 
 
 def _gradients(tape, target, variables):

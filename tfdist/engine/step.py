@@ -125,7 +125,8 @@ class TrainStep:
     def __call__(self, data):
         """Runs one step on this replica's batch; returns the metric results."""
         with tf.name_scope("tfdist"):  # one scope: the parts' ops are tfdist/<part>/...
-            grads, metrics = self._gradients(data)
+            # (the compute may apply some updates itself: ZeRO-3's units)
+            grads, metrics = self._gradients(data, self.update)
             self.update(grads)
         return metrics
 
@@ -150,13 +151,13 @@ class TrainStep:
         with tf.name_scope("tfdist"):
             self.update(grads)
 
-    def _gradients(self, data):
+    def _gradients(self, data, update=None):
         if self.compute is None:
             raise RuntimeError(
                 "Run the step with the tfdist strategy's `run` (or call "
                 "`TrainStep.prepare()` first): its parts are chosen, and their "
                 "state readied, before the first step.")
-        grads, results = self.compute(data)
+        grads, results = self.compute(data, update)
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync if context is not None else 1
         batch_statistics.warn_of_per_replica_losses(

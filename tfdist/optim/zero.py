@@ -147,6 +147,23 @@ def check_options(optimizer, mode):
                 f"or norms); turn {mode} off, or use `clipvalue` for clipping.")
 
 
+def updates_in_backward(optimizer, zero: int) -> bool:
+    """Whether `zero`'s units apply each weight's update as soon as its
+    gradient shard is complete (`ShardedUpdate.apply`, in the step's
+    backward): at zero=3, unless a skip on non-finite gradients (loss
+    scaling) needs every gradient first, or the update sums across replicas
+    (`SHARDED_UPDATES`). No optimizer yet: as its default would.
+
+    Example:
+
+    >>> updates_in_backward(keras.optimizers.Adam(), 3), updates_in_backward(None, 2)
+    (True, False)
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return (zero == 3 and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+            and type(inner) not in SHARDED_UPDATES)
+
+
 class ShardedUpdate:
     """Sharded apply and gather of one model's reduced gradient shards
     (replica context).
@@ -182,6 +199,7 @@ class ShardedUpdate:
         self.scaler = optimizer if isinstance(
             optimizer, keras.optimizers.LossScaleOptimizer) else None
         self.inner = getattr(optimizer, "inner_optimizer", optimizer)
+        self.in_backward = updates_in_backward(optimizer, zero)
         strategy = model.distribute_strategy
         # With tensor parallelism each replica updates its tensor rank's part
         # of every weight (a slice if the weight is split, else all of it),
@@ -292,6 +310,25 @@ class ShardedUpdate:
             self._count_step(applied)
         if self.zero < 3:
             self._gather(indices, layouts, launcher)
+
+    def apply(self, weights, shards):
+        """Applies the update of `weights` (model variables) from this
+        replica's complete reduced gradient `shards` now, inside the step's
+        backward (`in_backward`: ZeRO-3's units, `tfdist.pipeline.program`'s
+        `UPDATE`), so each shard is released as soon as it is used; the
+        step's call then gets None for them. `optimizer.iterations` still
+        advances once, at the step's end.
+
+        Example (in replica context, ZeRO-3's executor):
+
+        ```python
+        update.apply(unit_weights, unit_gradient_shards)
+        ```
+        """
+        present = [(self._index_of(v), g) for v, g in zip(weights, shards) if g is not None]
+        if present:
+            with tf.name_scope("apply"):
+                self._update([g for _, g in present], [i for i, _ in present])()
 
     def _gather(self, indices, layouts, launcher):
         """Every replica writes the updated parameters, gathered from the

@@ -24,7 +24,10 @@ each microbatch, on each replica:
    replica keeps only its shard of each reduced gradient, summed over the
    microbatches;
 3. the update is zero=2's (`ShardedUpdate`) on the parameter shards
-   themselves; nothing is gathered after it.
+   themselves; nothing is gathered after it. Each unit's weights are updated
+   right after their last reduce-scatter, inside the backward (the program's
+   `UPDATE`), so no reduced shard waits for the others (under loss scaling,
+   whose skip needs every gradient, and Adafactor, at the step's end).
 
 Under mixed precision a weight that its layer reads in the compute dtype
 (float16, bfloat16; Keras's autocast) is gathered in that dtype, each shard
@@ -55,6 +58,7 @@ from tfdist._compat.keras_functional import nested_sublayers
 from tfdist._compat.keras_layers import read_dtype
 from tfdist._compat.tf_variables import storage_of
 from tfdist.engine.reduce import ShardedReduce
+from tfdist.optim.zero import updates_in_backward
 from tfdist.pipeline.compute import StagedCompute
 from tfdist.pipeline.graph import LayerGraph, graph_of
 from tfdist.pipeline.program import unit_program
@@ -363,8 +367,9 @@ class GatheredUnits(StagedCompute):
         self.gather = _gathering(model, layouts, mesh, wire)
         self.scatter = _scattering(layouts, mesh, whole, wire)
 
-    def program(self, microbatches):
-        return unit_program(len(self.runners), microbatches)
+    def program(self, microbatches, update=None):
+        return unit_program(len(self.runners), microbatches,
+                            update=update is not None and update.in_backward)
 
 
 def data_group_traffic(config, model, stages, gradients: float, parameters: float):
@@ -399,7 +404,8 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
     counts a unit's bytes. zero 1/2 keep a shard of the state and a
     parameter shard buffer; zero=3 a shard of the parameters, gathering two
     units at once (with `stages`, its whole stage), and one unit's gradients
-    with a piece of its reduce-scatter.
+    with a piece of its reduce-scatter and its reduced shard (every unit's
+    when the update waits for all: `updates_in_backward`).
 
     Example:
 
@@ -416,6 +422,9 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
         return shard, local, 2 * local, state
     units = sorted((size_of(unit_weights(u)) for u in plan_units(model, config.zero3_unit_params)),
                    reverse=True)
-    # A unit's whole gradient, and the reduce-scatter's received rows (in
-    # pieces of at most PIECE_BYTES).
-    return shard, sum(units[:2]), shard + units[0] + min(units[0], PIECE_BYTES), state
+    # A unit's whole gradient, the reduce-scatter's received rows (in pieces
+    # of at most PIECE_BYTES), and the reduced shards: one unit's when each
+    # unit's update uses them at once, else all until the step's update.
+    reduced = (units[0] // config.data
+               if updates_in_backward(getattr(model, "optimizer", None), 3) else shard)
+    return shard, sum(units[:2]), reduced + units[0] + min(units[0], PIECE_BYTES), state

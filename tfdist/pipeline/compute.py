@@ -41,7 +41,7 @@ from tfdist._compat import keras_functional
 from tfdist._compat.tf_distribute import local_replica_id
 from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
 from tfdist.pipeline.placement import place_stages
-from tfdist.pipeline.program import WEIGHTS, Program, pipeline_program
+from tfdist.pipeline.program import REDUCE_SCATTER, WEIGHTS, Program, pipeline_program
 from tfdist.pipeline.runner import StageRunner
 from tfdist.pipeline.schedule import stage_device, stage_orders
 from tfdist.pipeline.stages import plan_stages, stage_devices
@@ -102,14 +102,18 @@ class StagedCompute:
         self.peak_held = [0] * (1 + max(device_of))
         self._per_replica = {}  # local replica -> what runs its actions
 
-    def program(self, microbatches: int) -> Program:
-        """The instructions of a replica's step of `microbatches` microbatches."""
+    def program(self, microbatches: int, update=None) -> Program:
+        """The instructions of a replica's step of `microbatches` microbatches;
+        with `UPDATE`s if it applies the step's `update` part itself."""
         raise NotImplementedError
 
-    def __call__(self, slices):
+    def __call__(self, slices, update=None):
         """(summed gradients aligned with `model.trainable_weights`, metrics).
 
         `slices` gives each microbatch's (x, y, sample_weight, share, size).
+        `update` is the step's update part, given when the whole step runs:
+        the weights a program's `UPDATE` applies (`update.apply(weights,
+        gradients)`) have None for gradient.
         """
         strategy = self.model.distribute_strategy
         replica = tf.get_static_value(
@@ -117,10 +121,11 @@ class StagedCompute:
         if replica is None:
             raise RuntimeError("pipeline: the replica id is not known while tracing.")
         local = int(local_replica_id(strategy.extended, replica))
-        if local not in self._per_replica:
-            self._per_replica[local] = self.mesh.in_own_function(
-                functools.partial(self._replica_actions, local=local, mesh=self.mesh))
-        return self._finish(*self._per_replica[local](slices), local)
+        key = local, update
+        if key not in self._per_replica:
+            self._per_replica[key] = self.mesh.in_own_function(functools.partial(
+                self._replica_actions, local=local, mesh=self.mesh, update=update))
+        return self._finish(*self._per_replica[key](slices), local)
 
     def _finish(self, totals, metrics, starts, moved, local):
         """The step's end for the stages' BatchNormalization statistics (one
@@ -130,10 +135,10 @@ class StagedCompute:
                 runner.moving.finish(starts[s], moved[s])
         return totals, metrics
 
-    def _replica_actions(self, slices, local, mesh):
+    def _replica_actions(self, slices, local, mesh, update):
         # A class-split classifier gives its logit slice to the sharded loss.
         with self.loss.logits():
-            return _Run(self, slices, self.devices[local], local, mesh).result()
+            return _Run(self, slices, self.devices[local], local, mesh, update).result()
 
     def _last_stage_loss(self, microbatch, track, values):
         """The last stage's loss of `microbatch` (its (x, y, sample_weight,
@@ -168,8 +173,9 @@ class _Run:
     ```
     """
 
-    def __init__(self, compute, slices, devices, local, mesh):
+    def __init__(self, compute, slices, devices, local, mesh, step_update=None):
         self.compute = compute
+        self.step_update = step_update  # what `UPDATE` applies with
         self.slices = slices
         self.devices = devices
         self.local = local
@@ -194,7 +200,10 @@ class _Run:
     def result(self):
         """(gradients, metrics, each stage's statistics at the start, their
         moves) after running every block of the program."""
-        program = self.compute.program(len(self.slices))
+        program = self.compute.program(len(self.slices), self.step_update)
+        self.last_scatter = {index: i.stage for i in program.instructions
+                             if i.op == REDUCE_SCATTER
+                             for index, _ in self.compute.runners[i.stage].weights}
         for block in program.blocks():
             self._run_block(program, block)
         met = meet_on_stage_devices(self.totals, [self.devices[self.compute.device_of[s]]
@@ -286,6 +295,17 @@ class _Run:
         shards = self.compute.scatter(indices, grads)
         _accumulate(self.shards, runner.weights, shards)
         return [g for g in tf.nest.flatten(shards, expand_composites=True) if g is not None]
+
+    def update(self, instruction):
+        """Applies the update of the weights whose last reduce-scatter was
+        this stage's, from their complete shards, and drops the shards (the
+        step's update part then skips them)."""
+        weights = [(index, v) for index, v in self.compute.runners[instruction.stage].weights
+                   if self.last_scatter[index] == instruction.stage]
+        shards = [self.shards[index] for index, _ in weights]
+        for index, _ in weights:
+            self.shards[index] = None
+        self.step_update.apply([v for _, v in weights], shards)
 
     def _add(self, s, weights):
         """Adds a backward's weight gradients to stage s's totals; returns
@@ -387,7 +407,7 @@ class PipelineCompute(StagedCompute):
         self._program = self._program.first_refreshing(
             [s for s, runner in enumerate(self.runners) if runner.copies], device_of)
 
-    def program(self, microbatches):
+    def program(self, microbatches, update=None):
         return self._program
 
     def gather_stages(self, gather):

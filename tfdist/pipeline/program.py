@@ -20,6 +20,10 @@ model's layers, run by its `StageRunner`). The instructions:
 - `REDUCE_SCATTER` s: the stage's weight gradients summed since its last
   reduce-scatter, reduce-scattered over the data group: the replica keeps its
   shard of each (ZeRO-3).
+- `UPDATE` s: the optimizer's update of the weights whose last reduce-scatter
+  was stage s's, from their complete gradient shards, which are then
+  released (ZeRO-3's units, when the step's update can apply weight by
+  weight).
 
 An instruction with `joins` runs in the block of the one before it (same
 device, dependencies and name scope: a block is named by its first
@@ -36,7 +40,8 @@ released). No TensorFlow here.
 The step's other work stays outside the program: the loss is the last
 stage's forward's (its `head`, under the forward's tape), and the data
 group's reduce and the optimizer's update are the step's reduce and update
-parts (`tfdist.engine.step`).
+parts (`tfdist.engine.step`), but for the updates `UPDATE` makes and the
+step's update then skips.
 
 Example:
 
@@ -58,9 +63,10 @@ FORWARD = "forward"
 BACKWARD = "backward"
 WEIGHTS = "weights"
 REDUCE_SCATTER = "reduce_scatter"
-OPS = (REFRESH, GATHER, FORWARD, BACKWARD, WEIGHTS, REDUCE_SCATTER)
+UPDATE = "update"
+OPS = (REFRESH, GATHER, FORWARD, BACKWARD, WEIGHTS, REDUCE_SCATTER, UPDATE)
 _KINDS = {REFRESH: "refresh", GATHER: "gather", FORWARD: "fwd", BACKWARD: "bwd",
-          WEIGHTS: "bwd_weight", REDUCE_SCATTER: "reduce_scatter"}
+          WEIGHTS: "bwd_weight", REDUCE_SCATTER: "reduce_scatter", UPDATE: "update"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,13 +245,14 @@ def pipeline_program(orders, device_of, remat: bool = False) -> Program:
         for a in order))
 
 
-def unit_program(units: int, microbatches: int) -> Program:
+def unit_program(units: int, microbatches: int, update: bool = False) -> Program:
     """ZeRO-3's program on one device: for each microbatch, every unit's
     parameters gathered and its forward run, in order, then their backwards
-    in reverse, each followed by the reduce-scatter of its gradients. Every
-    unit but the last keeps only its inputs (its backward gathers again and
-    replays it; the last unit's backward follows its forward at once, with
-    its gathered parameters). Two blocks in flight at most.
+    in reverse, each followed by the reduce-scatter of its gradients (and with
+    `update`, after the last microbatch's, by the update of its weights).
+    Every unit but the last keeps only its inputs (its backward gathers again
+    and replays it; the last unit's backward follows its forward at once,
+    with its gathered parameters). Two blocks in flight at most.
 
     Example:
 
@@ -253,6 +260,9 @@ def unit_program(units: int, microbatches: int) -> Program:
     gather + unit0/fwd/mb0 (remat), gather + unit1/fwd/mb0 (remat), gather + unit2/fwd/mb0,
     unit2/bwd/mb0 + reduce_scatter, gather + unit1/bwd/mb0 (remat) + reduce_scatter,
     gather + unit0/bwd/mb0 (remat) + reduce_scatter
+    >>> print(unit_program(units=1, microbatches=2, update=True))  # doctest: +NORMALIZE_WHITESPACE
+    gather + unit0/fwd/mb0, unit0/bwd/mb0 + reduce_scatter, gather + unit0/fwd/mb1,
+    unit0/bwd/mb1 + reduce_scatter + update
     """
     last = units - 1
     instructions = []
@@ -261,4 +271,6 @@ def unit_program(units: int, microbatches: int) -> Program:
         for u in reversed(range(units)):
             instructions += [Instruction(BACKWARD, u, i, 0, remat=u != last),
                              Instruction(REDUCE_SCATTER, u, i, 0, joins=True)]
+            if update and i == microbatches - 1:
+                instructions.append(Instruction(UPDATE, u, i, 0, joins=True))
     return Program("unit", tuple(instructions), window=2, wait_for_all_ops=True).then_gather()
