@@ -100,7 +100,7 @@ class StagedCompute:
         self.mesh = mesh
         self.loss = MicrobatchLoss(model, mesh)
         self.peak_held = [0] * (1 + max(device_of))
-        self._per_replica = {}  # local replica -> what runs its actions
+        self._per_replica = {}  # (local replica, update part) -> what runs its actions
 
     def program(self, microbatches: int, update=None) -> Program:
         """The instructions of a replica's step of `microbatches` microbatches;
