@@ -5,6 +5,7 @@ and every `>>>` example sees the same devices: `tfdist.Strategy(data=8)` works
 anywhere in the suite.
 """
 
+import contextlib
 import functools
 import gc
 import os
@@ -63,21 +64,26 @@ def _stall_watcher():
                              f"--dir={STACKS_DIR}"], stdin=subprocess.PIPE, text=True)
 
 
+@contextlib.contextmanager
 def _watched(key, seconds, label):
-    """Tells the stall watcher that span `key` starts (with `seconds` and
-    `label`) or, with `seconds` None, that it ended."""
-    line = f"end {key}\n" if seconds is None else f"start {key} {seconds} {label}\n"
-    _stall_watcher().stdin.write(line)
-    _stall_watcher().stdin.flush()
+    """Tells the stall watcher that span `key` (`seconds` long at most, named
+    `label`) starts, and at the block's end that it ended."""
+    watcher = _stall_watcher()
+    watcher.stdin.write(f"start {key} {seconds} {label}\n")
+    watcher.stdin.flush()
+    try:
+        yield
+    finally:
+        watcher.stdin.write(f"end {key}\n")
+        watcher.stdin.flush()
 
 
 @pytest.fixture(autouse=True)
 def _native_stacks_of_a_slow_test(request):
     """A test still running after 60 s gets its process's native stacks recorded."""
-    _watched("test", SLOW_TEST_SECONDS,
-             f"{request.node.nodeid} still running after {SLOW_TEST_SECONDS} s")
-    yield
-    _watched("test", None, None)
+    with _watched("test", SLOW_TEST_SECONDS,
+                  f"{request.node.nodeid} still running after {SLOW_TEST_SECONDS} s"):
+        yield
 
 
 class _IteratorCount:
@@ -112,11 +118,10 @@ def _iterators_freed_by_their_test(request):
     made = _IteratorCount.made
     yield
     if _IteratorCount.made > made:
-        _watched("collection", SLOW_COLLECTION_SECONDS,
-                 f"the garbage collection closing {request.node.nodeid} still running after "
-                 f"{SLOW_COLLECTION_SECONDS} s")
-        gc.collect()
-        _watched("collection", None, None)
+        with _watched("collection", SLOW_COLLECTION_SECONDS,
+                      f"the garbage collection closing {request.node.nodeid} still running "
+                      f"after {SLOW_COLLECTION_SECONDS} s"):
+            gc.collect()
 
 
 def pytest_sessionstart(session):
