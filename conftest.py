@@ -35,19 +35,6 @@ gc.freeze()
 
 
 @pytest.fixture(autouse=True)
-def _graph_optimizer_as_marked(request):
-    """TensorFlow's graph optimiser (Grappler) is off in this process's tests
-    but those marked `grappler`. It takes a quarter to a third of a first
-    step's CPU time (docs/development.md); the tests in this process check
-    tfdist's graphs and their numbers, which the optimiser must not change.
-    The marked tests (a sample of every mode, and those that measure a step's
-    memory) and every process of the cluster tier, the examples and the
-    benchmarks run with TensorFlow's defaults, as users do."""
-    tf.config.optimizer.set_experimental_options(
-        {"disable_meta_optimizer": request.node.get_closest_marker("grappler") is None})
-
-
-@pytest.fixture(autouse=True)
 def _doctest_names(doctest_namespace):
     """`keras`, `np`, `tf` and `tfdist` are imported in every `>>>` example."""
     doctest_namespace.update(keras=keras, np=np, tf=tf, tfdist=tfdist)

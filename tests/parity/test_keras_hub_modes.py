@@ -39,21 +39,17 @@ def maker(name, optimizer):
 # in four trainings.
 MODES = [dict(data=4, zero=1), dict(data=2, zero=2, microbatches=2),
          dict(pipeline=2, microbatches=2, schedule="gpipe"), dict(data=2, tensor=2, zero=1)]
-
-
-def case(name, optimizer, config):
-    """GPT-2's cases also run with TensorFlow's graph optimiser (conftest.py)."""
-    return pytest.param(name, optimizer, config,
-                        marks=pytest.mark.grappler if name == "gpt2" else (),
-                        id="-".join([name, optimizer, *(f"{k}{v}" for k, v in config.items())]))
-
-
 # Every model in every mode, the optimizer alternating.
-CASES = [case(name, ("sgd", "adam")[(m + i) % 2], mode)
+CASES = [(name, ("sgd", "adam")[(m + i) % 2], mode)
          for m, name in enumerate(MODELS) for i, mode in enumerate(MODES)]
 
 
-@pytest.mark.parametrize("name, optimizer, config", CASES)
+def case_id(case):
+    name, optimizer, config = case
+    return "-".join([name, optimizer, *(f"{k}{v}" for k, v in config.items())])
+
+
+@pytest.mark.parametrize("name, optimizer, config", CASES, ids=map(case_id, CASES))
 def test_matches_one_device(name, optimizer, config):
     # The causal LM's last batch has 5 examples (uneven over replicas).
     x, y = lm_data("bert" if name == "bert" else "gpt2",

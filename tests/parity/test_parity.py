@@ -8,8 +8,6 @@ import tensorflow as tf
 import tfdist
 from helpers import assert_parity, data, devices, make_model, train, trained_reference
 
-pytestmark = pytest.mark.grappler  # data parallelism's every form, as users run it
-
 
 @pytest.fixture(scope="module")
 def reference():

@@ -356,7 +356,6 @@ def test_trace_shows_each_stage_unit(tmp_path, schedule):
         assert units >= every | {f"stage{s}/bwd_weight/mb1" for s in range(stages)}
 
 
-@pytest.mark.grappler  # the step's memory as users run it
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_stages_microbatch_gradients_are_summed_as_they_come(schedule):
     # Each backward's weight gradients are added into the stage's totals

@@ -236,8 +236,7 @@ def make_gpt2_adam(seed=0):
 
 
 @pytest.mark.parametrize("name, n, microbatches, tensor", [
-    pytest.param("gpt2_adam", 2, 1, 1, marks=pytest.mark.grappler), ("gpt2", 4, 2, 1),
-    ("causal_lm", 2, 1, 1), pytest.param("causal_lm", 2, 1, 2, marks=pytest.mark.grappler)])
+    ("gpt2_adam", 2, 1, 1), ("gpt2", 4, 2, 1), ("causal_lm", 2, 1, 1), ("causal_lm", 2, 1, 2)])
 def test_keras_hub_gpt2_matches_one_device(name, n, microbatches, tensor):
     from test_tensor_blocks import lm_data as hub_data
     from test_tensor_blocks import make_gpt2
@@ -382,7 +381,6 @@ def test_a_step_gathers_at_most_two_units_at_once_and_sends_what_zero_says():
     assert scattered == microbatches * n * dense_shards
 
 
-@pytest.mark.grappler  # the step's memory as users run it
 @pytest.mark.parametrize("config, bound", [(dict(data=2), 16), (dict(data=2, tensor=2), 15)],
                          ids=["data2", "data2-tensor2"])
 def test_a_step_holds_two_units_at_once_when_it_runs(config, bound):
