@@ -135,6 +135,15 @@ def pytest_sessionstart(session):
             shutil.rmtree(REFERENCES_DIR, ignore_errors=True)
 
 
+def pytest_unconfigure(config):
+    """Ends this process's stall watcher, if it started one: the watcher ends
+    when its stdin closes, after a dump under way (py-spy's, 120 s at most)."""
+    if _stall_watcher.cache_info().currsize:
+        watcher = _stall_watcher()
+        watcher.stdin.close()
+        watcher.wait(timeout=150)
+
+
 def pytest_terminal_summary(terminalreporter):
     if not os.path.isdir(STACKS_DIR):
         return
