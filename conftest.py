@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import weakref
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -86,42 +87,61 @@ def _native_stacks_of_a_slow_test(request):
         yield
 
 
-class _IteratorCount:
-    """How many tf.data iterators this process has made: every kind (a plain
+class _Iterators:
+    """The tf.data iterators this process has made: every kind (a plain
     dataset's, a `MultiDeviceIterator`'s per device, a distributed dataset's)
-    is or holds an `OwnedIterator`."""
+    is or holds an `OwnedIterator`. `made` counts them; `autotuning` holds,
+    weakly, those whose dataset has tf.data autotuning on, each with its
+    number."""
 
     made = 0
+    made_before_this_test = 0  # before its fixtures, of every scope
+    autotuning = weakref.WeakKeyDictionary()
 
     @classmethod
     def counting(cls, init):
         @functools.wraps(init)
-        def counted(self, *args, **kwargs):
+        def counted(self, dataset=None, *args, **kwargs):
             cls.made += 1
-            init(self, *args, **kwargs)
+            init(self, dataset, *args, **kwargs)
+            if dataset is not None and dataset.options().autotune.enabled is not False:
+                cls.autotuning[self] = cls.made
         return counted
 
 
-OwnedIterator.__init__ = _IteratorCount.counting(OwnedIterator.__init__)
+OwnedIterator.__init__ = _Iterators.counting(OwnedIterator.__init__)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _Iterators.made_before_this_test = _Iterators.made
 
 
 @pytest.fixture(autouse=True)
 def _iterators_freed_by_their_test(request):
     """A test that made a tf.data iterator ends with a garbage collection, so
     its iterators are destroyed then, young, not by whichever later test's
-    allocation starts a collection. Destroying an iterator with tf.data
-    autotuning on can wait for its autotuning thread's sleep (TensorFlow
-    2.20's missed wake-up, tfdist/input_options.py), a sleep that doubles
-    with the iterator's age up to 60 s: plain Keras `fit`s' iterators, left to
-    a later test, stalled it by a minute and more (a test's teardown took
-    60.4 s when only tests of a second or more collected)."""
-    made = _IteratorCount.made
+    allocation starts a collection; and fails if one with tf.data autotuning
+    is still alive (kept by a module's fixture, say). Destroying an iterator
+    with autotuning on can wait for its autotuning thread's sleep
+    (TensorFlow 2.20's missed wake-up, tfdist/input_options.py), a sleep that
+    doubles with the iterator's age up to 60 s: plain Keras `fit`s'
+    iterators, left to a later test, stalled it by a minute and more, and an
+    iterator a module's fixture kept stalled the next file's first test
+    (docs/development.md)."""
+    made = _Iterators.made_before_this_test
     yield
-    if _IteratorCount.made > made:
+    if _Iterators.made > made:
         with _watched("collection", SLOW_COLLECTION_SECONDS,
                       f"the garbage collection closing {request.node.nodeid} still running "
                       f"after {SLOW_COLLECTION_SECONDS} s"):
             gc.collect()
+        kept = [n for n in _Iterators.autotuning.values() if n > made]
+        assert not kept, (
+            f"{len(kept)} tf.data iterator(s) with autotuning made by this test (or its "
+            f"fixtures) outlive it: whichever later test frees one can wait up to a minute. "
+            f"Make the dataset with `tfdist.input_options.without_autotuning`, or keep "
+            f"results, not what iterates.")
 
 
 def pytest_sessionstart(session):
