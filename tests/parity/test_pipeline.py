@@ -1,9 +1,6 @@
 """Pipeline parallelism: stages on their devices, both schedules at one-device parity."""
 
-import pathlib
 import re
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -384,24 +381,38 @@ def test_a_stages_microbatch_gradients_are_summed_as_they_come(schedule):
 
 
 def test_remat_lowers_peak_memory():
-    script = pathlib.Path(__file__).parents[1] / "scripts" / "pipeline_memory.py"
+    # Activations that dwarf the weights (elementwise layers), TensorFlow's
+    # own count of the step's tensors, in one microbatch's activation of one
+    # layer (256 KiB). GPipe without remat holds every microbatch's output of
+    # every tanh until its backward (measured 129 units); with remat each
+    # stage holds its microbatches' inputs and replays one microbatch at a
+    # time (measured 24).
+    width, rows, microbatches, layers = 512, 128, 8, 8
+    activation = rows * width * 4
     peaks = {}
-    for flag in ("--noremat", "--remat"):
-        done = subprocess.run([sys.executable, str(script), flag], capture_output=True,
-                              text=True, timeout=300)
-        crash = done.stderr.find("Fatal Python error")  # faulthandler's stacks, not its module list
-        assert done.returncode == 0, done.stderr[crash:crash + 6000] if crash >= 0 else \
-            done.stderr[-3000:]
-        peaks[flag] = int(re.search(r"peak_rss_mib (\d+)", done.stdout).group(1))
-    # 16 microbatches x 8 MiB activations per layer, 16 activation
-    # layers per stage: GPipe without remat keeps them all until the
-    # backward, remat each stage's inputs and one microbatch's replay.
-    # Measured (peak over training steps only: the first step's tracing is
-    # excluded) 4,281 vs 1,981 MiB alone, 3,290 vs 1,973-2,056 beside two
-    # other such runs. With 8 microbatches and 11 and 9 layers the gap was
-    # 900 MiB alone and 393 MiB under the suite's load (remat's peak rose by
-    # ~560 MiB there): too close to the noise.
-    assert peaks["--remat"] + 600 < peaks["--noremat"], peaks
+    for remat in (False, True):
+        strategy = strategy_on_its_devices(pipeline=2, microbatches=microbatches,
+                                           schedule="gpipe", remat=remat,
+                                           stage_boundaries=["stage1"])
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([
+                keras.Input((16,)), keras.layers.Dense(width),
+                *[keras.layers.Activation("tanh") for _ in range(layers)],
+                keras.layers.Activation("tanh", name="stage1"),
+                *[keras.layers.Activation("tanh") for _ in range(layers - 1)],
+                keras.layers.Dense(4)])
+            model.compile(optimizer="sgd", loss="mse")
+        x, y = np.ones((rows * microbatches, 16), "float32"), np.ones((rows * microbatches, 4),
+                                                                      "float32")
+        model.fit(x, y, batch_size=rows * microbatches, verbose=0)  # traces the step
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        model.fit(x, y, batch_size=rows * microbatches, verbose=0)
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
+        peaks[remat] = peak / activation
+    assert peaks[False] >= microbatches * 2 * layers, peaks
+    assert peaks[True] <= microbatches + 2 * layers + 2, peaks
 
 
 @pytest.mark.parametrize("schedule, virtual", SCHEDULES[1:], ids=[s for s, _ in SCHEDULES[1:]])
