@@ -412,3 +412,14 @@ def alive(pid):
     except ProcessLookupError:
         return False
     return True
+
+
+def step_peak_bytes(model, x, y, batch_size):
+    """The most bytes of tensors (TensorFlow's own count, every device: one
+    CPU allocator) a `fit` epoch held above its start, after a first `fit`
+    that traces the step and places what it places."""
+    model.fit(x, y, batch_size=batch_size, verbose=0)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    model.fit(x, y, batch_size=batch_size, verbose=0)
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - start

@@ -15,6 +15,7 @@ from helpers import (
     assert_parity,
     data,
     devices,
+    step_peak_bytes,
     strategy_on_its_devices,
     trace_events,
     train,
@@ -372,11 +373,7 @@ def test_a_stages_microbatch_gradients_are_summed_as_they_come(schedule):
                                      + [keras.layers.Dense(width) for _ in range(4)])
             model.compile(optimizer="sgd", loss="mse")
         x = np.ones((64, width), "float32")
-        model.fit(x, x, batch_size=64, verbose=0)  # traces the step, places the stages
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        start = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        model.fit(x, x, batch_size=64, verbose=0)
-        peaks[microbatches] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
+        peaks[microbatches] = step_peak_bytes(model, x, x, batch_size=64)
     assert peaks[8] < peaks[1] + 8 * layer, {m: p / layer for m, p in peaks.items()}
 
 
@@ -403,14 +400,9 @@ def test_remat_lowers_peak_memory():
                 *[keras.layers.Activation("tanh") for _ in range(layers - 1)],
                 keras.layers.Dense(4)])
             model.compile(optimizer="sgd", loss="mse")
-        x, y = np.ones((rows * microbatches, 16), "float32"), np.ones((rows * microbatches, 4),
-                                                                      "float32")
-        model.fit(x, y, batch_size=rows * microbatches, verbose=0)  # traces the step
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        start = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        model.fit(x, y, batch_size=rows * microbatches, verbose=0)
-        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
-        peaks[remat] = peak / activation
+        batch = rows * microbatches
+        x, y = np.ones((batch, 16), "float32"), np.ones((batch, 4), "float32")
+        peaks[remat] = step_peak_bytes(model, x, y, batch) / activation
     assert peaks[False] >= microbatches * 2 * layers, peaks
     assert peaks[True] <= microbatches + 2 * layers + 2, peaks
 
