@@ -181,6 +181,36 @@ def _op_counts(nodes, library, device=None):
     return counts
 
 
+def step_ops(graph, device=None, caller_device=""):
+    """The ops of a traced step's `graph` and of the functions its ops call
+    (function calls, not a branch's or a loop's body), each function's once
+    per op that calls it; with `device`, only those that run there: a
+    function's ops without a device of their own run on the calling op's
+    (the replicas share one trace of a ZeRO-3 program, whose ops have none)."""
+    found = []
+    for op in graph.get_operations():
+        where = op.device or caller_device
+        if device is not None and not where.endswith(device):
+            continue
+        found.append(op)
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+            body = _function_graph(graph, op.get_attr("f").name)
+            if body is not None:
+                found += step_ops(body, device, where)
+    return found
+
+
+def _function_graph(graph, name):
+    """The graph of the function `name` that `graph` (or a graph it is
+    nested in) holds, or None."""
+    while graph is not None:
+        function = graph._functions.get(name) if name else None
+        if function is not None:
+            return getattr(function, "graph", None)
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
 _REFERENCES = {}
 # Single-device references shared by the processes of one pytest run (xdist
 # workers, the rounds of `make test` start fresh ones): the controller empties

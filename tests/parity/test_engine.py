@@ -15,6 +15,7 @@ from helpers import (
     devices,
     executed_op_counts,
     make_model,
+    step_ops,
     strategy_on_its_devices,
     train,
     trained_reference,
@@ -292,12 +293,15 @@ def test_pipeline_stages_and_zero3_units_trace_their_layers_once_for_every_repli
 @pytest.mark.parametrize("config", [dict(pipeline=2, microbatches=2),
                                     dict(pipeline=2, microbatches=2, schedule="zb1"),
                                     dict(data=2, zero=3, microbatches=2),
+                                    dict(data=2, tensor=2, zero=3),
                                     dict(data=2, pipeline=2, microbatches=2, remat=True, zero=3)],
                          ids=str)
 def test_pipeline_schedules_and_zero3_units_are_programs_one_executor_runs(config, monkeypatch):
     # Pipeline stages and ZeRO-3's units are both a `Program` (pure data)
     # run by one executor (`StagedCompute`'s `_Run`): every instruction, in
-    # the program's order, for each replica; and the step's ops are built in
+    # the program's order, for each replica (ZeRO-3's units, every block on
+    # the replica's one device: in one trace every replica calls, its `local`
+    # None); and the step's ops are built in
     # that order (first appearance of each block's name scope in replica 0's
     # ops; a block whose ops are all gradients named after the forward they
     # differentiate names none of its own).
@@ -317,13 +321,16 @@ def test_pipeline_schedules_and_zero3_units_are_programs_one_executor_runs(confi
     step = strategy.train_step(model)
     compute = step.compute.pipeline
     assert isinstance(compute, StagedCompute)
-    program = compute.program(config["microbatches"], step.update)
-    for replica in range(config.get("data", 1)):
+    program = compute.program(config.get("microbatches", 1), step.update)
+    shared = config.get("zero") == 3 and "pipeline" not in config
+    runs = {None} if shared else set(range(config.get("data", 1)))
+    assert {local for local, _ in ran} == runs
+    for replica in runs:
         assert [i for local, i in ran if local == replica] == list(program.instructions)
     scopes = [program.lead(block).scope(program.name) for block in program.blocks()]
     pattern = re.compile(rf"(?:^|/)({program.name}\d+/\w+(?:/mb\d+)?)(?:/|$)")
     built = []
-    for op in _step_graph(model).get_operations():
+    for op in step_ops(_step_graph(model)):
         found = pattern.search(op.name)
         if found and not op.name.startswith("replica_") and found.group(1) not in built:
             built.append(found.group(1))

@@ -16,6 +16,7 @@ from helpers import (
     data,
     devices,
     make_model,
+    step_ops,
     train,
     trained_reference,
 )
@@ -303,7 +304,7 @@ def test_each_device_keeps_its_shard_of_the_parameters_and_their_state():
 
 def _gathers_and_scatters(graph, replica_device):
     """(gather ops, all-to-all ops) of the replica on `replica_device`."""
-    ops = [op for op in graph.get_operations() if op.device.endswith(replica_device)]
+    ops = step_ops(graph, replica_device)
     return ([op for op in ops if op.type == "CollectiveGatherV2"],
             [op for op in ops if op.type == "CollectiveAllToAllV2"])
 
@@ -351,9 +352,9 @@ def test_a_step_gathers_at_most_two_units_at_once_and_sends_what_zero_says():
     # computes from them has run: the later gathers that do not wait for all
     # of those hold theirs at the same time.
     scope = {}
-    for op in graph.get_operations():
+    for op in step_ops(graph, "CPU:0"):
         found = re.search(r"unit\d+/(fwd|bwd)/mb\d+/", op.name)
-        if op.device.endswith("CPU:0") and found:
+        if found:
             scope[op] = action(op)
     users = [{op for op in _descendants(gather) if scope.get(op) == action(gather)}
              for gather in gathers]
@@ -506,7 +507,7 @@ def test_large_weights_go_alone_and_large_reduce_scatters_in_pieces(monkeypatch)
     assert_parity(result, trained_reference(make=lm("adam"), x=x, y=y, batch_size=16))
     graph = _step_graph(result[2])
     packed = []
-    for op in graph.get_operations():
+    for op in step_ops(graph):
         if not re.search(r"/(gather|reduce_scatter)/", op.name):
             continue
         values = (op.inputs[:-1] if op.type == "ConcatV2" else

@@ -94,8 +94,9 @@ class CallerLauncher(cross_device_utils.CollectiveReplicaLauncher):
 
     Only inside a shared trace (`caller_value`), or the backward function
     TensorFlow builds for it (a custom gradient's collectives): each graph
-    takes its own inputs. Launchers of different `name`s must not share one
-    ordering token.
+    takes its own inputs. Launchers whose resolved launchers share an
+    ordering token (a tensor group's and a data group's with the strategy's)
+    take it as one input, so that their collectives stay in one order.
 
     Example:
 
@@ -114,6 +115,7 @@ class CallerLauncher(cross_device_utils.CollectiveReplicaLauncher):
         self._device = None  # the call's
         self._name = name
         self._resolve = resolve
+        self._token_name = f"ordering_token/{id(traced._ordering_token)}"
 
     @property
     def _group_key(self):  # an input of the graph being built
@@ -122,10 +124,11 @@ class CallerLauncher(cross_device_utils.CollectiveReplicaLauncher):
 
     def _next_instance_key(self):  # one input per collective
         return caller_value(f"instance_key/{next(_INSTANCE_KEYS)}",
-                            lambda: self._resolve()._next_instance_key(), tf.int32)
+                            lambda: self._resolve()._next_instance_key(), tf.int32,
+                            each_call=True)
 
     def _get_ordering_token(self):
-        return caller_value(f"{self._name}/ordering_token",
+        return caller_value(self._token_name,
                             lambda: self._resolve()._get_ordering_token(), tf.resource)
 
 

@@ -15,13 +15,14 @@ there, so the function keeps its one trace.
 import contextlib
 import copy
 import functools
+import itertools
 import threading
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.eager.polymorphic_function import function_type_utils
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import op_def_registry, ops
 
 # The name of the creator a tf.function's first trace installs.
 _CAPTURING_CREATOR = "variable_capturing_scope"
@@ -52,11 +53,13 @@ def eagerly_outside_the_trace():
 
 class _CallerValue:
     """The key of an input of a shared trace that each caller gives: `resolve()`
-    evaluated in the caller's own trace. Keys of one name are one input."""
+    evaluated in the caller's own trace. Keys of one name are one input;
+    `each_call`: a value each call takes anew (a collective's instance key)."""
 
-    def __init__(self, name, resolve):
+    def __init__(self, name, resolve, each_call=False):
         self.name = name
         self.resolve = resolve
+        self.each_call = each_call
 
     def __hash__(self):
         return hash((_CallerValue, self.name))
@@ -68,13 +71,15 @@ class _CallerValue:
 _sharing = threading.local()  # .depth: shared traces this thread is tracing
 
 
-def caller_value(name: str, resolve, dtype):
+def caller_value(name: str, resolve, dtype, each_call=False):
     """Inside a trace that `ReplicaSharedFunction` shares among replicas, an
     input of that trace (a scalar of `dtype`) whose value each caller gives:
     `resolve()`, evaluated in the caller's own trace, in its replica context
     (its collectives' keys and ordering token, its tensor rank). The inputs of
-    one `name` in one trace are one input. None outside such traces: there,
-    the caller's own value is used directly.
+    one `name` in one trace are one input; with `each_call`, a value that
+    each call takes anew (an instance key: a shared trace that calls another
+    twice gives each call its own). None outside such traces: there, the
+    caller's own value is used directly.
 
     Example:
 
@@ -90,7 +95,21 @@ def caller_value(name: str, resolve, dtype):
     while getattr(graph, "is_control_flow_graph", False):  # as TensorFlow's launchers
         graph = graph.outer_graph
     return graph.capture_call_time_value(_given_by_the_caller, tf.TensorSpec([], dtype),
-                                         key=_CallerValue(name, resolve))
+                                         key=_CallerValue(name, resolve, each_call))
+
+
+def _resolved(key, dtype):
+    """The value of a shared trace's input `key` (of `dtype`) in the calling
+    trace: the caller's own, or, where the caller is itself a trace the
+    replicas share (a pipeline's or ZeRO-3's program calling its layers'
+    trace), an input of that trace, which its own callers give."""
+    if not sharing_a_trace():
+        return key.resolve()
+    name = f"{key.name}/call{next(_CALLS)}" if key.each_call else key.name
+    return caller_value(name, key.resolve, dtype, key.each_call)
+
+
+_CALLS = itertools.count()  # names of the inputs an enclosing shared trace forwards
 
 
 def sharing_a_trace() -> bool:
@@ -138,9 +157,11 @@ class ReplicaSharedFunction:
     graph, one whose variables' copies differ in shape), or that cannot be
     traced on its own (a `merge_call`, as tf_keras's BatchNormalization makes,
     is refused inside a function), is not shared: each caller then runs `fn`
-    as it would without this class (or `unshared`). Outside a traced function, or with one
-    local copy (unless `one_copy_too`), `fn` is just called (compiled with
-    XLA when `jit_compile`).
+    as it would without this class (or `unshared`). A shared trace may call
+    another (a ZeRO-3 program its layers'): the inner trace's inputs that
+    callers give become the outer trace's, which its own callers give.
+    Outside a traced function, or with one local copy (unless
+    `one_copy_too`), `fn` is just called (compiled with XLA when `jit_compile`).
 
     Args:
         fn: the Python function, called with tensors (nests of them) and None.
@@ -274,9 +295,9 @@ def _replica_independent(concrete, no_lookups=False) -> bool:
     if _collectives_with_fixed_keys(concrete.graph):
         return False
     graph_def = concrete.graph.as_graph_def()
-    nested = [n for f in graph_def.library.function for n in f.node_def]
-    if any(n.op.startswith(_COLLECTIVE_OPS) for n in nested):  # keys not checked there
+    if any(_keys_fixed_inside(f) for f in graph_def.library.function):
         return False
+    nested = [n for f in graph_def.library.function for n in f.node_def]
     return not any(
         n.op == "Const" and n.name.rsplit("/", 1)[-1].startswith("replica_id_in_sync_group")
         for n in [*graph_def.node, *nested])
@@ -302,9 +323,11 @@ def _callers_give_the_gradient_inputs(concrete):
                 f"its callers do not give ({', '.join(fixed)}): they would all be the "
                 f"first caller's. Make them through the caller's launcher "
                 f"(tfdist._compat.tf_collectives.CallerLauncher).")
+        captures = backward.graph.function_captures
         backward._captured_inputs = backward.graph.external_captures + [
-            key.resolve if isinstance(key, _CallerValue) else closure
-            for key, closure in backward.graph.function_captures.by_ref_external.items()]
+            functools.partial(_resolved, key, captures.by_ref_internal[key].dtype)
+            if isinstance(key, _CallerValue) else closure
+            for key, closure in captures.by_ref_external.items()]
         return forward, backward
 
     rewrites._construct_forward_backward = construct_forward_backward
@@ -317,6 +340,26 @@ def _collectives_with_fixed_keys(graph) -> list:
              if isinstance(key, _CallerValue)}
     return [op.name for op in graph.get_operations()
             if op.type.startswith(_COLLECTIVE_OPS) and not _keys_given(op, given)]
+
+
+def _keys_fixed_inside(function_def) -> bool:
+    """Whether a function of a trace's library (a shared trace it calls, a
+    `tf.cond`'s branch) has a collective whose group or instance key is a
+    constant of its own. Its other keys are its inputs: the trace's own
+    keys, which `_collectives_with_fixed_keys` checks, or a shared trace's
+    inputs its caller gives (`_resolved`)."""
+    nodes = {n.name: n for n in function_def.node_def}
+    for node in function_def.node_def:
+        if not node.op.startswith(_COLLECTIVE_OPS):
+            continue
+        names = [arg.name for arg in op_def_registry.get(node.op).input_arg]
+        for key in ("group_key", "instance_key"):
+            source = nodes.get(node.input[names.index(key)].split(":")[0])
+            while source is not None and source.op == "Identity":
+                source = nodes.get(source.input[0].split(":")[0])
+            if source is not None and source.op == "Const":
+                return True
+    return False
 
 
 def _keys_given(op, given) -> bool:
@@ -364,4 +407,6 @@ def _local_captures(concrete):
         if local.shape != next(c for c in variable._values if c.handle is t).shape:
             return None
         captures.append(local.handle)
-    return captures + [key.resolve() for key in function_captures.by_ref_external]
+    return captures + [_resolved(key, function_captures.by_ref_internal[key].dtype)
+                       for key in function_captures.by_ref_external]
+

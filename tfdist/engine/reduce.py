@@ -36,7 +36,8 @@ import tensorflow as tf
 from tfdist import sparse_gradients
 from tfdist._compat import tf_collectives
 from tfdist._compat.tf_distribute import summed_across_replicas
-from tfdist.sharding.collectives import non_finite_count, packed_reduce_scatter
+from tfdist._compat.tf_function import sharing_a_trace
+from tfdist.sharding.collectives import non_finite_count, packed_reduce_scatter, replica_launcher
 
 
 class AllReduce:
@@ -65,10 +66,13 @@ class AllReduce:
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return grads, states
-        present, states = _summed_together(
-            lambda values: [t for bucket in buckets(values, self.bucket_bytes)
-                            for t in summed_across_replicas(bucket)],
-            [g for g in grads if g is not None], states)
+        if sharing_a_trace():  # (no merge call in a function: the launcher's collectives)
+            launcher = replica_launcher()
+            sum_ = lambda values: data_group_sum(values, launcher, self.bucket_bytes)  # noqa: E731
+        else:
+            sum_ = lambda values: [t for bucket in buckets(values, self.bucket_bytes)  # noqa: E731
+                                   for t in summed_across_replicas(bucket)]
+        present, states = _summed_together(sum_, [g for g in grads if g is not None], states)
         reduced = iter(present)
         return [None if g is None else next(reduced) for g in grads], states
 
@@ -255,9 +259,7 @@ class ShardedReduce:
         positions = [i for i, g in enumerate(grads) if g is not None]
         if not positions:
             raise ValueError("No gradients provided for any variable.")
-        context = tf.distribute.get_replica_context()
-        # This replica's shard index: its place in its data group.
-        index = context.replica_id_in_sync_group // mesh.tensor
+        index = mesh.data_index()  # this replica's shard: its place in its data group
         # Sparse gradients are gathered whole (their slices, as tf.distribute
         # does), and each replica keeps the parts inside its shard.
         gathered = [i for i in positions

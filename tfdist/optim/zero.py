@@ -281,11 +281,9 @@ class ShardedUpdate:
         indices = [i for i, _ in present]
         shards = [g for _, g in present]
         layouts = [self._by_index[i] for i in indices]
-        context = tf.distribute.get_replica_context()
         mesh = self.mesh
         launcher = mesh.data_launcher()
-        # This replica's shard index: its place in its data group.
-        replica = context.replica_id_in_sync_group // mesh.tensor
+        replica = mesh.data_index()  # this replica's shard: its place in its data group
         with tf.name_scope("apply"):
             # One decision on every replica (of every tensor rank): the
             # shards of all replicas cover every reduced gradient.

@@ -23,6 +23,11 @@ stages d and 2p - 1 - d (`stage_device`).
 With `tensor` > 1 each action of device d runs under `TensorMesh.stage(d)`: the
 split layers' all-reduces are among the tensor group's device-d devices.
 
+A program whose every block runs on the replica's one device (ZeRO-3's units
+without pipeline stages) is traced once and called by every replica, as the
+layers' calls are (`ReplicaSharedFunction`); a pipeline's, whose blocks run
+on the replica's several devices, is traced by each replica.
+
 Ops are named `tfdist/stage{s}/{fwd|bwd}/mb{i}/...`, a zero-bubble schedule's
 `fwd`, `bwd_input` and `bwd_weight`; the gradient ops themselves are named
 after the forward op they differentiate (`gradient_tape/tfdist/stage{s}/fwd/...`),
@@ -39,6 +44,7 @@ from keras import tree
 from tfdist import sparse_gradients
 from tfdist._compat import keras_functional
 from tfdist._compat.tf_distribute import local_replica_id
+from tfdist._compat.tf_function import ReplicaSharedFunction
 from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
 from tfdist.pipeline.placement import place_stages
 from tfdist.pipeline.program import REDUCE_SCATTER, WEIGHTS, Program, pipeline_program
@@ -101,6 +107,7 @@ class StagedCompute:
         self.loss = MicrobatchLoss(model, mesh)
         self.peak_held = [0] * (1 + max(device_of))
         self._per_replica = {}  # (local replica, update part) -> what runs its actions
+        self._shared = {}  # update part -> the actions' trace every replica shares
 
     def program(self, microbatches: int, update=None) -> Program:
         """The instructions of a replica's step of `microbatches` microbatches;
@@ -114,18 +121,47 @@ class StagedCompute:
         `update` is the step's update part, given when the whole step runs:
         the weights a program's `UPDATE` applies (`update.apply(weights,
         gradients)`) have None for gradient.
+
+        A program whose every block runs on the replica's one device (ZeRO-3's
+        units) is traced once for every replica (`ReplicaSharedFunction`: its
+        ops on the caller's device, its collectives with the caller's keys);
+        else, or where that trace cannot serve every replica, each replica
+        traces its own (`TensorMesh.in_own_function`).
         """
+        local = self._local_replica()
+        if max(self.device_of) == 0 and len(self.devices[local]) == 1:
+            run = self._shared_actions(update)
+        else:
+            run = self._own_actions(update)
+        return self._finish(*run(slices), local)
+
+    def _local_replica(self) -> int:
         strategy = self.model.distribute_strategy
         replica = tf.get_static_value(
             tf.distribute.get_replica_context().replica_id_in_sync_group)
         if replica is None:
             raise RuntimeError("pipeline: the replica id is not known while tracing.")
-        local = int(local_replica_id(strategy.extended, replica))
-        key = local, update
+        return int(local_replica_id(strategy.extended, replica))
+
+    def _own_actions(self, update):
+        """The calling replica's own trace of its actions."""
+        key = self._local_replica(), update
         if key not in self._per_replica:
             self._per_replica[key] = self.mesh.in_own_function(functools.partial(
-                self._replica_actions, local=local, mesh=self.mesh, update=update))
-        return self._finish(*self._per_replica[key](slices), local)
+                self._replica_actions, local=key[0], mesh=self.mesh, update=update))
+        return self._per_replica[key]
+
+    def _shared_actions(self, update):
+        """The actions' trace every replica shares."""
+        if update not in self._shared:
+            def actions(slices):  # (`local` None: no device of its own)
+                return self._replica_actions(slices, local=None, mesh=self.mesh, update=update)
+
+            def own(slices):
+                return self._own_actions(update)(slices)
+
+            self._shared[update] = ReplicaSharedFunction(actions, unshared=own)
+        return self._shared[update]
 
     def _finish(self, totals, metrics, starts, moved, local):
         """The step's end for the stages' BatchNormalization statistics (one
@@ -137,8 +173,9 @@ class StagedCompute:
 
     def _replica_actions(self, slices, local, mesh, update):
         # A class-split classifier gives its logit slice to the sharded loss.
+        devices = [None] if local is None else self.devices[local]
         with self.loss.logits():
-            return _Run(self, slices, self.devices[local], local, mesh, update).result()
+            return _Run(self, slices, devices, local, mesh, update).result()
 
     def _last_stage_loss(self, microbatch, track, values):
         """The last stage's loss of `microbatch` (its (x, y, sample_weight,
@@ -331,9 +368,12 @@ def _recording(device):
     last = []
     yield last
     # (Other replicas' ops, built in between at a merge call, are on their
-    # devices; this task's devices differ in type or index.)
-    here = _local_device(device)
-    ops = [op for op in graph.get_operations()[built:] if _local_device(op.device) == here]
+    # devices; this task's devices differ in type or index. With no device,
+    # a trace of the replica's own.)
+    ops = graph.get_operations()[built:]
+    if device is not None:
+        here = _local_device(device)
+        ops = [op for op in ops if _local_device(op.device) == here]
     read = {t.op for op in ops for t in op.inputs} | {c for op in ops for c in op.control_inputs}
     last += [done for op in ops if op not in read for done in _run_when_done(op)]
 

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from tfdist._compat import tf_collectives
 from tfdist._compat.tf_distribute import current_local_replica_id
+from tfdist._compat.tf_function import sharing_a_trace
 from tfdist.sharding.wire import Wire
 
 # A weight of at least this many bytes (whole: as gathered, or its gradient)
@@ -43,13 +44,26 @@ PIECE_BYTES = 16 << 20
 PIECE_COLUMNS = 4096
 
 
-def _launcher():
-    """The strategy's collective launcher of the current replica."""
+def replica_launcher():
+    """The strategy's collective launcher of the current replica; in a trace
+    the replicas share (`ReplicaSharedFunction`), one whose keys and ordering
+    token each caller gives.
+
+    Example:
+
+    ```python
+    summed = replica_launcher().batch_all_reduce([grads])   # inside strategy.run
+    ```
+    """
     context = tf.distribute.get_replica_context()
     if context is None:
         raise RuntimeError("tfdist collectives run in replica context (inside strategy.run).")
-    return tf_collectives.strategy_launcher(context.strategy.extended,
-                                            current_local_replica_id())
+
+    def own():
+        return tf_collectives.strategy_launcher(context.strategy.extended,
+                                                current_local_replica_id())
+
+    return tf_collectives.CallerLauncher("data/stage0", own) if sharing_a_trace() else own()
 
 
 def reduce_scatter(rows, launcher=None, wire=None):
@@ -66,7 +80,7 @@ def reduce_scatter(rows, launcher=None, wire=None):
     my_shard = reduce_scatter(rows)   # sum over replicas of rows[my_replica_id]
     ```
     """
-    launcher = launcher or _launcher()
+    launcher = launcher or replica_launcher()
     wire = wire or Wire()
     columns = _piece_columns(rows, wire)  # None: all at once
     sums = []
@@ -106,7 +120,7 @@ def all_gather(row, launcher=None):
     shards = all_gather(my_updated_shard)   # (num_replicas, shard_size)
     ```
     """
-    launcher = launcher or _launcher()
+    launcher = launcher or replica_launcher()
     return tf_collectives.all_gather(launcher, row[tf.newaxis],
                                      tf_collectives.launcher_options(launcher))
 
@@ -139,7 +153,7 @@ def packed_all_gather(shards, layouts, launcher=None, wire=None):
     ```
     """
     wire = wire or Wire()
-    launcher = launcher or _launcher()
+    launcher = launcher or replica_launcher()
     replicas = tf_collectives.launcher_group_size(launcher)
 
     def gather(parts):

@@ -61,6 +61,32 @@ class _ReplicaMesh:
     def _stage_index(self):
         return getattr(self._stage, "index", 0)
 
+    def data_index(self):
+        """The current replica's place in its data group (the index of its
+        shard of what its group shards), a scalar int32 tensor; in a trace
+        the replicas share, one each caller gives.
+
+        Example:
+
+        ```python
+        shard = layout.shard(full, mesh.data_index())   # inside strategy.run
+        ```
+        """
+        def own():
+            context = tf.distribute.get_replica_context()
+            return context.replica_id_in_sync_group // self.tensor
+
+        shared = caller_value("data_index", own, tf.int32)
+        return own() if shared is None else shared
+
+    @staticmethod
+    def _launcher(name, own):
+        """The current replica's launcher `own()`, or in a trace the replicas
+        share, one whose keys and ordering token each caller gives."""
+        if sharing_a_trace():
+            return tf_collectives.CallerLauncher(name, own)
+        return own()
+
     def replica(self):
         """The current replica's id in the sync group (across workers), or
         None outside this mesh's replicas."""
@@ -149,12 +175,9 @@ class TensorMesh(_ReplicaMesh):
         return replica % self.tensor if shared is None else shared
 
     def _tensor_launcher(self):
-        def own():
-            return self._tensor_launchers[self._stage_index()][self.replica()]
-
-        if sharing_a_trace():  # each caller's own group and keys
-            return tf_collectives.CallerLauncher(f"tensor/stage{self._stage_index()}", own)
-        return own()
+        stage = self._stage_index()  # (a shared trace's callers resolve it later)
+        return self._launcher(f"tensor/stage{stage}",
+                              lambda: self._tensor_launchers[stage][self.replica()])
 
     def eager_example_sum(self, context, x):
         """`x` summed over the replicas holding other examples, in eager
@@ -224,7 +247,7 @@ class TensorMesh(_ReplicaMesh):
     def data_launcher(self):
         """The current replica's launcher of collectives over its data group
         (for `tfdist.sharding.collectives` and ZeRO's sharded update)."""
-        return self._data_launchers[self.replica()]
+        return self._launcher("data", lambda: self._data_launchers[self.replica()])
 
     def reduce(self, x):
         """Megatron's "g": sum over the tensor group forward, identity backward."""
@@ -403,7 +426,12 @@ class DataOnlyMesh(_ReplicaMesh):
     def data_launcher(self):
         """The current replica's launcher of collectives over its data group
         on the current stage's devices (the strategy's own on stage 0)."""
-        stage, local = self._stage_index(), tf_distribute.current_local_replica_id()
+        stage = self._stage_index()  # (a shared trace's callers resolve it later)
+        return self._launcher(f"data/stage{stage}",
+                              lambda: self._own_data_launcher(stage))
+
+    def _own_data_launcher(self, stage):
+        local = tf_distribute.current_local_replica_id()
         extended = self.strategy.extended
         if stage == 0:
             return tf_collectives.strategy_launcher(extended, local)
