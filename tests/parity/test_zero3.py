@@ -17,6 +17,7 @@ from helpers import (
     devices,
     make_model,
     step_ops,
+    step_peak_bytes,
     train,
     trained_reference,
 )
@@ -389,10 +390,10 @@ def test_a_step_holds_two_units_at_once_when_it_runs(config, bound):
     # shared functions before it runs a step, after which a control edge from
     # a function call waits only for its body's stateful ops: a unit's block
     # waiting for a pure forward's call would wait for nothing, and every
-    # unit's packed shards were made at the step's start. And under tensor a
-    # replica's units run in a function of its own, whose gradient shards
-    # come out together at its end: each unit now updates its weights inside
-    # (the program's `UPDATE`), so no shard waits for the others.
+    # unit's packed shards were made at the step's start. And a replica's
+    # units run in a function (one trace every replica calls), whose gradient
+    # shards come out together at its end: each unit now updates its weights
+    # inside (the program's `UPDATE`), so no shard waits for the others.
     # TensorFlow's own count of the step's tensors (all devices), 16 units of
     # 1 MiB, in units above the step's start: data=2 10-10.5 (about 5 per
     # device: a unit gathered, the next, a unit's gradient, what its
@@ -408,11 +409,7 @@ def test_a_step_holds_two_units_at_once_when_it_runs(config, bound):
             keras.layers.Dense(width, activation="relu") for _ in range(layers)])
         model.compile(optimizer="adam", loss="mse")
     x = np.random.default_rng(0).random((64, width)).astype("float32")
-    model.fit(x, x, batch_size=32, verbose=0)  # traces the step
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    model.fit(x, x, batch_size=32, verbose=0)
-    held = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - start) / unit
+    held = step_peak_bytes(model, x, x, batch_size=32) / unit
     assert held < bound, held
 
 
