@@ -15,7 +15,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import errors
 from tensorflow.python.ops import gen_collective_ops
 
-from tfdist._compat.tf_function import caller_value
+from tfdist._compat.tf_function import caller_value, sharing_a_trace
 
 
 def abort_collectives(message: str):
@@ -133,6 +133,20 @@ class CallerLauncher(cross_device_utils.CollectiveReplicaLauncher):
 
 
 _INSTANCE_KEYS = itertools.count()  # names of a shared trace's instance-key inputs
+
+
+def own_or_caller_launcher(name: str, own):
+    """The current replica's launcher `own()`, or, in a trace the replicas
+    share, a `CallerLauncher` of it whose keys and ordering token each caller
+    gives.
+
+    Example:
+
+    ```python
+    launcher = own_or_caller_launcher("data", lambda: launchers[mesh.replica()])
+    ```
+    """
+    return CallerLauncher(name, own) if sharing_a_trace() else own()
 
 
 def launcher_device(launcher) -> str:

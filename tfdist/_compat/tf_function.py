@@ -353,6 +353,8 @@ def _keys_fixed_inside(function_def) -> bool:
         if not node.op.startswith(_COLLECTIVE_OPS):
             continue
         names = [arg.name for arg in op_def_registry.get(node.op).input_arg]
+        if "group_key" not in names or "instance_key" not in names:
+            return True  # keys in attributes (NCCL's, v1 collectives'): fixed
         for key in ("group_key", "instance_key"):
             source = nodes.get(node.input[names.index(key)].split(":")[0])
             while source is not None and source.op == "Identity":
@@ -409,4 +411,3 @@ def _local_captures(concrete):
         captures.append(local.handle)
     return captures + [_resolved(key, function_captures.by_ref_internal[key].dtype)
                        for key in function_captures.by_ref_external]
-

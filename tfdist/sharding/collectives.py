@@ -29,7 +29,6 @@ import tensorflow as tf
 
 from tfdist._compat import tf_collectives
 from tfdist._compat.tf_distribute import current_local_replica_id
-from tfdist._compat.tf_function import sharing_a_trace
 from tfdist.sharding.wire import Wire
 
 # A weight of at least this many bytes (whole: as gathered, or its gradient)
@@ -63,7 +62,7 @@ def replica_launcher():
         return tf_collectives.strategy_launcher(context.strategy.extended,
                                                 current_local_replica_id())
 
-    return tf_collectives.CallerLauncher("data/stage0", own) if sharing_a_trace() else own()
+    return tf_collectives.own_or_caller_launcher("data/stage0", own)
 
 
 def reduce_scatter(rows, launcher=None, wire=None):

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tfdist._compat import tf_collectives, tf_distribute
 from tfdist._compat.tf_collectives import group_launcher
-from tfdist._compat.tf_function import ReplicaSharedFunction, caller_value, sharing_a_trace
+from tfdist._compat.tf_function import ReplicaSharedFunction, caller_value
 
 
 class _ReplicaMesh:
@@ -78,14 +78,6 @@ class _ReplicaMesh:
 
         shared = caller_value("data_index", own, tf.int32)
         return own() if shared is None else shared
-
-    @staticmethod
-    def _launcher(name, own):
-        """The current replica's launcher `own()`, or in a trace the replicas
-        share, one whose keys and ordering token each caller gives."""
-        if sharing_a_trace():
-            return tf_collectives.CallerLauncher(name, own)
-        return own()
 
     def replica(self):
         """The current replica's id in the sync group (across workers), or
@@ -176,8 +168,8 @@ class TensorMesh(_ReplicaMesh):
 
     def _tensor_launcher(self):
         stage = self._stage_index()  # (a shared trace's callers resolve it later)
-        return self._launcher(f"tensor/stage{stage}",
-                              lambda: self._tensor_launchers[stage][self.replica()])
+        return tf_collectives.own_or_caller_launcher(
+            f"tensor/stage{stage}", lambda: self._tensor_launchers[stage][self.replica()])
 
     def eager_example_sum(self, context, x):
         """`x` summed over the replicas holding other examples, in eager
@@ -247,7 +239,8 @@ class TensorMesh(_ReplicaMesh):
     def data_launcher(self):
         """The current replica's launcher of collectives over its data group
         (for `tfdist.sharding.collectives` and ZeRO's sharded update)."""
-        return self._launcher("data", lambda: self._data_launchers[self.replica()])
+        return tf_collectives.own_or_caller_launcher(
+            "data", lambda: self._data_launchers[self.replica()])
 
     def reduce(self, x):
         """Megatron's "g": sum over the tensor group forward, identity backward."""
@@ -427,8 +420,8 @@ class DataOnlyMesh(_ReplicaMesh):
         """The current replica's launcher of collectives over its data group
         on the current stage's devices (the strategy's own on stage 0)."""
         stage = self._stage_index()  # (a shared trace's callers resolve it later)
-        return self._launcher(f"data/stage{stage}",
-                              lambda: self._own_data_launcher(stage))
+        return tf_collectives.own_or_caller_launcher(
+            f"data/stage{stage}", lambda: self._own_data_launcher(stage))
 
     def _own_data_launcher(self, stage):
         local = tf_distribute.current_local_replica_id()
