@@ -283,9 +283,16 @@ def _trained_uneven(n, zero):
     return model
 
 
-def test_each_device_keeps_its_shard_of_the_parameters_and_their_state():
+def test_each_device_keeps_its_shard_of_the_parameters_and_their_state_and_updates_it_in_place():
     n = 4
     model = _trained_uneven(n, zero=3)
+    # Adam without weight decay changes each shard with its own assign_add
+    # and assign_sub: nothing writes a shard's value back to it (a copy of
+    # every shard per step, and a write TensorFlow's graph optimiser walks
+    # everything after).
+    writes = [op.name for op in step_ops(_step_graph(model), "CPU:0")
+              if op.type == "AssignVariableOp" and "/update/" in op.name]
+    assert not writes, writes
     trainable = model.trainable_weights
     shard_elements = sum(-(-w.shape.num_elements() // n) for w in trainable)
     params = sum(w.shape.num_elements() for w in trainable)

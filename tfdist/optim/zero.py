@@ -381,17 +381,23 @@ class ShardedUpdate:
 
         def elementwise():
             for i, buffer in zip(indices, buffers):
-                buffer.assign(self._decayed(i, buffer.value(), learning_rate))
+                if self._decays(i):  # (no write of a shard to itself: a copy per step)
+                    buffer.assign(self._decayed(i, buffer.value(), learning_rate))
             self._update_steps(shards, buffers, indices, learning_rate)
 
         return elementwise
 
+    def _decays(self, index) -> bool:
+        """Whether Keras's weight decay applies to variable `index`."""
+        inner = self.inner
+        return (inner.weight_decay is not None
+                and keras_optimizer.uses_weight_decay(inner, self.variables[index]))
+
     def _decayed(self, index, value, learning_rate):
         """`value` (a shard of variable `index`) after Keras's weight decay."""
-        inner = self.inner
-        if (inner.weight_decay is None
-                or not keras_optimizer.uses_weight_decay(inner, self.variables[index])):
+        if not self._decays(index):
             return value
+        inner = self.inner
         lr = tf.cast(learning_rate, value.dtype)
         wd = tf.cast(inner.weight_decay, value.dtype)
         return value - value * wd * lr
