@@ -17,6 +17,7 @@ from tfdist._compat.tf_variables import storage_of
 from tfdist.sharding.creation import whole_where_not_kept
 from tfdist.sharding.layout import MeshShardLayout
 from tfdist.sharding.storage import ShardedStorage, own_copy
+from tfdist.tensor.layouts import Column
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
@@ -91,6 +92,21 @@ def test_tensor_and_pipeline_hold_weights_as_shards_until_the_step_places_them(c
         assert not isinstance(storage_of(variable), ShardedStorage), variable.path
         np.testing.assert_array_equal(variable.numpy(), expected.numpy())
     assert not any(isinstance(storage_of(v), ShardedStorage) for v in model.optimizer.variables)
+
+
+def test_finding_what_to_make_whole_gathers_no_split_weight():
+    # A split weight's storage answers a name it lacks by reading its value,
+    # every shard gathered whole: the first step's check must not ask it.
+    strategy = tfdist.Strategy(devices=DEVICES, tensor=2, zero=3)
+    with strategy.scope():
+        layer = keras.layers.Dense(1024)
+        layer.build((None, 1024))
+    Column().apply(layer, strategy.tensor_mesh)  # the split the first step makes
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    whole_where_not_kept(layer, strategy)
+    assert tf.config.experimental.get_memory_info("CPU:0")["peak"] - start < 4 * 1024 * 1024
+    assert isinstance(storage_of(layer.kernel), ShardedStorage)
 
 
 def test_a_layer_frozen_after_creation_is_made_whole_again():

@@ -92,7 +92,7 @@ def sharded_creation(strategy, config):
             name = kwargs.get("name") or "Variable"
             storage = ShardedStorage.create(strategy, layout, value, name, dtype,
                                             trainable=weight, devices=devices)
-            if not inherited or getattr(slot_of, _CREATED, False):
+            if not inherited or _created_as_shards(slot_of):
                 setattr(storage, _CREATED, True)
             return storage
 
@@ -126,6 +126,13 @@ _held_bytes = weakref.WeakKeyDictionary()
 _CREATED = "_tfdist_created_as_shards"
 
 
+def _created_as_shards(storage):
+    """Whether `sharded_creation` made `storage`. Read from the instance's
+    own attributes: a `tf.distribute` variable answers any other name by
+    reading its value (for `ShardedStorage`, every shard gathered whole)."""
+    return vars(storage).get(_CREATED, False)
+
+
 def whole_where_not_kept(model, strategy=None):
     """Makes whole again (one copy per replica) each variable of `model` (a
     model, or a layer with `strategy`) and of its optimizer still in the
@@ -151,7 +158,7 @@ def whole_where_not_kept(model, strategy=None):
     state = list(optimizer.variables) if optimizer is not None and optimizer.built else []
     with optimizer_keys_follow(model):
         for variable in list(model.weights) + state:
-            if not getattr(storage_of(variable), _CREATED, False):
+            if not _created_as_shards(storage_of(variable)):
                 continue  # whole, or placed since
             if data_only and (id(variable) in trainable or id(variable) not in weights):
                 continue  # the step's own shards
