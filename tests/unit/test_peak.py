@@ -41,6 +41,9 @@ def test_zero_1_and_2_shard_the_slots_and_add_shard_buffers(zero):
     whole = FIRST + SECOND
     assert estimate.optimizer_state == 2 * whole // 4 + whole // 4
     assert estimate.parameters == whole
+    # the local gradients and zero=1's packed all-reduce buffer, or zero=2's
+    # all-to-all of them (received whole: under PIECE_BYTES) and reduced shards
+    assert estimate.gradients == (2 * whole if zero == 1 else 2 * whole + whole // 4)
 
 
 def test_zero3_keeps_shards_and_gathers_the_two_largest_units():

@@ -402,7 +402,9 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
     `tfdist.sharding.peak`, from the `local` bytes of the weights it computes
     with and their optimizer `state`, both unsharded; `size_of(weights)`
     counts a unit's bytes. zero 1/2 keep a shard of the state and a
-    parameter shard buffer; zero=3 a shard of the parameters, gathering two
+    parameter shard buffer; beside the whole local gradients, zero=1 the
+    packed buffer it all-reduces, zero=2 a piece of its reduce-scatter and
+    the reduced shards; zero=3 a shard of the parameters, gathering two
     units at once (with `stages`, its whole stage), and one unit's gradients
     with a piece of its reduce-scatter and its reduced shard (every unit's
     when the update waits for all: `updates_in_backward`).
@@ -412,10 +414,14 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
     >>> from tfdist.config import ParallelConfig
     >>> held_at_peak(ParallelConfig(data=4, zero=1), None, 400, 800, None, None)
     (400, 0, 800, 300)
+    >>> held_at_peak(ParallelConfig(data=4, zero=2), None, 400, 800, None, None)
+    (400, 0, 900, 300)
     """
     shard = local // config.data
     if config.zero:
         state = state // config.data + (shard if config.zero < 3 else 0)
+    if config.zero == 2:  # reduce-scattered in pieces, each replica keeping its sum
+        return local, 0, local + min(local, PIECE_BYTES) + shard, state
     if config.zero < 3:
         return local, 0, 2 * local, state
     if stages:  # a whole stage gathered at a time
