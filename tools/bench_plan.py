@@ -26,6 +26,7 @@ predicts again and reuses the measured times of an earlier run.
 import json
 import os
 import statistics
+import sys
 
 from absl import app, flags
 
@@ -98,6 +99,9 @@ def bench_model(name):
                             sequence)
     fitting = sum(p.fits for p in predicted)
     earlier = earlier_measurements(FLAGS.measured, name) if FLAGS.measured else {}
+    if FLAGS.measured and not earlier:
+        sys.exit(f"--measured={FLAGS.measured} has no measured plan of {name!r}: "
+                 f"pass --models with the models it has.")
     measured = 0
     for rank, p in enumerate(predicted, 1):
         if FLAGS.measured:
