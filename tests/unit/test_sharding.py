@@ -64,6 +64,17 @@ def test_axis_layout_round_trip(shape, axis, parts):
         np.testing.assert_array_equal(shards[r], shards[r - parts])
 
 
+def test_axis_layout_makes_only_the_slice_asked_for():
+    # A slice along a later axis is a copy: making every rank's would make
+    # the whole weight again (the first step splits each weight this way).
+    value = tf.random.uniform((1024, 1024))
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    part = AxisLayout(value.shape, axis=1, parts=4).shard(value, 1)
+    assert tf.config.experimental.get_memory_info("CPU:0")["peak"] - start == 1 << 20
+    np.testing.assert_array_equal(part, value[:, 256:512])
+
+
 def test_axis_layout_refuses_an_indivisible_dimension():
     with pytest.raises(ValueError, match=r"Dimension 1 of shape \(4, 6\) is 6, which 4 shards"):
         AxisLayout((4, 6), axis=1, parts=4)

@@ -135,8 +135,12 @@ class AxisLayout:
         self.shard_shape[self.axis] //= parts
 
     def shard(self, value, index):
-        """The slice of `value` that replica `index` holds (rank `index % parts`)."""
-        return tf.split(value, self.parts, axis=self.axis)[index % self.parts]
+        """The slice of `value` that replica `index` holds (rank `index % parts`);
+        only that slice is made (`tf.split` would make every rank's: along a
+        later axis each is a copy, together the whole value again)."""
+        begin = [0] * len(self.shard_shape)
+        begin[self.axis] = index % self.parts * self.shard_shape[self.axis]
+        return tf.slice(value, begin, self.shard_shape)
 
     def unshard(self, shards):
         """The full value from every replica's shard, stacked in replica order."""
