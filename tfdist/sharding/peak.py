@@ -9,7 +9,8 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   its stage's weights; whole otherwise;
 - gradients: the local gradient of what it holds plus the packed buffer the
   reduce sends (whole gradients, or one unit's under `zero=3`, whose reduced
-  shards it keeps);
+  shards it keeps; under `zero=2` a piece of its reduce-scatter and the
+  reduced shards instead);
 - optimizer state: every slot of its variable's shape, split as the weight
   is and, with `zero` >= 1, sharded over the data replicas; plus zero 1/2's
   parameter shard buffers;
