@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 import tfdist
-from helpers import FEATURES, assert_parity, devices, train, trained_reference
+from helpers import (
+    FEATURES,
+    assert_parity,
+    devices,
+    step_ops,
+    traced_train_function,
+    train,
+    trained_reference,
+)
 from test_tensor_transformer import lm_data, make_lm
 
 
@@ -107,7 +115,9 @@ def make_uint8_mlp():
 @pytest.mark.parametrize("label_dtype", ["uint8", "bool"])
 def test_uint8_inputs_and_small_labels_match_one_device(label_dtype):
     # The tensor group exchanges its batch in a dtype TensorFlow's collectives
-    # gather (uint8 and bool as int64) and back.
+    # gather (uint8 and bool as int64) and back: inputs and labels as the
+    # columns of one int64 matrix, so each replica gathers twice (every rank's
+    # number of rows, then the rows), not once per tensor and the sizes.
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, size=(64, FEATURES)).astype("uint8")
     y = (x[:, 0] > 127).astype(label_dtype)
@@ -115,3 +125,7 @@ def test_uint8_inputs_and_small_labels_match_one_device(label_dtype):
     result = train(tfdist.Strategy(data=2, tensor=2, devices=devices(4)),
                    make=make_uint8_mlp, x=x, y=y, batch_size=16)
     assert_parity(result, reference, steps=4)
+    (step,) = traced_train_function(result[2])._list_all_concrete_functions()
+    gathers = [op for op in step_ops(step.graph)
+               if op.type == "CollectiveGatherV2" and "group_batch" in op.name]
+    assert len(gathers) == 2 * 4  # 4 replicas

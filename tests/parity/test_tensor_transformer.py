@@ -100,7 +100,7 @@ def test_two_all_reduces_forward_and_two_backward_per_block(data_size, tensor):
     per_replica = blocks * (2 + 2) + (1 if data_size > 1 else 0) + 1
     assert counts["CollectiveReduceV2"] == n * per_replica
     # The tensor group exchanges its batch: the slices' sizes, then x and y
-    # (padded to the longest slice).
+    # (float32 and int32: one gather each, padded to the longest slice).
     assert counts["CollectiveGatherV2"] == n * (1 + 2)
 
 

@@ -300,34 +300,52 @@ class TensorMesh(_ReplicaMesh):
 
         Each replica of a strategy receives its own slice of the global
         batch; the replicas of one tensor group must compute on the same
-        examples, so they exchange their slices (sizes may differ). A
-        `tf.RaggedTensor` travels as its row lengths and its values.
+        examples, so they exchange their slices (sizes may differ).
         """
-        launcher = self._tensor_launcher()
         tensors = [t for t in tf.nest.flatten(data) if t is not None]
         sizes = self._group_sizes(tf.shape(tensors[0])[0])
         rank = self.rank()
         own = (tf.reduce_sum(sizes[:rank]), sizes[rank])
+        gathered = self._gathered(tf.nest.flatten(data), sizes)
+        return tf.nest.pack_sequence_as(data, gathered), own
 
-        def gather(t, sizes):
+    def _gathered(self, tensors, sizes):
+        """Every rank's rows of each of `tensors` (None kept), rank i's
+        `sizes[i]` of them, in rank order. Tensors sent in one dtype whose
+        rows have a known shape travel together, as the columns of one
+        matrix (a batch's token ids, mask and labels: one collective, not
+        three); a `tf.RaggedTensor` travels as its row lengths and its
+        values."""
+        gathered, together = list(tensors), {}
+        for i, t in enumerate(tensors):
             if isinstance(t, tf.RaggedTensor):
-                return tf.RaggedTensor.from_row_lengths(
-                    gather(t.values, self._group_sizes(tf.shape(t.values)[0])),
-                    gather(t.row_lengths(), sizes), validate=False)
-            # Every slice padded to the longest, gathered, then the padding dropped.
-            longest = tf.reduce_max(sizes)
-            rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
-                              for i in range(self.tensor)], axis=0)
-            padding = [[0, longest - tf.shape(t)[0]]] + [[0, 0]] * (t.shape.rank - 1)
-            sent, received = _gatherable(t.dtype)
-            gathered = tf_collectives.all_gather(launcher, sent(tf.pad(t, padding)))
-            gathered = tf.gather(received(gathered), rows)
-            gathered.set_shape([None, *t.shape[1:]])
-            return gathered
+                (values,) = self._gathered([t.values], self._group_sizes(tf.shape(t.values)[0]))
+                (lengths,) = self._gathered([t.row_lengths()], sizes)
+                gathered[i] = tf.RaggedTensor.from_row_lengths(values, lengths, validate=False)
+            elif t is not None:
+                known = t.shape.rank and t.shape[1:].is_fully_defined()
+                together.setdefault(_gatherable(t.dtype)[2] if known else i, []).append(i)
+        for positions in together.values():
+            parts = [tensors[i] for i in positions]
+            if len(parts) == 1:
+                to, back, _ = _gatherable(parts[0].dtype)
+                received = [back(self._gathered_rows(to(parts[0]), sizes))]
+            else:
+                received = _from_columns(self._gathered_rows(_as_columns(parts), sizes), parts)
+            for i, t, r in zip(positions, parts, received):
+                r.set_shape([None, *t.shape[1:]])
+                gathered[i] = r
+        return gathered
 
-        gathered = tf.nest.map_structure(
-            lambda t: None if t is None else gather(t, sizes), data)
-        return gathered, own
+    def _gathered_rows(self, t, sizes):
+        """Every rank's `sizes[i]` rows of `t`, in rank order: each padded to
+        the longest, gathered, the padding dropped."""
+        longest = tf.reduce_max(sizes)
+        rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
+                          for i in range(self.tensor)], axis=0)
+        padding = [[0, longest - tf.shape(t)[0]]] + [[0, 0]] * (t.shape.rank - 1)
+        return tf.gather(tf_collectives.all_gather(self._tensor_launcher(), tf.pad(t, padding)),
+                         rows)
 
     def _group_sizes(self, rows):
         """Every rank's `rows` (a scalar), in rank order: shape (t,)."""
@@ -497,20 +515,35 @@ _GATHERED = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
 def _gatherable(dtype):
-    """(to, back): functions turning a tensor of `dtype` into one TensorFlow's
-    collectives can gather, and back, losslessly (bfloat16 as float32, small
-    integers and bools as int64, uint64 bit for bit)."""
+    """(to, back, sent dtype): functions turning a tensor of `dtype` into one
+    TensorFlow's collectives can gather, and back, losslessly (bfloat16 as
+    float32, small integers and bools as int64, uint64 bit for bit)."""
     if dtype in _GATHERED:
-        return tf.identity, tf.identity
+        return tf.identity, tf.identity, dtype
     if dtype == tf.uint64:
-        return (lambda t: tf.bitcast(t, tf.int64)), (lambda t: tf.bitcast(t, dtype))
+        return (lambda t: tf.bitcast(t, tf.int64)), (lambda t: tf.bitcast(t, dtype)), tf.int64
     wide = tf.float32 if dtype == tf.bfloat16 else tf.int64
     if dtype == tf.bfloat16 or dtype.is_integer or dtype == tf.bool:
-        return (lambda t: tf.cast(t, wide)), (lambda t: tf.cast(t, dtype))
+        return (lambda t: tf.cast(t, wide)), (lambda t: tf.cast(t, dtype)), wide
     raise TypeError(
         f"With `tensor` > 1 a tensor group exchanges its batch, but an input of "
         f"dtype {dtype.name} cannot be exchanged: use numeric or bool inputs "
         f"(convert strings to ids in the input pipeline).")
+
+
+def _as_columns(tensors):
+    """`tensors` (rows of a known shape, one sent dtype) as the columns of
+    one matrix of that dtype: each row flattened, side by side."""
+    return tf.concat([tf.reshape(_gatherable(t.dtype)[0](t), [tf.shape(t)[0], -1])
+                      for t in tensors], axis=1)
+
+
+def _from_columns(matrix, tensors):
+    """The converse of `_as_columns`: `matrix`'s columns cut back into
+    tensors of the dtypes and row shapes of `tensors`."""
+    columns = tf.split(matrix, [t.shape[1:].num_elements() for t in tensors], axis=1)
+    return [_gatherable(t.dtype)[1](tf.reshape(c, [-1, *t.shape[1:]]))
+            for c, t in zip(columns, tensors)]
 
 
 def cluster_devices(extended):
