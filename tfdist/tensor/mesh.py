@@ -302,12 +302,11 @@ class TensorMesh(_ReplicaMesh):
         batch; the replicas of one tensor group must compute on the same
         examples, so they exchange their slices (sizes may differ).
         """
-        tensors = [t for t in tf.nest.flatten(data) if t is not None]
-        sizes = self._group_sizes(tf.shape(tensors[0])[0])
+        flat = tf.nest.flatten(data)
+        sizes = self._group_sizes(tf.shape(next(t for t in flat if t is not None))[0])
         rank = self.rank()
         own = (tf.reduce_sum(sizes[:rank]), sizes[rank])
-        gathered = self._gathered(tf.nest.flatten(data), sizes)
-        return tf.nest.pack_sequence_as(data, gathered), own
+        return tf.nest.pack_sequence_as(data, self._gathered(flat, sizes)), own
 
     def _gathered(self, tensors, sizes):
         """Every rank's rows of each of `tensors` (None kept), rank i's
@@ -316,6 +315,10 @@ class TensorMesh(_ReplicaMesh):
         matrix (a batch's token ids, mask and labels: one collective, not
         three); a `tf.RaggedTensor` travels as its row lengths and its
         values."""
+        # Every rank's rows padded to the longest: where the real ones are.
+        longest = tf.reduce_max(sizes)
+        rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
+                          for i in range(self.tensor)], axis=0)
         gathered, together = list(tensors), {}
         for i, t in enumerate(tensors):
             if isinstance(t, tf.RaggedTensor):
@@ -329,20 +332,18 @@ class TensorMesh(_ReplicaMesh):
             parts = [tensors[i] for i in positions]
             if len(parts) == 1:
                 to, back, _ = _gatherable(parts[0].dtype)
-                received = [back(self._gathered_rows(to(parts[0]), sizes))]
+                received = [back(self._gathered_rows(to(parts[0]), longest, rows))]
             else:
-                received = _from_columns(self._gathered_rows(_as_columns(parts), sizes), parts)
+                received = _from_columns(
+                    self._gathered_rows(_as_columns(parts), longest, rows), parts)
             for i, t, r in zip(positions, parts, received):
                 r.set_shape([None, *t.shape[1:]])
                 gathered[i] = r
         return gathered
 
-    def _gathered_rows(self, t, sizes):
-        """Every rank's `sizes[i]` rows of `t`, in rank order: each padded to
-        the longest, gathered, the padding dropped."""
-        longest = tf.reduce_max(sizes)
-        rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
-                          for i in range(self.tensor)], axis=0)
+    def _gathered_rows(self, t, longest, rows):
+        """Every rank's rows of `t`, in rank order: each rank's padded to
+        `longest`, gathered, then only `rows` of the result kept."""
         padding = [[0, longest - tf.shape(t)[0]]] + [[0, 0]] * (t.shape.rank - 1)
         return tf.gather(tf_collectives.all_gather(self._tensor_launcher(), tf.pad(t, padding)),
                          rows)
