@@ -5,6 +5,8 @@ tfdist mode against plain `tf.distribute.MirroredStrategy`.
         [--repeats=3] [--out=results.jsonl]
     python tools/bench_first_step.py --models=llama --cases=data4 --repeats=1 \\
         --profile=/tmp/prof   # also writes and prints a cProfile of the measured span
+    python tools/bench_first_step.py --nograppler --steps=50   # Grappler off; and the
+        # median of the 50 steps after the first
 
 The first step of `fit` is where a step's Python is traced into a graph and
 TensorFlow optimises and instantiates it: it is what a user waits for before
@@ -30,6 +32,13 @@ microbatches=4), `data2_mb2` (data=2, microbatches=2), `data2_tensor2_zero3`
 microbatches=2),
 each on the first data x pipeline x tensor devices. A case tfdist refuses for
 a model is recorded with tfdist's message and left empty in the table.
+
+`--nograppler` turns off Grappler (TensorFlow's graph optimiser, which rewrites
+a function's graph at its first call) in the case processes, as
+`tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})`
+does in a user's; `--steps=N` also times the N steps after the first (each to
+its loss, as a progress bar does) and reports their median: what Grappler
+gives back for its first-call time.
 
 One JSON line per (model, case): medians over `--repeats` processes, and the
 ratios to `data4` on the same model (`data4`'s line also to `mirrored`); then
@@ -82,6 +91,10 @@ flags.DEFINE_string("profile", None, "Directory for a cProfile of each case's me
 flags.DEFINE_string("case", None, "Internal: measure this case in this process.")
 flags.DEFINE_string("model", None, "Internal: the model of --case.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
+flags.DEFINE_bool("grappler", True, "Run Grappler, TensorFlow's graph optimiser (its default); "
+                  "--nograppler turns its meta-optimizer off in the case processes.")
+flags.DEFINE_integer("steps", 0, "Also time this many steps after the first, and report "
+                     "their median (`steady_step_ms`).")
 FLAGS = flags.FLAGS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 4
@@ -137,6 +150,9 @@ def run_case():
     import keras
     import tensorflow as tf
 
+    if not FLAGS.grappler:
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+
     record = {}
     try:
         record = measure(keras, tf)
@@ -161,7 +177,7 @@ def measure(keras, tf):
     with strategy.scope():
         model = make_model(FLAGS.model)
     build_seconds = time.perf_counter() - started
-    x, y = lm_data(2 * BATCH)
+    x, y = lm_data((2 + FLAGS.steps) * BATCH)
     profiler = cProfile.Profile() if FLAGS.profile else None
     threads = []  # MirroredStrategy traces each replica's step in a thread of its own
 
@@ -169,19 +185,21 @@ def measure(keras, tf):
         threads.append(cProfile.Profile(time.thread_time))  # not its waits for the others
         threads[-1].enable()
 
-    first = {}
+    first, ends = {}, []
 
     class FirstStep(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
+            float(logs["loss"])  # the step's result is here
+            ends.append(time.perf_counter())
+            if len(ends) > FLAGS.steps:
+                self.model.stop_training = True
             if first:
                 return
-            float(logs["loss"])  # the step's result is here
             first["cpu"] = time.process_time() - cpu
             first["wall"] = time.perf_counter() - wall
             if profiler:
                 profiler.disable()
                 threading.setprofile(None)
-            self.model.stop_training = True
 
     cpu, wall = time.process_time(), time.perf_counter()
     if profiler:
@@ -195,14 +213,19 @@ def measure(keras, tf):
         profiler.dump_stats(f"{path}.prof")
         if threads:
             pstats.Stats(*threads).dump_stats(f"{path}.threads.prof")
-    return {"cpu_seconds": first["cpu"], "wall_seconds": first["wall"],
-            "fit_return_seconds": fit_seconds, "build_seconds": build_seconds}
+    record = {"cpu_seconds": first["cpu"], "wall_seconds": first["wall"],
+              "fit_return_seconds": fit_seconds, "build_seconds": build_seconds}
+    if FLAGS.steps:
+        record["steady_step_ms"] = 1e3 * statistics.median(
+            b - a for a, b in zip(ends, ends[1:]))
+    return record
 
 
 def run_subprocess(model, case):
     """One measurement in a fresh process: its record, or what went wrong."""
     command = [sys.executable, __file__, f"--case={case}", f"--model={model}",
-               f"--seq={FLAGS.seq}"]
+               f"--seq={FLAGS.seq}", f"--steps={FLAGS.steps}",
+               "--grappler" if FLAGS.grappler else "--nograppler"]
     if FLAGS.profile:
         command.append(f"--profile={FLAGS.profile}")
     try:
@@ -248,9 +271,10 @@ def bench():
         timed = [r for r in records if "cpu_seconds" in r]
         result = {"bench": "first_step", "model": model, "case": case,
                   "config": describe(case), "seq": FLAGS.seq, "batch_size": BATCH,
-                  "devices": DEVICES, "repeats": len(timed)}
+                  "devices": DEVICES, "grappler": FLAGS.grappler, "repeats": len(timed)}
         if timed:
-            for key in ("cpu_seconds", "wall_seconds", "fit_return_seconds", "build_seconds"):
+            keys = ["cpu_seconds", "wall_seconds", "fit_return_seconds", "build_seconds"]
+            for key in keys + ["steady_step_ms"] * bool(FLAGS.steps):
                 result[key] = round(statistics.median(r[key] for r in timed), 3)
             result["cpu_seconds_all"] = [round(r["cpu_seconds"], 3) for r in timed]
             result["wall_seconds_all"] = [round(r["wall_seconds"], 3) for r in timed]
@@ -270,21 +294,25 @@ def bench():
                 result[f"{key}_ratio_to_mirrored"] = ratio(result[f"{key}_seconds"],
                                                            mirrored.get(f"{key}_seconds"))
         emit(result, FLAGS.out)
+    steady = bool(FLAGS.steps)
     print(f"\nFirst step of fit (median of {FLAGS.repeats} fresh process(es)): CPU s / wall s / "
-          f"CPU ratio to data=4; {DEVICES} logical CPU devices, batch {BATCH}, seq {FLAGS.seq}")
+          f"CPU ratio to data=4{' / later steps ms' * steady}; {DEVICES} logical CPU devices, "
+          f"batch {BATCH}, seq {FLAGS.seq}, Grappler {'on' if FLAGS.grappler else 'off'}")
     print("| case | " + " | ".join(f"{m} CPU s | {m} wall s | {m} x data=4"
+                                    + f" | {m} step ms" * steady
                                     for m in FLAGS.models) + " |")
-    print("|---|" + "---|---|---|" * len(FLAGS.models))
+    print("|---|" + ("---|---|---|" + "---|" * steady) * len(FLAGS.models))
     for case in FLAGS.cases:
         cells = []
         for model in FLAGS.models:
             result = results[model, case]
             if result["cpu_seconds"] is None:
-                cells += ["", "", "refused" if "refused" in result else "failed"]
+                cells += ["", "", "refused" if "refused" in result else "failed"] + [""] * steady
             else:
                 cpu_ratio = result["cpu_ratio_to_data4"]
                 cells += [f"{result['cpu_seconds']:.2f}", f"{result['wall_seconds']:.2f}",
                           f"{cpu_ratio:.2f}" if cpu_ratio is not None else "-"]
+                cells += [f"{result['steady_step_ms']:.1f}"] * steady
         print(f"| {describe(case)} | " + " | ".join(cells) + " |")
     if FLAGS.profile:
         for model, case in runs:
