@@ -28,6 +28,34 @@ from helpers import REFERENCES_DIR  # noqa: E402  (tests/, on pytest's pythonpat
 NUM_DEVICES = 8
 tfdist.use_virtual_devices(NUM_DEVICES)
 
+# Grappler, TensorFlow's graph optimiser, rewrites a step's graph at its first
+# call without changing what it computes, and is a third to a half of that
+# call's time (docs/benchmarks.md): the suite's main cost. The tests of this
+# process run without it, except those marked `grappler`; the cluster tier's
+# workers (processes of their own), the examples and the benchmarks run with
+# it, as a user's job does. TFDIST_TEST_GRAPPLER=1 turns it on for every test.
+GRAPPLER_FOR_EVERY_TEST = os.environ.get("TFDIST_TEST_GRAPPLER") == "1"
+
+
+def _set_grappler(on):
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": not on})
+
+
+_set_grappler(GRAPPLER_FOR_EVERY_TEST)
+
+
+@pytest.fixture(autouse=True)
+def _grappler_for_marked_tests(request):
+    """A test marked `grappler` runs with Grappler on, as a user's job does."""
+    if GRAPPLER_FOR_EVERY_TEST or request.node.get_closest_marker("grappler") is None:
+        yield
+        return
+    _set_grappler(True)
+    try:
+        yield
+    finally:
+        _set_grappler(False)
+
 # The half million objects of TensorFlow's, Keras's and tfdist's imports live
 # as long as the process: set aside from every later garbage collection
 # (a full collection then takes about 0.1 s instead of 0.3-0.6 s).

@@ -8,6 +8,9 @@ import tensorflow as tf
 import tfdist
 from helpers import assert_parity, data, devices, make_model, train, trained_reference
 
+# With Grappler on, as a user's job runs (conftest.py): the data-parallel steps.
+pytestmark = pytest.mark.grappler
+
 
 @pytest.fixture(scope="module")
 def reference():

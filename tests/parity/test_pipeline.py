@@ -314,6 +314,7 @@ def two_block_lm(seed=0):
 @pytest.mark.parametrize("schedule, virtual, remat", [
     ("gpipe", 1, False), ("1f1b", 1, False), ("zb1", 1, False), ("zb1", 1, True),
     ("interleaved", 2, False), ("interleaved", 2, True), ("zbv", 2, False), ("zbv", 2, True)])
+@pytest.mark.grappler  # every schedule's step as a user's job runs it (conftest.py)
 def test_transformer_lm_matches_one_device(schedule, virtual, remat):
     x, y = lm_data()
     reference = trained_reference(make=two_block_lm, x=x, y=y, batch_size=16)

@@ -113,6 +113,7 @@ def make_uint8_mlp():
 
 
 @pytest.mark.parametrize("label_dtype", ["uint8", "bool"])
+@pytest.mark.grappler  # tensor groups' step as a user's job runs it (conftest.py)
 def test_uint8_inputs_and_small_labels_match_one_device(label_dtype):
     # The tensor group exchanges its batch in a dtype TensorFlow's collectives
     # gather (uint8 and bool as int64) and back: inputs and labels as the
