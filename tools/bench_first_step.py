@@ -261,6 +261,9 @@ def bench():
     if FLAGS.profile:
         os.makedirs(FLAGS.profile, exist_ok=True)
     runs = {(m, c): [] for m in FLAGS.models for c in FLAGS.cases}
+    steady = bool(FLAGS.steps)  # the steps after the first are timed too
+    medians = ["cpu_seconds", "wall_seconds", "fit_return_seconds", "build_seconds",
+               *["steady_step_ms"] * steady]
     for repeat in range(FLAGS.repeats):  # repeats outermost: load drifts spread over cases
         for model, case in runs:
             record = run_subprocess(model, case)
@@ -273,8 +276,7 @@ def bench():
                   "config": describe(case), "seq": FLAGS.seq, "batch_size": BATCH,
                   "devices": DEVICES, "grappler": FLAGS.grappler, "repeats": len(timed)}
         if timed:
-            keys = ["cpu_seconds", "wall_seconds", "fit_return_seconds", "build_seconds"]
-            for key in keys + ["steady_step_ms"] * bool(FLAGS.steps):
+            for key in medians:
                 result[key] = round(statistics.median(r[key] for r in timed), 3)
             result["cpu_seconds_all"] = [round(r["cpu_seconds"], 3) for r in timed]
             result["wall_seconds_all"] = [round(r["wall_seconds"], 3) for r in timed]
@@ -294,7 +296,6 @@ def bench():
                 result[f"{key}_ratio_to_mirrored"] = ratio(result[f"{key}_seconds"],
                                                            mirrored.get(f"{key}_seconds"))
         emit(result, FLAGS.out)
-    steady = bool(FLAGS.steps)
     print(f"\nFirst step of fit (median of {FLAGS.repeats} fresh process(es)): CPU s / wall s / "
           f"CPU ratio to data=4{' / later steps ms' * steady}; {DEVICES} logical CPU devices, "
           f"batch {BATCH}, seq {FLAGS.seq}, Grappler {'on' if FLAGS.grappler else 'off'}")
