@@ -313,7 +313,8 @@ def bench():
                 cpu_ratio = result["cpu_ratio_to_data4"]
                 cells += [f"{result['cpu_seconds']:.2f}", f"{result['wall_seconds']:.2f}",
                           f"{cpu_ratio:.2f}" if cpu_ratio is not None else "-"]
-                cells += [f"{result['steady_step_ms']:.1f}"] * steady
+                if steady:
+                    cells.append(f"{result['steady_step_ms']:.1f}")
         print(f"| {describe(case)} | " + " | ".join(cells) + " |")
     if FLAGS.profile:
         for model, case in runs:
