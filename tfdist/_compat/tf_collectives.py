@@ -230,8 +230,16 @@ def all_to_all(launcher, rows):
 
 def all_gather_slices(launcher, slices):
     """Every replica's `tf.IndexedSlices` of the launcher's group, concatenated
-    in group order (values and indices gathered, padded when their numbers of
-    slices differ): what `tf.distribute`'s all-reduce does with them.
+    in group order: the same slices, in the same order, as `tf.distribute`'s
+    all-reduce gives (`CollectiveReplicaLauncher.all_reduce_indexed_slices`).
+
+    Values and indices are gathered as they are when the trace knows how many
+    slices there are (the same number on every replica: the replicas run one
+    program on inputs of one shape, and a gather of unequal shapes fails);
+    else padded to the longest, gathered with their numbers, and the padding
+    dropped. TensorFlow's own traces a `tf.cond` between the two, with both
+    branches' collectives, on every replica: half of a data-parallel step's
+    trace for a model with an Embedding at data=8.
 
     Example:
 
@@ -239,4 +247,22 @@ def all_gather_slices(launcher, slices):
     gathered = all_gather_slices(mesh.data_launcher(), embedding_gradient)
     ```
     """
-    return launcher.all_reduce_indexed_slices(slices, launcher._options)
+    options = launcher._options
+    with tf.device(launcher._device):
+        if slices.indices.shape[0] is not None:
+            return tf.IndexedSlices(all_gather(launcher, slices.values, options),
+                                    all_gather(launcher, slices.indices, options),
+                                    slices.dense_shape)
+        counts = launcher._all_gather(tf.shape(slices.indices)[:1], options)
+        longest = tf.reduce_max(counts)
+
+        def gathered_padded(tensor):
+            rows = [[0, longest - tf.shape(tensor)[0]]]
+            padding = tf.concat([rows, tf.zeros([tf.rank(tensor) - 1, 2], tf.int32)], 0)
+            return all_gather(launcher, tf.pad(tensor, padding), options)
+
+        values = gathered_padded(slices.values)
+        indices = gathered_padded(slices.indices)
+        sent = tf.reshape(tf.sequence_mask(counts, longest), [-1])
+        return tf.IndexedSlices(tf.boolean_mask(values, sent), tf.boolean_mask(indices, sent),
+                                slices.dense_shape)

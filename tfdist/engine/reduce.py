@@ -70,8 +70,7 @@ class AllReduce:
             launcher = replica_launcher()
             sum_ = lambda values: data_group_sum(values, launcher, self.bucket_bytes)  # noqa: E731
         else:
-            sum_ = lambda values: [t for bucket in buckets(values, self.bucket_bytes)  # noqa: E731
-                                   for t in summed_across_replicas(bucket)]
+            sum_ = lambda values: strategy_sum(values, self.bucket_bytes)  # noqa: E731
         present, states = _summed_together(sum_, [g for g in grads if g is not None], states)
         reduced = iter(present)
         return [None if g is None else next(reduced) for g in grads], states
@@ -197,6 +196,31 @@ def buckets(tensors, bucket_bytes: int) -> list[list]:
         found[-1].append(tensor)
         size += nbytes
     return found
+
+
+def strategy_sum(grads, bucket_bytes=0):
+    """The sum of `grads` over every replica, outside a trace the replicas
+    share: dense ones by the strategy's packed all-reduce (a merge call), one
+    per bucket of `bucket_bytes` if given (`buckets`); the slices of sparse
+    ones gathered by the replica's own launcher (`all_gather_slices`).
+
+    Example:
+
+    ```python
+    summed = strategy_sum(grads)   # in replica context
+    ```
+    """
+    launcher, summed = None, []
+    for bucket in buckets(grads, bucket_bytes):
+        dense = [g for g in bucket if not sparse_gradients.is_sparse(g)]
+        dense = iter(summed_across_replicas(dense) if dense else [])
+        for g in bucket:
+            if sparse_gradients.is_sparse(g):
+                launcher = launcher or replica_launcher()
+                summed.append(tf_collectives.all_gather_slices(launcher, g))
+            else:
+                summed.append(next(dense))
+    return summed
 
 
 def data_group_sum(grads, launcher, bucket_bytes=0):
