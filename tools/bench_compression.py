@@ -136,9 +136,7 @@ def reduce_bytes(model):
     """Bytes replica 0 sends into the reduce part's collectives per step:
     those of the step, and in each `tf.cond` of the reduce part those of the
     branch taken once compression runs: after a warm-up
-    (`compression_warmup`, OneBitAdam's), the branch that compresses; in
-    tf.distribute's gather of a sparse gradient's slices, the branch for
-    replicas sending as many rows."""
+    (`compression_warmup`, OneBitAdam's), the branch that compresses."""
     graph = step_graph(model)
     functions = {name: f.graph for name, f in graph._functions.items()}
 
