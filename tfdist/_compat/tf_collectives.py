@@ -253,7 +253,7 @@ def all_gather_slices(launcher, slices):
             return tf.IndexedSlices(all_gather(launcher, slices.values, options),
                                     all_gather(launcher, slices.indices, options),
                                     slices.dense_shape)
-        counts = launcher._all_gather(tf.shape(slices.indices)[:1], options)
+        counts = all_gather(launcher, tf.shape(slices.indices)[:1], options)
         longest = tf.reduce_max(counts)
 
         def gathered_padded(tensor):

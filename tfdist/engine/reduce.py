@@ -210,16 +210,11 @@ def strategy_sum(grads, bucket_bytes=0):
     summed = strategy_sum(grads)   # in replica context
     ```
     """
-    launcher, summed = None, []
+    summed = []
     for bucket in buckets(grads, bucket_bytes):
         dense = [g for g in bucket if not sparse_gradients.is_sparse(g)]
-        dense = iter(summed_across_replicas(dense) if dense else [])
-        for g in bucket:
-            if sparse_gradients.is_sparse(g):
-                launcher = launcher or replica_launcher()
-                summed.append(tf_collectives.all_gather_slices(launcher, g))
-            else:
-                summed.append(next(dense))
+        summed += _slices_gathered(bucket, summed_across_replicas(dense) if dense else [],
+                                   replica_launcher)
     return summed
 
 
@@ -236,9 +231,16 @@ def data_group_sum(grads, launcher, bucket_bytes=0):
     ```
     """
     dense = [g for g in grads if not sparse_gradients.is_sparse(g)]
-    summed = iter(launcher.batch_all_reduce(buckets(dense, bucket_bytes)) if dense else [])
-    return [tf_collectives.all_gather_slices(launcher, g) if sparse_gradients.is_sparse(g)
-            else next(summed) for g in grads]
+    summed = launcher.batch_all_reduce(buckets(dense, bucket_bytes)) if dense else []
+    return _slices_gathered(grads, summed, lambda: launcher)
+
+
+def _slices_gathered(grads, dense_sums, launcher):
+    """`grads` reduced: each sparse one's slices gathered by `launcher()`
+    (`all_gather_slices`), each dense one the next of `dense_sums`, in order."""
+    dense_sums = iter(dense_sums)
+    return [tf_collectives.all_gather_slices(launcher(), g) if sparse_gradients.is_sparse(g)
+            else next(dense_sums) for g in grads]
 
 
 class ShardedReduce:
