@@ -14,6 +14,9 @@ v2.11+ tf_keras optimizer: in the task's optimizer config, type
 `pipeline`, `tensor` and `zero=3` are refused (tf_keras models:
 `tfdist.engine.modes`).
 
+The Model Garden is an optional dependency of tfdist: `pip install
+'tfdist[model-garden]'` (tf-models-official, which also brings `orbit`).
+
 Example:
 
 ```python
@@ -30,7 +33,14 @@ orbit.Controller(trainer=trainer, strategy=strategy, global_step=trainer.global_
 """
 
 import tensorflow as tf
-from official.core import base_trainer
+
+try:
+    from official.core import base_trainer
+except ImportError as missing:
+    raise ImportError(
+        "tfdist.model_garden needs the TensorFlow Model Garden (`official.core`), which "
+        "tfdist leaves optional: pip install 'tfdist[model-garden]' (or "
+        f"tf-models-official~=2.20.0). The import failed with: {missing}") from missing
 
 from tfdist.engine import modes
 from tfdist.engine.step import TrainStep
