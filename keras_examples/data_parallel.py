@@ -3,7 +3,7 @@
     python keras_examples/data_parallel.py --devices=4 --microbatches=2
     python keras_examples/data_parallel.py --devices=4 --compression=bf16
 
-Trains an MLP on scikit-learn's digits with `model.fit` under
+Trains an MLP on the handwritten digits with `model.fit` under
 `tfdist.Strategy(data=devices, ...)`, prints each epoch's loss, accuracy and
 examples/s, and ends with a summary (devices, mode, final accuracy, what to try
 next). This is `make demo`.
@@ -56,7 +56,7 @@ def main(argv):
     tfdist.use_virtual_devices(FLAGS.devices)
     x, y = digits.load()
     print(f"Made {FLAGS.devices} virtual CPU devices (tfdist.use_virtual_devices); "
-          f"training an MLP on scikit-learn's digits ({len(x):,} 8x8 images) with "
+          f"training an MLP on the handwritten digits ({len(x):,} 8x8 images) with "
           f"{FLAGS.epochs} epochs of model.fit, one data-parallel replica per device.",
           flush=True)
     strategy = tfdist.Strategy(data=FLAGS.devices, microbatches=FLAGS.microbatches,

@@ -1,8 +1,10 @@
-"""What the examples share: scikit-learn's bundled digits, an MLP, quiet logs, `run`.
+"""What the examples share: the digits, an MLP, quiet logs, `run`.
 
-The digits ship inside scikit-learn (1,797 8x8 images), so nothing downloads.
+The digits (1,797 8x8 images, data/digits.csv.gz) ship with the examples, so
+nothing downloads.
 """
 
+import pathlib
 import sys
 
 from tfdist.logs import quiet_tensorflow
@@ -15,9 +17,11 @@ quiet_tensorflow(discover_devices=True)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
 
 from tfdist.callbacks.metrics import optimizer_state_bytes, variable_bytes  # noqa: E402
+
+# 1,797 rows of 64 pixels (0-16) and the label (data/README.md).
+DIGITS = pathlib.Path(__file__).parent / "data" / "digits.csv.gz"
 
 
 def run(main):
@@ -45,9 +49,9 @@ def load(examples=None):
 
     `examples` > 1,797 repeats the set (for longer timing runs).
     """
-    digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    y = digits.target.astype("int32")
+    digits = np.loadtxt(DIGITS, delimiter=",")
+    x = (digits[:, :-1] / 16.0).astype("float32")
+    y = digits[:, -1].astype("int32")
     if examples is not None:
         reps = -(-examples // len(x))
         x, y = np.tile(x, (reps, 1))[:examples], np.tile(y, reps)[:examples]

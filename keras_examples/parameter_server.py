@@ -9,7 +9,7 @@ Without TF_CONFIG it starts an in-process cluster of `--workers` and `--ps`:
 
     python keras_examples/parameter_server.py --workers=2 --ps=1
 
-Trains an MLP on scikit-learn's digits for `--epochs` x `--steps_per_epoch`
+Trains an MLP on the handwritten digits for `--epochs` x `--steps_per_epoch`
 asynchronous steps, validates on the chief after each epoch, and checks that
 the optimizer applied exactly the steps asked for.
 """

@@ -15,9 +15,15 @@ def run(name, *flags):
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("name", sorted(
-    str(p.relative_to(EXAMPLES)) for p in [*EXAMPLES.glob("*.py"), EXAMPLES / "tfjob/train.py"]
-    if p.name != "digits.py" and p.name != "generate.py"))
+# The examples that train Model Garden models (the `model-garden` extra).
+MODEL_GARDEN_EXAMPLES = ("model_garden_bert.py", "orbit_loop.py")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[pytest.mark.model_garden] if name in MODEL_GARDEN_EXAMPLES else [])
+    for name in sorted(str(p.relative_to(EXAMPLES))
+                       for p in [*EXAMPLES.glob("*.py"), EXAMPLES / "tfjob/train.py"]
+                       if p.name != "digits.py" and p.name != "generate.py")])
 def test_help_exits_0_and_shows_the_flags(name):
     done = run(name, "--help")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -38,7 +44,7 @@ def test_demo_says_what_it_does_and_ends_with_a_summary():
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("Made 2 virtual CPU devices (tfdist.use_virtual_devices); "
-                               "training an MLP on scikit-learn's digits")
+                               "training an MLP on the handwritten digits")
     accuracy = re.search(r"^epoch 1: loss [\d.]+  accuracy ([\d.]+)", done.stdout, re.M)[1]
     assert "\nDone: 2 devices (CPU:0, CPU:1)\n  mode: data parallel x2, microbatches=1, " \
            "precision=float32, xla=False\n" in done.stdout
