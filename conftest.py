@@ -8,6 +8,7 @@ anywhere in the suite.
 import contextlib
 import functools
 import gc
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -67,6 +68,37 @@ gc.freeze()
 def _doctest_names(doctest_namespace):
     """`keras`, `np`, `tf` and `tfdist` are imported in every `>>>` example."""
     doctest_namespace.update(keras=keras, np=np, tf=tf, tfdist=tfdist)
+
+
+# The TensorFlow Model Garden (the `model-garden` extra) is optional: where it
+# is not installed, the files that import it are not collected and the tests
+# marked `model_garden` (examples that train its models) are deselected, and
+# the run's header says so. `make test` runs those in .venv, which has it, and
+# every other test in .venv-core, which does not: Keras imports scikit-learn,
+# matplotlib and SciPy in every process where they are installed, a third of
+# each process's start (docs/development.md).
+MODEL_GARDEN = importlib.util.find_spec("official") is not None
+MODEL_GARDEN_FILES = ["tfdist/model_garden.py", "tests/parity/test_foreign_models.py",
+                      "tests/parity/test_model_garden_trainer.py", "tests/parity/test_orbit.py",
+                      "tests/parity/test_tf_keras_step.py"]
+collect_ignore = [] if MODEL_GARDEN else MODEL_GARDEN_FILES
+
+
+def pytest_report_header(config):
+    if not MODEL_GARDEN:
+        return ("tfdist: the Model Garden is not installed here: "
+                f"{', '.join(MODEL_GARDEN_FILES)} not collected and the tests marked "
+                "`model_garden` deselected (`make test` runs them in .venv)")
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if MODEL_GARDEN:
+        return
+    needing = [item for item in items if item.get_closest_marker("model_garden")]
+    if needing:
+        config.hook.pytest_deselected(items=needing)
+        items[:] = [item for item in items if not item.get_closest_marker("model_garden")]
 
 
 # The suite's bound on one test (docs/development.md); setup.cfg's

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 EXAMPLES = pathlib.Path(__file__).parents[2] / "keras_examples"
 
 
@@ -99,6 +101,7 @@ def test_keras_hub_gpt2_example_splits_the_tied_embedding_over_tensor_and_stages
     assert len(sizes) == 8 and all(size < whole / 2 for size in sizes)
 
 
+@pytest.mark.model_garden
 def test_model_garden_bert_example_trains_a_tf_keras_model_with_microbatches_and_zero():
     out = run_example("model_garden_bert.py", "--devices=2", "--microbatches=2", "--zero=2",
                       "--steps=60", "--steps_per_loop=20")

@@ -20,6 +20,8 @@ import tf_keras
 import tfdist
 from helpers import data, devices, make_model
 
+pytestmark = pytest.mark.model_garden  # conftest.py: collected where it is installed
+
 
 def tf_keras_mlp():
     model = tf_keras.Sequential([tf_keras.layers.Dense(8, activation="relu"),

@@ -18,6 +18,8 @@ from tfdist.input_options import without_autotuning
 from tfdist.model_garden import Trainer
 from tfdist.sharding.storage import ShardedStorage
 
+pytestmark = pytest.mark.model_garden  # conftest.py: collected where it is installed
+
 STEPS, BATCH, SEQUENCE = 10, 16, 16
 
 

@@ -4,6 +4,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfdist
@@ -12,6 +13,8 @@ from helpers import devices
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "keras_examples"))
 import digits  # noqa: E402
 import orbit_loop  # noqa: E402
+
+pytestmark = pytest.mark.model_garden  # conftest.py: collected where it is installed
 
 
 def test_orbit_loop_matches_single_device_fit():

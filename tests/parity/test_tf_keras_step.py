@@ -17,6 +17,8 @@ from helpers import cached_reference, devices, recipe_text
 from tfdist.input_options import without_autotuning
 from tfdist.sharding.storage import ShardedStorage
 
+pytestmark = pytest.mark.model_garden  # conftest.py: collected where it is installed
+
 STEPS, BATCH, SEQUENCE = 10, 16, 16
 
 
