@@ -81,7 +81,25 @@ MODEL_GARDEN = importlib.util.find_spec("official") is not None
 MODEL_GARDEN_FILES = ["tfdist/model_garden.py", "tests/parity/test_foreign_models.py",
                       "tests/parity/test_model_garden_trainer.py", "tests/parity/test_orbit.py",
                       "tests/parity/test_tf_keras_step.py"]
-collect_ignore = [] if MODEL_GARDEN else MODEL_GARDEN_FILES
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+class _NeedsTheModelGarden(pytest.File):
+    """A file that imports the Model Garden, where it is not installed: no tests."""
+
+    def collect(self):
+        return []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(file_path, parent):
+    """Nothing from a file of MODEL_GARDEN_FILES where the Model Garden is not
+    installed: neither its tests nor its docstring examples (both import it),
+    whether it was named on the command line or found in a directory."""
+    collected = yield
+    if not MODEL_GARDEN and os.path.relpath(file_path, ROOT) in MODEL_GARDEN_FILES:
+        return [_NeedsTheModelGarden.from_parent(parent, path=file_path)]
+    return collected
 
 
 def pytest_report_header(config):
