@@ -125,8 +125,7 @@ SLOW_TEST_SECONDS = 60
 # A test's closing garbage collection (`_iterators_freed_by_their_test`)
 # taking longer than this is a stall.
 SLOW_COLLECTION_SECONDS = 10
-STACKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".pytest_cache",
-                          "native-stacks")
+STACKS_DIR = os.path.join(ROOT, ".pytest_cache", "native-stacks")
 
 
 @functools.cache
@@ -137,8 +136,7 @@ def _stall_watcher():
     the run's summary prints them: a stalled test's log says what it waits
     for. A process of its own: a collection stalled inside TensorFlow holds
     Python's lock, so no thread of this process could."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "scripts",
-                          "stall_watcher.py")
+    script = os.path.join(ROOT, "tests", "scripts", "stall_watcher.py")
     return subprocess.Popen([sys.executable, script, f"--pid={os.getpid()}",
                              f"--dir={STACKS_DIR}"], stdin=subprocess.PIPE, text=True)
 
