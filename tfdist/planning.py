@@ -252,7 +252,9 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         sequence_length: the length of the model's unknown input
             dimensions in the first batch (1 when None).
         hosts: hosts the devices are spread over, equally; tensor groups
-            and pipeline stages stay within one.
+            and pipeline stages stay within one (a process per host: the
+            peak counts the transport's copies of data collectives between
+            them).
         link_bandwidth: between hosts, bytes per second or "10Gbit".
         device_bandwidth: between the devices of a host.
         device_flops: FLOP/s of one device (the hardware then as given:
@@ -307,7 +309,8 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         if isinstance(layout, str):
             refused.append((dataclasses.asdict(config), layout))
             continue
-        peak = modes.planned_peak(config, built, batch_size, sequence_length, layout)
+        peak = modes.planned_peak(config, built, batch_size, sequence_length, layout,
+                                  processes=hosts)
         step = predict_step_time(config, built, batch_size, hardware, sequence_length,
                                  layout)
         fits = peak.total <= limit

@@ -4,7 +4,8 @@ Takes its cluster from TF_CONFIG and its ParallelConfig from TFDIST_CONFIG (both
 set by the launcher), trains the test MLP with `model.fit` and writes the
 reported losses, final weights and optimizer state (read whole: under `zero` every
 worker takes part in gathering them), optimizer-state and parameter bytes per
-device, and the collective ops of the training function to `--out` (worker 0 only).
+device, the predicted peak's transport part, and the collective ops of the
+training function to `--out` (worker 0 only).
 """
 
 import json
@@ -47,6 +48,7 @@ def main(argv):
                        "optimizer_bytes": optimizer_state_bytes(model.optimizer),
                        "parameter_bytes": variable_bytes(model.trainable_weights),
                        "replicas": strategy.num_replicas_in_sync,
+                       "transport": strategy.predicted_peak(model, FLAGS.batch_size).transport,
                        "collectives": {op: n for op, n in executed_op_counts(model).items()
                                        if op.startswith("Collective")}}, f)
 

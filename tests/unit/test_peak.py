@@ -4,11 +4,13 @@ import keras
 import pytest
 
 import tfdist
-from tfdist.sharding.peak import predict_peak
+from tfdist.engine.modes import planned_peak
+from tfdist.sharding.peak import TRANSPORT_COPIES, predict_peak
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 # Dense(64 -> 32) and Dense(32 -> 8): float32 kernels and biases.
 FIRST, SECOND = 4 * (64 * 32 + 32), 4 * (32 * 8 + 8)
+KERNEL = 4 * 64 * 32  # the largest weight
 
 
 def _model(strategy):
@@ -32,6 +34,36 @@ def test_data_parallel_holds_everything_whole():
             estimate.gathered) == (whole, 2 * whole, 2 * whole, 0)  # Adam: m and v
     assert estimate.activations == _activations(4)  # 16 rows over 4 replicas
     assert estimate.total == whole * 5 + _activations(4)
+
+
+def test_the_strategys_prediction_adds_the_update_and_no_transport_in_one_process():
+    strategy = tfdist.Strategy(devices=DEVICES)
+    model = _model(strategy)
+    estimate = strategy.predicted_peak(model, batch_size=16)
+    # Adam's update of the largest weight: its two new moments
+    assert estimate.update == 2 * KERNEL
+    assert estimate.transport == 0
+    assert estimate.total == predict_peak(strategy.config, model, 16).total + 2 * KERNEL
+
+
+@pytest.mark.parametrize("zero, bucket_bytes, message", [
+    (0, 0, FIRST + SECOND),  # every gradient in one packed all-reduce
+    (1, 0, FIRST + SECOND),
+    (0, 1024, KERNEL),  # buckets of 1 KiB: the largest gradient goes alone
+    (0, 16384, FIRST + SECOND),  # one bucket holds them all
+    (3, 0, FIRST + SECOND),  # every weight under ALONE_BYTES: gathered packed
+])
+def test_transport_copies_the_largest_message_between_processes(zero, bucket_bytes, message):
+    strategy = tfdist.Strategy(devices=DEVICES, zero=zero, bucket_bytes=bucket_bytes)
+    model = _model(strategy)
+    # The same config with its 4 replicas in 4 processes (as a multi-worker
+    # job's, whose strategy counts its tasks): each ring step sends a
+    # quarter of the message, held 4 times at once (sent and received,
+    # serialised and parsed).
+    estimate = planned_peak(strategy.config, model, batch_size=16, processes=4)
+    assert estimate.transport == TRANSPORT_COPIES * -(-message // 4)
+    assert estimate.update == 2 * (KERNEL // 4 if zero else KERNEL)
+    assert planned_peak(strategy.config, model, batch_size=16).transport == 0
 
 
 @pytest.mark.parametrize("zero", [1, 2])

@@ -88,9 +88,10 @@ from tfdist.pipeline import summary as pipeline_summary
 from tfdist.pipeline.compute import pipeline_compute
 from tfdist.pipeline.cost import sequence_length_of
 from tfdist.pipeline.graph import graph_of
+from tfdist.sharding.collectives import ALONE_BYTES
 from tfdist.sharding.creation import whole_where_not_kept
 from tfdist.sharding.layout import AxisLayout
-from tfdist.sharding.peak import predict_peak
+from tfdist.sharding.peak import has_slots, held_sizes, predict_peak, transport_bytes, update_bytes
 from tfdist.sharding.replica_state import StateBytes, state_of
 from tfdist.sharding.wire import CastWire, Wire
 from tfdist.tensor import plan as tensor_plan
@@ -884,7 +885,8 @@ def describe(strategy, model, sequence_length=None, batch_size=None) -> str:
 
 
 def predicted_peak(strategy, model, batch_size, sequence_length=None, layout=None):
-    """`Strategy.predicted_peak` (`tfdist.sharding.peak.predict_peak`).
+    """`Strategy.predicted_peak` (`tfdist.sharding.peak.predict_peak`), for
+    the processes the strategy's replicas run in.
 
     Example:
 
@@ -893,15 +895,40 @@ def predicted_peak(strategy, model, batch_size, sequence_length=None, layout=Non
     ```
     """
     layout = layout or layout_of(strategy, model, sequence_length)
-    return planned_peak(strategy.config, model, batch_size, sequence_length, layout)
+    return planned_peak(strategy.config, model, batch_size, sequence_length, layout,
+                        processes=_processes(strategy))
+
+
+def _largest_data_message(config, sizes):
+    """The bytes of the largest collective over the data replicas, for
+    weights of `sizes` bytes: every gradient packed in one all-reduce (or a
+    bucket of `bucket_bytes`, the largest gradient at least); under zero=2
+    and 3 each weight of `ALONE_BYTES` or more gathered and reduce-scattered
+    alone, the smaller ones packed. Uncompressed."""
+    if config.zero >= 2:
+        return max([s for s in sizes if s >= ALONE_BYTES]
+                   + [sum(s for s in sizes if s < ALONE_BYTES)])
+    if config.bucket_bytes:
+        return max(min(sum(sizes), config.bucket_bytes), max(sizes))
+    return sum(sizes)
+
+
+def _processes(strategy):
+    """The chief and worker tasks of `strategy`'s cluster (1 without one)."""
+    resolver = strategy.cluster_resolver
+    if resolver is None:
+        return 1
+    jobs = resolver.cluster_spec().as_dict()
+    return max(1, len(jobs.get("chief", [])) + len(jobs.get("worker", [])))
 
 
 def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None,
-                 layout=None):
-    """The busiest device's predicted `PeakEstimate` under `config` (resolved):
-    `tfdist.sharding.peak.predict_peak` of its layout, plus what the active
-    modes keep on each replica (a compression's residuals, `OneBitAdam`'s)
-    and gather at once.
+                 layout=None, processes=1):
+    """The busiest device's predicted `PeakEstimate` under `config` (resolved)
+    with its replicas in `processes` processes: `tfdist.sharding.peak.predict_peak`
+    of its layout, plus what the active modes keep on each replica (a
+    compression's residuals, `OneBitAdam`'s) and gather at once, the
+    optimizer update's temporaries and the transport's copies.
 
     Example:
 
@@ -912,6 +939,12 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
     layout = layout or planned_layout(config, model, sequence_length)
     peak = predict_peak(config, model, batch_size, sequence_length, layout.split,
                         layout.stages)
+    sizes = held_sizes(model, layout.stages, layout.split)
+    if sizes:
+        piece = -(-max(sizes) // config.data) if config.zero else max(sizes)
+        peak.update = update_bytes(piece, has_slots(model))
+        peak.transport = transport_bytes(_largest_data_message(config, sizes), config.data,
+                                         processes)
     for mode in active(config, getattr(model, "optimizer", None)):
         state, gathered = mode.peak_bytes(config, model)
         peak.replica_state += state

@@ -23,11 +23,22 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   unknown lengths taken as `sequence_length`;
 - replica state: what a mode keeps on each replica (a compression's
   residuals, `OneBitAdam`'s), with the payloads a gathered compression
-  receives in the gradients: `tfdist.engine.modes.planned_peak` adds them.
+  receives in the gradients: `tfdist.engine.modes.planned_peak` adds them;
+- update: the optimizer update's temporaries, for the largest piece a device
+  updates (its shard under `zero`, its slice under `tensor`): twice its size
+  for an optimizer with slots (Adam's new moments), once without (SGD's
+  scaled gradient) (`update_bytes`);
+- transport: when the data replicas are in several processes, TensorFlow's
+  gRPC copies of the largest message a data collective sends: each message
+  is held about `TRANSPORT_COPIES` times at once (serialised and parsed, by
+  its sender and its receiver). A ring all-reduce of S bytes over N
+  replicas sends messages of S / N (`transport_bytes`);
+  `tfdist.engine.modes.planned_peak` adds both, each mode saying what its
+  largest piece and message are.
 
-TensorFlow's own memory (its runtime, the allocator's free lists, collective
-transport buffers) is outside the prediction: `tools/bench_memory.py` sets it
-against each worker's measured peak.
+The rest of TensorFlow's own memory (its runtime, the allocator's free lists)
+is outside the prediction: `tools/bench_memory.py` sets the prediction against
+each worker's measured peak.
 """
 
 import dataclasses
@@ -40,6 +51,12 @@ from tfdist.optim import zero3
 from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline.graph import graph_nodes, graph_of
 from tfdist.sharding.slots import optimizer_slots
+
+# How many times at once TensorFlow's gRPC transport holds a collective's
+# message between processes (`tools/bench_memory.py`, docs/benchmarks.md: a
+# ring all-reduce of S bytes over 4 workers adds 1.0-1.1 x S to each one's
+# resident peak, its messages being S / 4).
+TRANSPORT_COPIES = 4
 
 
 @dataclasses.dataclass
@@ -61,6 +78,8 @@ class PeakEstimate:
     gathered: int
     activations: int
     replica_state: int = 0
+    update: int = 0
+    transport: int = 0
 
     @property
     def total(self) -> int:
@@ -69,8 +88,11 @@ class PeakEstimate:
     def __str__(self):
         parts = ", ".join(f"{field.name.replace('_', ' ')} {readable(getattr(self, field.name))}"
                           for field in dataclasses.fields(self)
-                          if field.name != "replica_state" or self.replica_state)
+                          if getattr(self, field.name) or field.name not in _OPTIONAL_PARTS)
         return f"predicted peak per device {readable(self.total)}: {parts}"
+
+
+_OPTIONAL_PARTS = ("replica_state", "update", "transport")  # printed when not 0
 
 
 def readable(size: int) -> str:
@@ -119,6 +141,55 @@ def predict_peak(config, model, batch_size: int, sequence_length=None,
             config, activations // len(stages),
             max(tensors_bytes(stage.inputs, rows, sequence_length) for stage in stages))
     return PeakEstimate(parameters, gradients, state, gathered, activations)
+
+
+def update_bytes(piece: int, has_slots: bool) -> int:
+    """The optimizer update's temporaries when the largest piece a device
+    updates is `piece` bytes: twice it for an optimizer with slots, once
+    without.
+
+    Example:
+
+    >>> update_bytes(4096, has_slots=True)
+    8192
+    """
+    return (2 if has_slots else 1) * piece
+
+
+def transport_bytes(message: int, data: int, processes: int) -> int:
+    """TensorFlow's copies of a data collective's largest message between
+    `processes` (0 in one process): a ring collective of `message` bytes
+    over `data` replicas sends 1 / `data` of it at a time, held
+    `TRANSPORT_COPIES` times.
+
+    Example:
+
+    >>> transport_bytes(8192, data=4, processes=4)
+    8192
+    """
+    if processes < 2 or data < 2:
+        return 0
+    return TRANSPORT_COPIES * -(-message // data)
+
+
+def held_sizes(model, stages=None, split=None) -> list[int]:
+    """The bytes of each trainable weight of the busiest device
+    (`held_weights`), its tensor rank's slice where split.
+
+    Example:
+
+    ```python
+    max(held_sizes(model, layout.stages, layout.split))   # the largest weight's bytes
+    ```
+    """
+    return [weight_bytes([v], split or {})
+            for v in {id(v): v for v in held_weights(model, stages, split)}.values()]
+
+
+def has_slots(model) -> bool:
+    """Whether `model`'s built optimizer keeps slots (Adam's moments; not
+    plain SGD's)."""
+    return any(_slot_counts(model).values())
 
 
 def held_weights(model, stages=None, split=None):
