@@ -11,7 +11,7 @@ import pytest
 import tfdist
 from helpers import TFDIST, assert_parity, data, devices, train, trained_reference
 from tfdist.callbacks.metrics import optimizer_state_bytes
-from tfdist.sharding.peak import TRANSPORT_COPIES
+from tfdist.sharding.peak import ALL_REDUCE_COPIES
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "multiworker_fit.py"
 
@@ -54,10 +54,12 @@ def test_two_launched_workers_match_one_process_with_two_devices(tmp_path, micro
     whole = sum(w.numpy().nbytes for w in local[2].trainable_weights)
     # (the test MLP's variables split evenly in two)
     assert parameter_bytes == (whole // 2 if zero == 3 else whole)
-    # The replicas are in two processes: the predicted peak counts the gRPC
-    # copies of the largest message (a ring all-reduce's: half the packed
-    # gradients; under zero=3 the packed weights' shard).
-    assert workers["transport"] == TRANSPORT_COPIES * -(-whole // 2)
+    # The replicas are in two processes: the predicted peak counts gRPC's
+    # copies of the largest data collective's messages (the packed
+    # gradients' all-reduce, in halves; under zero=3 the packed weights'
+    # shard received from the other worker).
+    half = -(-whole // 2)
+    assert workers["transport"] == (half if zero == 3 else ALL_REDUCE_COPIES * half)
 
 
 @pytest.mark.multiprocess

@@ -5,7 +5,7 @@ import pytest
 
 import tfdist
 from tfdist.engine.modes import planned_peak
-from tfdist.sharding.peak import TRANSPORT_COPIES, predict_peak
+from tfdist.sharding.peak import ALL_REDUCE_COPIES, predict_peak
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 # Dense(64 -> 32) and Dense(32 -> 8): float32 kernels and biases.
@@ -46,22 +46,26 @@ def test_the_strategys_prediction_adds_the_update_and_no_transport_in_one_proces
     assert estimate.total == predict_peak(strategy.config, model, 16).total + 2 * KERNEL
 
 
-@pytest.mark.parametrize("zero, bucket_bytes, message", [
-    (0, 0, FIRST + SECOND),  # every gradient in one packed all-reduce
-    (1, 0, FIRST + SECOND),
-    (0, 1024, KERNEL),  # buckets of 1 KiB: the largest gradient goes alone
-    (0, 16384, FIRST + SECOND),  # one bucket holds them all
-    (3, 0, FIRST + SECOND),  # every weight under ALONE_BYTES: gathered packed
+@pytest.mark.parametrize("zero, bucket_bytes, collective, copies", [
+    # every gradient in one packed all-reduce: 4 copies of each ring message
+    (0, 0, FIRST + SECOND, ALL_REDUCE_COPIES),
+    (1, 0, FIRST + SECOND, ALL_REDUCE_COPIES),
+    (0, 1024, KERNEL, ALL_REDUCE_COPIES),  # buckets of 1 KiB: the largest gradient alone
+    (0, 16384, FIRST + SECOND, ALL_REDUCE_COPIES),  # one bucket holds them all
+    # every weight under ALONE_BYTES: gathered (and reduce-scattered) packed,
+    # a shard received from each of the 3 other replicas
+    (2, 0, FIRST + SECOND, 3),
+    (3, 0, FIRST + SECOND, 3),
 ])
-def test_transport_copies_the_largest_message_between_processes(zero, bucket_bytes, message):
+def test_transport_copies_the_largest_data_collective_between_processes(
+        zero, bucket_bytes, collective, copies):
     strategy = tfdist.Strategy(devices=DEVICES, zero=zero, bucket_bytes=bucket_bytes)
     model = _model(strategy)
     # The same config with its 4 replicas in 4 processes (as a multi-worker
-    # job's, whose strategy counts its tasks): each ring step sends a
-    # quarter of the message, held 4 times at once (sent and received,
-    # serialised and parsed).
+    # job's, whose strategy counts its tasks): messages of a quarter of the
+    # collective.
     estimate = planned_peak(strategy.config, model, batch_size=16, processes=4)
-    assert estimate.transport == TRANSPORT_COPIES * -(-message // 4)
+    assert estimate.transport == copies * -(-collective // 4)
     assert estimate.update == 2 * (KERNEL // 4 if zero else KERNEL)
     assert planned_peak(strategy.config, model, batch_size=16).transport == 0
 

@@ -899,12 +899,12 @@ def predicted_peak(strategy, model, batch_size, sequence_length=None, layout=Non
                         processes=_processes(strategy))
 
 
-def _largest_data_message(config, sizes):
+def _largest_data_collective(config, sizes):
     """The bytes of the largest collective over the data replicas, for
     weights of `sizes` bytes: every gradient packed in one all-reduce (or a
     bucket of `bucket_bytes`, the largest gradient at least); under zero=2
-    and 3 each weight of `ALONE_BYTES` or more gathered and reduce-scattered
-    alone, the smaller ones packed. Uncompressed."""
+    and 3 a gather and reduce-scatter of each weight of `ALONE_BYTES` or more
+    alone, of the smaller ones packed. Uncompressed."""
     if config.zero >= 2:
         return max([s for s in sizes if s >= ALONE_BYTES]
                    + [sum(s for s in sizes if s < ALONE_BYTES)])
@@ -943,8 +943,8 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
     if sizes:
         piece = -(-max(sizes) // config.data) if config.zero else max(sizes)
         peak.update = update_bytes(piece, has_slots(model))
-        peak.transport = transport_bytes(_largest_data_message(config, sizes), config.data,
-                                         processes)
+        peak.transport = transport_bytes(_largest_data_collective(config, sizes),
+                                         config.data, processes, all_reduce=config.zero < 2)
     for mode in active(config, getattr(model, "optimizer", None)):
         state, gathered = mode.peak_bytes(config, model)
         peak.replica_state += state

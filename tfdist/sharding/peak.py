@@ -29,12 +29,13 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   for an optimizer with slots (Adam's new moments), once without (SGD's
   scaled gradient) (`update_bytes`);
 - transport: when the data replicas are in several processes, TensorFlow's
-  gRPC copies of the largest message a data collective sends: each message
-  is held about `TRANSPORT_COPIES` times at once (serialised and parsed, by
-  its sender and its receiver). A ring all-reduce of S bytes over N
-  replicas sends messages of S / N (`transport_bytes`);
+  gRPC copies of the largest data collective's messages (`transport_bytes`):
+  a ring all-reduce of S bytes over N replicas sends messages of S / N,
+  each held about `ALL_REDUCE_COPIES` times at once (serialised and parsed,
+  by its sender and its receiver); a gather or reduce-scatter receives a
+  shard from each of the N - 1 others, held once more.
   `tfdist.engine.modes.planned_peak` adds both, each mode saying what its
-  largest piece and message are.
+  largest piece and collective are.
 
 The rest of TensorFlow's own memory (its runtime, the allocator's free lists)
 is outside the prediction: `tools/bench_memory.py` sets the prediction against
@@ -52,11 +53,12 @@ from tfdist.pipeline import stages as pipeline_stages
 from tfdist.pipeline.graph import graph_nodes, graph_of
 from tfdist.sharding.slots import optimizer_slots
 
-# How many times at once TensorFlow's gRPC transport holds a collective's
-# message between processes (`tools/bench_memory.py`, docs/benchmarks.md: a
-# ring all-reduce of S bytes over 4 workers adds 1.0-1.1 x S to each one's
-# resident peak, its messages being S / 4).
-TRANSPORT_COPIES = 4
+# How many times at once TensorFlow's gRPC transport holds a ring
+# all-reduce's message between processes (docs/benchmarks.md: an all-reduce
+# of S bytes over 4 workers adds 1.0-1.1 x S to each one's resident peak,
+# its messages being S / 4; an all-gather of N shards adds 0-1.1 shards over
+# 2 workers, 1.2-3.4 over 4).
+ALL_REDUCE_COPIES = 4
 
 
 @dataclasses.dataclass
@@ -156,20 +158,23 @@ def update_bytes(piece: int, has_slots: bool) -> int:
     return (2 if has_slots else 1) * piece
 
 
-def transport_bytes(message: int, data: int, processes: int) -> int:
-    """TensorFlow's copies of a data collective's largest message between
-    `processes` (0 in one process): a ring collective of `message` bytes
-    over `data` replicas sends 1 / `data` of it at a time, held
-    `TRANSPORT_COPIES` times.
+def transport_bytes(whole: int, data: int, processes: int, all_reduce: bool) -> int:
+    """TensorFlow's copies of a data collective's messages between
+    `processes` (0 in one process), for a collective of `whole` bytes over
+    `data` replicas: an all-reduce's messages (1 / `data` of it each) held
+    `ALL_REDUCE_COPIES` times at once, or the shards a gather or
+    reduce-scatter receives from the `data` - 1 others.
 
     Example:
 
-    >>> transport_bytes(8192, data=4, processes=4)
+    >>> transport_bytes(8192, data=4, processes=4, all_reduce=True)
     8192
+    >>> transport_bytes(8192, data=4, processes=4, all_reduce=False)
+    6144
     """
     if processes < 2 or data < 2:
         return 0
-    return TRANSPORT_COPIES * -(-message // data)
+    return (ALL_REDUCE_COPIES if all_reduce else data - 1) * -(-whole // data)
 
 
 def held_sizes(model, stages=None, split=None) -> list[int]:
