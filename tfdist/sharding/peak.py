@@ -59,6 +59,8 @@ from tfdist.sharding.slots import optimizer_slots
 # its messages being S / 4; an all-gather of N shards adds 0-1.1 shards over
 # 2 workers, 1.2-3.4 over 4).
 ALL_REDUCE_COPIES = 4
+# Parts a prediction prints only when they are not 0.
+_OPTIONAL_PARTS = ("replica_state", "update", "transport")
 
 
 @dataclasses.dataclass
@@ -92,9 +94,6 @@ class PeakEstimate:
                           for field in dataclasses.fields(self)
                           if getattr(self, field.name) or field.name not in _OPTIONAL_PARTS)
         return f"predicted peak per device {readable(self.total)}: {parts}"
-
-
-_OPTIONAL_PARTS = ("replica_state", "update", "transport")  # printed when not 0
 
 
 def readable(size: int) -> str:
@@ -193,7 +192,14 @@ def held_sizes(model, stages=None, split=None) -> list[int]:
 
 def has_slots(model) -> bool:
     """Whether `model`'s built optimizer keeps slots (Adam's moments; not
-    plain SGD's)."""
+    plain SGD's).
+
+    Example:
+
+    ```python
+    has_slots(model)   # True once an Adam optimizer is built
+    ```
+    """
     return any(_slot_counts(model).values())
 
 
