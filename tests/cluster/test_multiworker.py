@@ -102,11 +102,15 @@ def test_two_launched_workers_with_two_stages_each_match_one_process(tmp_path):
 def test_tensor_groups_across_workers_match_one_process(tmp_path, workers, zero):
     # One CPU replica per worker: 2 workers form one tensor group; 4 form two
     # tensor groups (workers 0-1, 2-3) and two data groups (0-2, 1-3), with
-    # zero=1 each data group shards its state across its two workers.
+    # zero=1 each data group shards its state across its two workers. Each
+    # worker seeds its build differently: the weights, created as shards, must
+    # start from the chief's values as one process's (sent in blocks of rows,
+    # here of 1 KiB: several per kernel, each task keeping its shard's part).
     out = tmp_path / "worker0.json"
     done = subprocess.run(
         [*TFDIST, "launch", f"--workers={workers}", "--timeout=240", "--tensor=2",
-         f"--zero={zero}", "--", sys.executable, str(SCRIPT), f"--out={out}"],
+         f"--zero={zero}", "--", sys.executable, str(SCRIPT), f"--out={out}",
+         "--seed_per_task", "--reshard_block_bytes=1024"],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())

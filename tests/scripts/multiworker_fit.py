@@ -17,6 +17,10 @@ from absl import app, flags
 flags.DEFINE_string("out", None, "Where worker 0 writes its losses and weights.")
 flags.DEFINE_integer("examples", 640, "Examples to train on (helpers.data).")
 flags.DEFINE_integer("batch_size", 32, "Global batch size.")
+flags.DEFINE_bool("seed_per_task", False, "Worker k builds the model with seed k: the "
+                  "chief's initial values (seed 0) must still be everyone's.")
+flags.DEFINE_integer("reshard_block_bytes", 0, "Blocks of at most this many bytes "
+                     "when values are sent or resharded in rows (0: tfdist's own).")
 flags.DEFINE_integer("devices", 0, "Logical CPU devices of this worker (default: "
                      "one per pipeline stage).")
 FLAGS = flags.FLAGS
@@ -33,14 +37,18 @@ def main(argv):
     if devices > 1:
         tfdist.use_virtual_devices(devices)
     strategy = tfdist.MultiWorkerStrategy(config=config, timeout_seconds=120)
+    if FLAGS.reshard_block_bytes:
+        from tfdist.sharding import storage
+        storage.RESHARD_BLOCK_BYTES = FLAGS.reshard_block_bytes
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from helpers import data, executed_op_counts, train
     from tfdist.callbacks.metrics import optimizer_state_bytes, variable_bytes
 
     x, y = data(FLAGS.examples)
-    losses, weights, model = train(strategy, x=x, y=y, batch_size=FLAGS.batch_size)
-    optimizer = [v.numpy().tolist() for v in model.optimizer.variables]
     task = json.loads(os.environ["TF_CONFIG"])["task"]
+    losses, weights, model = train(strategy, x=x, y=y, batch_size=FLAGS.batch_size,
+                                   seed=task["index"] if FLAGS.seed_per_task else 0)
+    optimizer = [v.numpy().tolist() for v in model.optimizer.variables]
     if task["index"] == 0 and FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump({"losses": losses, "weights": [w.tolist() for w in weights],

@@ -14,10 +14,11 @@ import tensorflow as tf
 
 import tfdist
 from tfdist._compat.tf_variables import storage_of
+from tfdist.sharding import storage as storage_module
 from tfdist.sharding.creation import whole_where_not_kept
-from tfdist.sharding.layout import MeshShardLayout
+from tfdist.sharding.layout import AxisLayout, MeshShardLayout
 from tfdist.sharding.storage import ShardedStorage, own_copy
-from tfdist.tensor.layouts import Column
+from tfdist.tensor.layouts import Column, Row
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
@@ -109,6 +110,31 @@ def test_finding_what_to_make_whole_gathers_no_split_weight():
     assert isinstance(storage_of(layer.kernel), ShardedStorage)
 
 
+@pytest.mark.parametrize("split, axis", [(Column, 1), (Row, 0)])
+def test_the_split_builds_each_shard_from_blocks_of_rows_never_the_whole_weight(
+        monkeypatch, split, axis):
+    # Splitting a weight held as element shards (tensor=2 x zero=3's layout)
+    # sums one block of rows at a time from the shards: the allocator's peak
+    # above what was held stays below the new shards plus one whole weight
+    # (gathering it whole held the gathered shards, the whole and the slices).
+    monkeypatch.setattr(storage_module, "RESHARD_BLOCK_BYTES", 64 * 1024)
+    strategy = tfdist.Strategy(devices=DEVICES, tensor=2, zero=3)
+    with strategy.scope():
+        layer = keras.layers.Dense(1024, use_bias=False)
+        layer.build((None, 1024))
+    value = layer.kernel.numpy()
+    gc.collect()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    split().apply(layer, strategy.tensor_mesh)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    whole = value.nbytes
+    assert peak < 1.5 * whole, (peak, whole)  # new shards: 1.0 x, one shard's pieces: 0.25 x
+    assert storage_of(layer.kernel).layout == MeshShardLayout(
+        value.shape, 2, 2, AxisLayout(value.shape, axis, 2))
+    np.testing.assert_array_equal(layer.kernel.numpy(), value)
+
+
 def test_a_layer_frozen_after_creation_is_made_whole_again():
     model = _built(tfdist.Strategy(zero=3, devices=DEVICES))
     first = model.layers[0]
@@ -168,8 +194,8 @@ def test_zeros_are_made_shard_by_shard_and_other_values_computed_whole(monkeypat
     from tfdist.sharding import creation
 
     whole = []
-    computed = creation.agreed_initial_value
-    monkeypatch.setattr(creation, "agreed_initial_value", lambda extended, **kwargs: whole.append(
+    computed = creation.initial_value
+    monkeypatch.setattr(creation, "initial_value", lambda extended, **kwargs: whole.append(
         kwargs["name"]) or computed(extended, **kwargs))
     reference = _model()
     strategy = tfdist.Strategy(zero=3, devices=DEVICES)

@@ -96,6 +96,43 @@ def test_mesh_shard_layout_round_trip(shape, tensor, data, axis):
             np.testing.assert_array_equal(shard, plain.shard(_value(shape), r))
 
 
+_ROW_LAYOUTS = [
+    (ShardLayout((6, 8), 3), 3),
+    (ShardLayout((7,), 4), 4),  # padded, one element a row
+    (AxisLayout((6, 8), 1, 2), 4),
+    (AxisLayout((6, 8), 0, 3), 3),
+    (AxisLayout((2, 6, 4), 1, 3), 3),
+    (MeshShardLayout((6, 8), 2, 2, AxisLayout((6, 8), 1, 2)), 4),
+    (MeshShardLayout((6, 8), 2, 3, AxisLayout((6, 8), 0, 2)), 6),  # padded
+    (MeshShardLayout((6, 8), 2, 5), 10),  # replicated weight, padded
+]
+
+
+@pytest.mark.parametrize("layout, replicas", _ROW_LAYOUTS)
+@pytest.mark.parametrize("rows_per_block", [1, 2, 4, 100])
+def test_shards_are_built_from_blocks_of_rows_and_blocks_from_element_shards(
+        layout, replicas, rows_per_block):
+    # What resharding does: each block of rows summed from every element
+    # shard's part (`shard_in_rows`), each new shard concatenated from its
+    # pieces of the blocks (`rows_piece`), padded: the shard of the whole.
+    value = _value(layout.shape)
+    source = ShardLayout(layout.shape, 5)
+    rows = layout.shape[0]
+    pieces = {r: [] for r in range(replicas)}
+    for start in range(0, rows, rows_per_block):
+        count = min(rows_per_block, rows - start)
+        block = tf.reshape(sum(source.shard_in_rows(source.shard(value, i), start, count, i)
+                               for i in range(5)), [count, *layout.shape[1:]])
+        np.testing.assert_array_equal(block, value[start:start + count])
+        for r in range(replicas):
+            pieces[r].append(layout.rows_piece(block, start, r))
+    for r in range(replicas):
+        expected = tf.reshape(layout.shard(value, r), [-1])
+        built = tf.concat(pieces[r], 0)
+        built = tf.pad(built, [[0, expected.shape[0] - built.shape[0]]])  # ShardLayout's padding
+        np.testing.assert_array_equal(built, expected)
+
+
 # plan() on built models, no strategy.
 
 def _layouts(decisions):

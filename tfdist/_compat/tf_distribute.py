@@ -125,24 +125,22 @@ def summed_across_replicas(values):
     return nest.pack_sequence_as(values, reduced)
 
 
-def agreed_initial_value(extended, **kwargs):
-    """The initial value of a variable that `tf.Variable(**kwargs)` would
-    give its first replica, as a tensor on this task's first device: under a
-    `MultiWorkerMirroredStrategy` the chief's value, broadcast to every task
-    (each task must create its variables in the same order, as for any
-    variable of that strategy); under a `MirroredStrategy` the value itself.
+def initial_value(extended, **kwargs):
+    """The initial value `tf.Variable(**kwargs)` would be given, as a tensor
+    on this task's first device: this task's own (under a
+    `MultiWorkerMirroredStrategy`, the value tasks must agree on; the
+    strategy broadcasts its chief's, `ShardedStorage.agreed` does so block by
+    block).
 
     Example:
 
     ```python
     with tf.init_scope():
-        value = agreed_initial_value(strategy.extended, initial_value=init, dtype="float32")
+        value = initial_value(strategy.extended, initial_value=init, dtype="float32")
     ```
     """
-    device = extended.worker_devices[0]
-    value = extended._get_variable_creator_initial_value(
-        replica_id=0, device=device, primary_var=None, **kwargs)
-    with tf.device(device):
+    value = kwargs["initial_value"]
+    with tf.device(extended.worker_devices[0]):
         if callable(value):
             value = value()
         if isinstance(value, trackable_base.CheckpointInitialValue):

@@ -12,20 +12,23 @@ instead of one whole copy per replica:
   `zero` of any weight.
 
 A variable's initial value is computed whole once, on the task's first
-device (under `MultiWorkerStrategy` the chief's value, broadcast, as
-`tf.distribute` does for every variable), each local replica keeps its
-shard, and the whole value is dropped before the next variable is made: the
-values equal a one-device build's with the same seed, and the largest
-transient is one variable. A variable Keras initialises with zeros (every
-slot of Adam or of SGD's momentum, most biases) is made as zero shards: no
-whole value, nothing broadcast. Other variables (non-trainable ones, the
-optimizer's counter, Adafactor's factors) are made as `tf.distribute` makes
-them.
+device, each local replica keeps its shard, and the whole value is dropped
+before the next variable is made: the values equal a one-device build's
+with the same seed, and the largest transient is one variable. Under
+`MultiWorkerStrategy` the chief's value is everyone's, as `tf.distribute`
+makes it for every variable, but sent in blocks of rows of which each task
+keeps its shards' part (`ShardedStorage.agreed`): no task receives it whole.
+A variable Keras initialises with zeros (every slot of Adam or of SGD's
+momentum, most biases) is made as zero shards: no whole value, nothing
+broadcast. Other variables (non-trainable ones, the optimizer's counter,
+Adafactor's factors) are made as `tf.distribute` makes them.
 
 With `zero` alone these shards are the step's own. With `tensor` or
-`pipeline` they are a holding layout until the first step: splitting a weight
-over its tensor group or moving it to its stage reads it whole, one variable
-at a time, and `whole_where_not_kept` then makes whole (one copy per replica)
+`pipeline` they are a holding layout until the first step: splitting a
+weight over its tensor group builds each new shard from blocks of rows
+summed from the holding shards (`ShardedStorage.resharded`), never the whole
+weight; moving a weight to its stage reads it whole, one variable at a time;
+and `whole_where_not_kept` then makes whole (one copy per replica)
 what neither took, as replicated weights are.
 
 Example:
@@ -44,7 +47,7 @@ import weakref
 
 import tensorflow as tf
 
-from tfdist._compat.tf_distribute import agreed_initial_value
+from tfdist._compat.tf_distribute import initial_value
 from tfdist._compat.tf_variables import keras_zeros, storage_of
 from tfdist.pipeline.placement import move_variable
 from tfdist.sharding.keys import optimizer_keys_follow
@@ -78,7 +81,7 @@ def sharded_creation(strategy, config):
         with tf.init_scope():
             # Zeros are made shard by shard (`value` None): nothing to agree on.
             zeros = keras_zeros(kwargs.get("initial_value"))
-            value = None if zeros else agreed_initial_value(strategy.extended, **kwargs)
+            value = None if zeros else initial_value(strategy.extended, **kwargs)
             shape, dtype = zeros or (value.shape, value.dtype)
             if slot_of is not None and shape != _full_shape(slot_of):
                 return next_creator(**kwargs if zeros else {**kwargs, "initial_value": value})
@@ -90,8 +93,10 @@ def sharded_creation(strategy, config):
             devices = ([v.device for v in slot_of.values] if slot_of is not None
                        else _holding_devices(strategy, shape.num_elements() * dtype.size))
             name = kwargs.get("name") or "Variable"
-            storage = ShardedStorage.create(strategy, layout, value, name, dtype,
-                                            trainable=weight, devices=devices)
+            storage = (ShardedStorage.create(strategy, layout, None, name, dtype,
+                                             trainable=weight, devices=devices) if zeros else
+                       ShardedStorage.agreed(strategy, layout, value, name,
+                                             trainable=weight, devices=devices))
             if not inherited or _created_as_shards(slot_of):
                 setattr(storage, _CREATED, True)
             return storage

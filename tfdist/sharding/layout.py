@@ -7,7 +7,12 @@ Every layout has the same interface, which `ShardedStorage` relies on:
 - `shard(value, index)`: the shard of a full `value` that replica `index`
   holds (an int, or a scalar tensor for `ShardLayout`);
 - `unshard(shards)`: the full value from every replica's shard, stacked in
-  replica order.
+  replica order;
+- `rows_piece(rows, start, index)`: the elements of replica `index`'s shard
+  that rows `start` to `start + len(rows)` of the full value give, flat and
+  in the shard's order: concatenated over consecutive row blocks, they are
+  the shard (`tfdist.sharding.storage` builds a new layout's shards so,
+  never holding the whole value).
 
 The layouts:
 
@@ -103,6 +108,48 @@ class ShardLayout:
                                 tf.boolean_mask(positions, inside),
                                 tf.constant([self.shard_size], tf.int64))
 
+    def rows_piece(self, rows, start, index):
+        """The elements of shard `index` in `rows`, rows `start` on of the
+        full value, flat.
+
+        Example:
+
+        >>> layout = ShardLayout((3, 2), num_shards=2)   # shards of 3 elements
+        >>> layout.rows_piece(tf.constant([[2, 3], [4, 5]]), 1, 1).numpy()
+        array([3, 4, 5], dtype=int32)
+        """
+        first, size = self._elements(start, rows.shape[0])
+        low, high = self._overlap(first, size, index)
+        return tf.reshape(rows, [-1])[low - first:high - first]
+
+    def shard_in_rows(self, shard, start, count, index):
+        """Shard `index`'s elements among rows `start` to `start + count` of
+        the full value, in their places there and zeros elsewhere, flat: the
+        sum over every shard is those rows (`rows_piece`'s inverse).
+
+        Example:
+
+        >>> layout = ShardLayout((3, 2), num_shards=2)   # shards of 3 elements
+        >>> layout.shard_in_rows(tf.constant([3, 4, 5]), 1, 2, 1).numpy()
+        array([0, 3, 4, 5], dtype=int32)
+        """
+        first, size = self._elements(start, count)
+        low, high = self._overlap(first, size, index)
+        if low == high:
+            return tf.zeros([size], shard.dtype)
+        begin = index * self.shard_size
+        return tf.pad(shard[low - begin:high - begin], [[low - first, first + size - high]])
+
+    def _elements(self, start, count):
+        """The first flat element of row `start` and the elements of `count` rows."""
+        row = self.shape[1:].num_elements()
+        return start * row, count * row
+
+    def _overlap(self, first, size, index):
+        """The flat elements `[low, high)` both in `[first, first + size)` and in shard `index`."""
+        low = min(max(first, index * self.shard_size), first + size)
+        return low, max(low, min(first + size, (index + 1) * self.shard_size))
+
     def unshard(self, rows):
         """The full value from all shards (`(num_shards, shard_size)` or flat)."""
         flat = tf.reshape(rows, [-1])
@@ -146,6 +193,39 @@ class AxisLayout:
         """The full value from every replica's shard, stacked in replica order."""
         return tf.concat([shards[rank] for rank in range(self.parts)], axis=self.axis)
 
+    def rows_of_slice(self, rows, start, index):
+        """Replica `index`'s slice of `rows` (rows `start` on of the full
+        value), and the row of its slice the first of them is.
+
+        Example:
+
+        >>> layout = AxisLayout((4, 2), axis=0, parts=2)   # rank 1: rows 2 and 3
+        >>> rows, first = layout.rows_of_slice(tf.constant([[2, 3], [4, 5]]), 1, 1)
+        >>> rows.numpy().tolist(), first
+        ([[4, 5]], 0)
+        """
+        rank = index % self.parts
+        if self.axis:
+            begin, size = [0] * len(self.shard_shape), [-1] * len(self.shard_shape)
+            begin[self.axis] = rank * self.shard_shape[self.axis]
+            size[self.axis] = self.shard_shape[self.axis]
+            return tf.slice(rows, begin, size), start
+        first = rank * self.shard_shape[0]
+        low = max(start, first)
+        high = min(start + rows.shape[0], first + self.shard_shape[0])
+        return rows[low - start:max(low, high) - start], low - first
+
+    def rows_piece(self, rows, start, index):
+        """Replica `index`'s slice of `rows`, flat (`rows_of_slice`).
+
+        Example:
+
+        >>> layout = AxisLayout((4, 6), axis=1, parts=2)
+        >>> layout.rows_piece(tf.reshape(tf.range(12), (2, 6)), 0, 1).numpy()
+        array([ 3,  4,  5,  9, 10, 11], dtype=int32)
+        """
+        return tf.reshape(self.rows_of_slice(rows, start, index)[0], [-1])
+
 
 class MeshShardLayout:
     """ZeRO's element shards of a weight on a data x tensor mesh.
@@ -180,6 +260,21 @@ class MeshShardLayout:
         """The element shard that replica `index` (an int) holds."""
         part = value if self.split is None else self.split.shard(value, index)
         return self.part.shard(part, index // self.tensor)
+
+    def rows_piece(self, rows, start, index):
+        """The elements of replica `index`'s shard in `rows`, rows `start` on
+        of the full value, flat.
+
+        Example:
+
+        >>> layout = MeshShardLayout((4, 6), tensor=2, data=2,
+        ...                          split=AxisLayout((4, 6), axis=1, parts=2))
+        >>> layout.rows_piece(tf.reshape(tf.range(12, 24), (2, 6)), 2, 3).numpy()
+        array([15, 16, 17, 21, 22, 23], dtype=int32)
+        """
+        if self.split is not None:
+            rows, start = self.split.rows_of_slice(rows, start, index)
+        return self.part.rows_piece(rows, start, index // self.tensor)
 
     def unshard(self, shards):
         """The full value from every replica's shard, stacked in replica order."""

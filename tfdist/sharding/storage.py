@@ -51,21 +51,136 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         own); the shard index of a device is its replica's id in the sync
         group. `trainable` shards are watched by gradient tapes (a partitioned
         model weight)."""
-        extended = strategy.extended
-        components = []
         with tf.init_scope():
             if initial is not None:
                 initial = tf.convert_to_tensor(initial, dtype=dtype)
-            for local, device in enumerate(devices or extended.worker_devices):
-                index = replica_id_in_sync_group(extended, local)
-                with tf.device(device):
-                    shard = (tf.zeros(layout.shard_shape, dtype) if initial is None
-                             else own_copy(layout.shard(initial, index)))
-                    # ResourceVariable directly: the strategy's variable creator
-                    # (which would mirror it) is bypassed.
-                    components.append(tf_variables.ResourceVariable(
-                        shard, trainable=trainable, name=f"{name}/shard_{index}"))
-            return cls(strategy, components, layout)
+            return cls._of_shards(
+                strategy, layout, name, trainable, devices,
+                lambda local, index: tf.zeros(layout.shard_shape, dtype) if initial is None
+                else own_copy(layout.shard(initial, index)))
+
+    @classmethod
+    def _of_shards(cls, strategy, layout, name, trainable, devices, shard_of):
+        """Storage whose shard on each of `devices` (default the replicas'
+        own) is `shard_of(local, index)`, made there: `local` is the
+        replica's position on this task, `index` its id in the sync group."""
+        extended = strategy.extended
+        components = []
+        for local, device in enumerate(devices or extended.worker_devices):
+            index = replica_id_in_sync_group(extended, local)
+            with tf.device(device):
+                # ResourceVariable directly: the strategy's variable creator
+                # (which would mirror it) is bypassed.
+                components.append(tf_variables.ResourceVariable(
+                    shard_of(local, index), trainable=trainable, name=f"{name}/shard_{index}"))
+        return cls(strategy, components, layout)
+
+    @classmethod
+    def agreed(cls, strategy, layout, value, name, trainable=False, devices=None):
+        """`create` with the first replica's `value` on every task, each task
+        passing its own (under `MultiWorkerMirroredStrategy` the chief's is
+        the one, as `tf.distribute` makes it for any variable): sent in
+        blocks of rows (`_from_rows`), so no task receives it whole. Every
+        task must make the same variables in the same order.
+
+        Example:
+
+        ```python
+        storage = ShardedStorage.agreed(strategy, layout, tf.random.normal((4096, 4096)), "kernel")
+        ```
+        """
+        shape = value.shape
+        if _local(strategy) or not shape.rank:  # a scalar: summed whole
+            if not _local(strategy):
+                value = _sum_across_replicas(strategy, tuple(
+                    value if replica_id_in_sync_group(strategy.extended, local) == 0
+                    else tf.zeros_like(value)
+                    for local in range(len(strategy.extended.worker_devices))))
+            return cls.create(strategy, layout, value, name, value.dtype, trainable, devices)
+
+        def part(start, count, local, index):
+            if index:
+                return tf.zeros([count * shape[1:].num_elements()], value.dtype)
+            return tf.reshape(value[start:start + count], [-1])
+
+        return cls._from_rows(strategy, layout, shape, value.dtype, name, trainable,
+                              devices or strategy.extended.worker_devices, part,
+                              "agreeing on a variable's initial value")
+
+    def resharded(self, layout, name, trainable):
+        """This storage's value in `layout`, as new storage on the same
+        devices, when this one holds element shards of the whole value
+        (`holds_element_shards`): summed from every replica's shard one block
+        of rows at a time (`_from_rows`), so no task holds the whole value.
+        Every task must reshard the same variables in the same order.
+
+        Example:
+
+        ```python
+        split = storage.resharded(AxisLayout(storage.shape, 1, 2), "kernel", True)
+        ```
+        """
+        source = self._layout
+        if isinstance(source, MeshShardLayout):
+            source = source.part
+
+        def part(start, count, local, index):
+            return source.shard_in_rows(self._values[local], start, count, index)
+
+        return self._from_rows(self._distribute_strategy, layout, source.shape, self.dtype,
+                               name, trainable, [c.device for c in self._values], part,
+                               "resharding a variable")
+
+    @classmethod
+    def _from_rows(cls, strategy, layout, shape, dtype, name, trainable, devices, part, what):
+        """Storage in `layout` of a value of `shape` that no task holds
+        whole: for each block of its rows (at most `RESHARD_BLOCK_BYTES`, a
+        row at least) the block is the sum over every replica of
+        `part(start, count, local, index)` (that replica's contribution to
+        rows `start` to `start + count`, flat, zeros where it has none), and
+        each local replica keeps its shard's piece of it (`rows_piece`),
+        concatenated into its shard."""
+        extended = strategy.extended
+        indices = [replica_id_in_sync_group(extended, local) for local in range(len(devices))]
+        step = max(1, RESHARD_BLOCK_BYTES // (shape[1:].num_elements() * dtype.size))
+        pieces = [[] for _ in devices]
+        with tf.init_scope(), _bounded(strategy, what):
+            for start in range(0, shape[0], step):
+                count = min(step, shape[0] - start)
+                parts = []
+                for local, (device, index) in enumerate(zip(devices, indices)):
+                    with tf.device(device):
+                        parts.append(part(start, count, local, index))
+                rows = tf.reshape(_sum_across_replicas(strategy, tuple(parts)),
+                                  [count, *shape[1:]])
+                for held, device, index in zip(pieces, devices, indices):
+                    with tf.device(device):  # a piece of its own: no block kept alive
+                        held.append(own_copy(layout.rows_piece(rows, start, index)))
+            size = tf.TensorShape(layout.shard_shape).num_elements()
+
+            def shard_of(local, index):
+                held = pieces[local]
+                flat = held[0] if len(held) == 1 else tf.concat(held, 0)
+                held.clear()
+                return tf.reshape(tf.pad(flat, [[0, size - flat.shape[0]]]), layout.shard_shape)
+
+            return cls._of_shards(strategy, layout, name, trainable, devices, shard_of)
+
+    def holds_element_shards(self):
+        """Whether each replica holds an element shard of the whole value
+        (what `resharded` starts from).
+
+        Example:
+
+        ```python
+        storage_of(kernel).holds_element_shards()   # True as created under tensor=2
+        ```
+        """
+        layout = self._layout
+        if isinstance(layout, MeshShardLayout):
+            layout = layout.part if layout.tensor == 1 and layout.split is None else None
+        return (isinstance(layout, ShardLayout) and layout.shape.rank > 0
+                and layout.num_shards == self._distribute_strategy.num_replicas_in_sync)
 
     def __init__(self, strategy, components, layout: ShardLayout):
         super().__init__(strategy, components, tf.VariableAggregation.NONE)
@@ -97,12 +212,7 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         # Other workers hold the other shards: a cross-worker gather, which
         # every worker must take part in (as in any multi-worker save); read
         # eagerly (a save), it is bounded as a step is.
-        deadline = (process_watchdog().deadline(
-            strategy.timeout_seconds, "gathering a sharded variable",
-            "every task must read sharded state together (each save), as "
-            "tfdist.callbacks.BackupAndRestore does.")
-            if tf.executing_eagerly() else contextlib.nullcontext())
-        with deadline:
+        with _bounded(strategy, "gathering a sharded variable"):
             gathered = _gather_across_workers(strategy, tuple(shard[tf.newaxis]
                                                               for shard in shards))
         return self._layout.unshard(gathered)
@@ -156,32 +266,63 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
-# The strategy attribute holding its traced gather.
-_TRACED_GATHER = "_tfdist_traced_gather"
+# The most bytes of a variable's whole value `ShardedStorage.resharded`
+# assembles at once.
+RESHARD_BLOCK_BYTES = 16 * 2**20
+
+
+def _bounded(strategy, what):
+    """A deadline of `strategy.timeout_seconds` on `what`, a collective
+    every task must join (a save, a reshard), when run eagerly with replicas
+    on other tasks."""
+    if _local(strategy) or not tf.executing_eagerly():
+        return contextlib.nullcontext()
+    return process_watchdog().deadline(
+        strategy.timeout_seconds, what,
+        "every task must read and reshard sharded state together (each save, "
+        "the first step's split), as tfdist.callbacks.BackupAndRestore does.")
+
+
+def _local(strategy):
+    """Whether every replica of `strategy` is on this task."""
+    return len(strategy.extended.worker_devices) == strategy.num_replicas_in_sync
 
 
 def _gather_across_workers(strategy, shards):
     """`strategy.gather` of this task's `shards` (one per local replica,
-    stacked on a new first axis) with every other task's, along axis 0.
+    stacked on a new first axis) with every other task's, along axis 0."""
+    return _traced(strategy, "gather", lambda shards: strategy.gather(
+        tf_variables.PerReplica(shards), axis=0))(shards)
 
-    Called eagerly, `tf.distribute`'s multi-worker gather traces a new
+
+def _sum_across_replicas(strategy, values):
+    """The sum of this task's `values` (one per local replica) and every
+    other task's."""
+    return _traced(strategy, "sum", lambda values: strategy.reduce(
+        tf.distribute.ReduceOp.SUM, tf_variables.PerReplica(values), axis=None))(values)
+
+
+def _traced(strategy, name, collective):
+    """`collective` traced once per strategy (shapes left general after its
+    first retrace) when called eagerly.
+
+    Called eagerly, `tf.distribute`'s multi-worker collectives trace a new
     function at every call, and each traced graph holds the call's tensors in
     reference cycles until Python's cyclic collector runs: splitting a model
-    over tensor groups, which reads each weight whole, kept what it gathered
+    over tensor groups, which read each weight whole, kept what it gathered
     alive (64 MiB on each of 4 workers of an 8 x Dense(4096) model under
-    tensor=4). One traced gather per strategy (shapes left general after its
-    first retrace) leaves nothing behind.
+    tensor=4). One traced function per strategy leaves nothing behind.
     """
-    def gather(shards):
-        return strategy.gather(tf_variables.PerReplica(shards), axis=0)
-
     if not tf.executing_eagerly():
-        return gather(shards)
-    traced = getattr(strategy, _TRACED_GATHER, None)
-    if traced is None:
-        traced = tf.function(gather, reduce_retracing=True, autograph=False)
-        setattr(strategy, _TRACED_GATHER, traced)
-    return traced(shards)
+        return collective
+    functions = vars(strategy).setdefault(_TRACED_COLLECTIVES, {})
+    if name not in functions:
+        functions[name] = tf.function(collective, reduce_retracing=True, autograph=False)
+    return functions[name]
+
+
+# The strategy attribute holding its traced collectives, by name.
+_TRACED_COLLECTIVES = "_tfdist_traced_collectives"
 
 
 def own_copy(shard):
@@ -219,11 +360,15 @@ def shard_keras_variable(variable, layout, strategy):
     """
     if isinstance(layout, int):
         layout = ShardLayout(variable.shape, layout)
+    held = tf_variables.storage_of(variable)
     if storage_layout(variable) == layout:  # created as these shards
-        return tf_variables.storage_of(variable)
-    storage = ShardedStorage.create(
-        strategy, layout, variable.value, name=variable.name, dtype=variable.dtype,
-        trainable=variable.trainable, devices=copy_devices(variable, strategy))
+        return held
+    if isinstance(held, ShardedStorage) and held.holds_element_shards():
+        storage = held.resharded(layout, variable.name, variable.trainable)
+    else:
+        storage = ShardedStorage.create(
+            strategy, layout, variable.value, name=variable.name, dtype=variable.dtype,
+            trainable=variable.trainable, devices=copy_devices(variable, strategy))
     tf_variables.set_storage(variable, storage)
     return storage
 
