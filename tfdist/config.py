@@ -373,6 +373,20 @@ class ParallelConfig:
         return self.shards_parameters or self.tensor > 1 or self.pipeline > 1
 
     @property
+    def gradient_copies(self) -> int:
+        """How many copies of a device's local gradients its step holds at
+        once (without zero=2 and 3's reduce-scatter): two with a data
+        all-reduce (its packed buffer) or with microbatches (their running
+        sum beside each one's gradients), else one (`tfdist.sharding.peak`).
+
+        Example:
+
+        >>> ParallelConfig(data=4).gradient_copies, ParallelConfig(data=1, tensor=4).gradient_copies
+        (2, 1)
+        """
+        return 2 if self.data > 1 or self.microbatches > 1 else 1
+
+    @property
     def shards_optimizer_state(self) -> bool:
         """Whether the optimizer's state is sharded over the data group (any
         `zero`): the scope creates every slot as shards.

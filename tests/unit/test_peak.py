@@ -36,6 +36,17 @@ def test_data_parallel_holds_everything_whole():
     assert estimate.total == whole * 5 + _activations(4)
 
 
+@pytest.mark.parametrize("microbatches, copies", [(1, 1), (2, 2)])
+def test_without_a_data_all_reduce_the_gradients_are_held_once_but_for_microbatches(
+        microbatches, copies):
+    # tensor=2 on 2 devices (data=1): no data all-reduce and its packed
+    # buffer, only each device's own gradients; with microbatches their
+    # running sum beside each microbatch's.
+    strategy = tfdist.Strategy(devices=DEVICES[:2], tensor=2, microbatches=microbatches)
+    estimate = predict_peak(strategy.config, _model(strategy), 16)
+    assert estimate.gradients == copies * estimate.parameters
+
+
 def test_the_strategys_prediction_adds_the_update_and_no_transport_in_one_process():
     strategy = tfdist.Strategy(devices=DEVICES)
     model = _model(strategy)

@@ -402,8 +402,9 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
     `tfdist.sharding.peak`, from the `local` bytes of the weights it computes
     with and their optimizer `state`, both unsharded; `size_of(weights)`
     counts a unit's bytes. zero 1/2 keep a shard of the state and a
-    parameter shard buffer; beside the whole local gradients, zero=1 the
-    packed buffer it all-reduces, zero=2 a piece of its reduce-scatter and
+    parameter shard buffer; beside the whole local gradients, zero 0 and 1
+    the packed buffer a data all-reduce sends or the microbatches' running
+    sum (`config.gradient_copies`), zero=2 a piece of its reduce-scatter and
     the reduced shards; zero=3 a shard of the parameters, gathering two
     units at once (with `stages`, its whole stage), and one unit's gradients
     with a piece of its reduce-scatter and its reduced shard (every unit's
@@ -423,7 +424,7 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
     if config.zero == 2:  # reduce-scattered in pieces, each replica keeping its sum
         return local, 0, local + min(local, PIECE_BYTES) + shard, state
     if config.zero < 3:
-        return local, 0, 2 * local, state
+        return local, 0, config.gradient_copies * local, state
     if stages:  # a whole stage gathered at a time
         return shard, local, 2 * local, state
     units = sorted((size_of(unit_weights(u)) for u in plan_units(model, config.zero3_unit_params)),

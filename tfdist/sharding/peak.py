@@ -7,8 +7,9 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
 
 - parameters: its shard (`zero=3`), its tensor rank's slice of split weights,
   its stage's weights; whole otherwise;
-- gradients: the local gradient of what it holds plus the packed buffer the
-  reduce sends (whole gradients, or one unit's under `zero=3`, whose reduced
+- gradients: the local gradient of what it holds plus, with a data
+  all-reduce, the packed buffer it sends, or with microbatches their running
+  sum (whole gradients, or one unit's under `zero=3`, whose reduced
   shards it keeps; under `zero=2` a piece of its reduce-scatter and the
   reduced shards instead);
 - optimizer state: every slot of its variable's shape, split as the weight
