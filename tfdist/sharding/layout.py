@@ -119,7 +119,7 @@ class ShardLayout:
         array([3, 4, 5], dtype=int32)
         """
         first, size = self._elements(start, rows.shape[0])
-        low, high = self._overlap(first, size, index)
+        low, high = self._in_shard(first, size, index)
         return tf.reshape(rows, [-1])[low - first:high - first]
 
     def shard_in_rows(self, shard, start, count, index):
@@ -134,7 +134,7 @@ class ShardLayout:
         array([0, 3, 4, 5], dtype=int32)
         """
         first, size = self._elements(start, count)
-        low, high = self._overlap(first, size, index)
+        low, high = self._in_shard(first, size, index)
         if low == high:
             return tf.zeros([size], shard.dtype)
         begin = index * self.shard_size
@@ -145,10 +145,10 @@ class ShardLayout:
         row = self.shape[1:].num_elements()
         return start * row, count * row
 
-    def _overlap(self, first, size, index):
+    def _in_shard(self, first, size, index):
         """The flat elements `[low, high)` both in `[first, first + size)` and in shard `index`."""
-        low = min(max(first, index * self.shard_size), first + size)
-        return low, max(low, min(first + size, (index + 1) * self.shard_size))
+        return _overlap(first, first + size, index * self.shard_size,
+                        (index + 1) * self.shard_size)
 
     def unshard(self, rows):
         """The full value from all shards (`(num_shards, shard_size)` or flat)."""
@@ -211,9 +211,8 @@ class AxisLayout:
             size[self.axis] = self.shard_shape[self.axis]
             return tf.slice(rows, begin, size), start
         first = rank * self.shard_shape[0]
-        low = max(start, first)
-        high = min(start + rows.shape[0], first + self.shard_shape[0])
-        return rows[low - start:max(low, high) - start], low - first
+        low, high = _overlap(start, start + rows.shape[0], first, first + self.shard_shape[0])
+        return rows[low - start:high - start], low - first
 
     def rows_piece(self, rows, start, index):
         """Replica `index`'s slice of `rows`, flat (`rows_of_slice`).
@@ -291,3 +290,14 @@ class MeshShardLayout:
     def _key(self):
         split = None if self.split is None else (self.split.axis, self.split.parts)
         return tuple(self.shape.as_list()), self.tensor, self.part.num_shards, split
+
+
+def _overlap(begin, end, other_begin, other_end):
+    """`[begin, end)` within `[other_begin, other_end)`, as `(low, high)`
+    inside `[begin, end]` (`low == high` when they do not meet).
+
+    >>> _overlap(4, 8, 6, 10), _overlap(4, 8, 9, 10)
+    ((6, 8), (8, 8))
+    """
+    low = min(max(begin, other_begin), end)
+    return low, max(low, min(end, other_end))

@@ -89,19 +89,19 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         storage = ShardedStorage.agreed(strategy, layout, tf.random.normal((4096, 4096)), "kernel")
         ```
         """
+        def first_only(index, rows):  # the first replica's rows, zeros elsewhere
+            return tf.zeros_like(rows) if index else rows
+
         shape = value.shape
-        if _local(strategy) or not shape.rank:  # a scalar: summed whole
-            if not _local(strategy):
-                value = _sum_across_replicas(strategy, tuple(
-                    value if replica_id_in_sync_group(strategy.extended, local) == 0
-                    else tf.zeros_like(value)
-                    for local in range(len(strategy.extended.worker_devices))))
+        if not shape.rank and not _local(strategy):  # a scalar: summed whole
+            value = _sum_across_replicas(strategy, tuple(
+                first_only(replica_id_in_sync_group(strategy.extended, local), value)
+                for local in range(len(strategy.extended.worker_devices))))
+        if not shape.rank or _local(strategy):
             return cls.create(strategy, layout, value, name, value.dtype, trainable, devices)
 
         def part(start, count, local, index):
-            if index:
-                return tf.zeros([count * shape[1:].num_elements()], value.dtype)
-            return tf.reshape(value[start:start + count], [-1])
+            return first_only(index, tf.reshape(value[start:start + count], [-1]))
 
         return cls._from_rows(strategy, layout, shape, value.dtype, name, trainable,
                               devices or strategy.extended.worker_devices, part,
@@ -120,9 +120,7 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         split = storage.resharded(AxisLayout(storage.shape, 1, 2), "kernel", True)
         ```
         """
-        source = self._layout
-        if isinstance(source, MeshShardLayout):
-            source = source.part
+        source = self._element_layout()
 
         def part(start, count, local, index):
             return source.shard_in_rows(self._values[local], start, count, index)
@@ -176,11 +174,18 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         storage_of(kernel).holds_element_shards()   # True as created under tensor=2
         ```
         """
+        return self._element_layout() is not None
+
+    def _element_layout(self):
+        """The `ShardLayout` over every replica this storage's layout is
+        (element shards of a value of rank 1 or more), else None."""
         layout = self._layout
         if isinstance(layout, MeshShardLayout):
             layout = layout.part if layout.tensor == 1 and layout.split is None else None
-        return (isinstance(layout, ShardLayout) and layout.shape.rank > 0
-                and layout.num_shards == self._distribute_strategy.num_replicas_in_sync)
+        if (isinstance(layout, ShardLayout) and layout.shape.rank > 0
+                and layout.num_shards == self._distribute_strategy.num_replicas_in_sync):
+            return layout
+        return None
 
     def __init__(self, strategy, components, layout: ShardLayout):
         super().__init__(strategy, components, tf.VariableAggregation.NONE)
@@ -206,7 +211,7 @@ class ShardedStorage(tf_variables.SyncOnReadVariable):
         """The full value: every replica's shard, gathered and unpadded."""
         shards = [v.read_value() for v in self._values]
         strategy = self._distribute_strategy
-        if len(shards) == strategy.num_replicas_in_sync:
+        if _local(strategy):
             with tf.device(self._values[0].device):
                 return self._layout.unshard(tf.stack(shards))
         # Other workers hold the other shards: a cross-worker gather, which
