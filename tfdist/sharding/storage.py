@@ -302,7 +302,11 @@ def _gather_across_workers(strategy, shards):
 
 def _sum_across_replicas(strategy, values):
     """The sum of this task's `values` (one per local replica) and every
-    other task's."""
+    other task's; added here when every replica is on this task (a
+    collective per block was a third of the first step's split in one
+    process)."""
+    if _local(strategy):
+        return tf.add_n(list(values))
     return _traced(strategy, "sum", lambda values: strategy.reduce(
         tf.distribute.ReduceOp.SUM, tf_variables.PerReplica(values), axis=None))(values)
 
