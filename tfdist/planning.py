@@ -189,7 +189,8 @@ class Plans(list):
             text.append(
                 f"predicted for {h.device_flops / 1e9:.1f} GFLOP/s per device, "
                 f"{1e6 * h.call_overhead:.0f} us per layer call, "
-                f"{1e6 * h.collective_latency:.0f} us per collective"
+                f"{1e6 * h.latency(2):.0f} us per collective of 2 devices "
+                f"(+{1e6 * h.member_latency:.0f} us per further device)"
                 + (f", devices sharing {h.shared_cores} cores" if h.shared_cores else ""))
         return "\n".join(text)
 
@@ -416,8 +417,10 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
       per example set against the estimated FLOPs (3x the forward's,
       `tfdist.pipeline.cost`), what remains of the 1-example time over the
       layer calls;
-    - `collective_latency`: a chain of small all-reduces over `devices`
-      devices of this process, per all-reduce (when it has them);
+    - `collective_latency` and `member_latency`: chains of small
+      all-reduces over 2 and over `devices` devices of this process, per
+      all-reduce (when it has them): the latency of 2 members, and what
+      each further member adds;
     - `shared_cores`: this host's cores when the devices are logical CPU
       devices (no GPU).
 
@@ -437,10 +440,13 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
     per_example = max(many - few, 1e-9) / (rows - 1)
     flops = 3 * sum(node_cost(node, sequence_length) for node in graph.nodes)
     cpu = not tf.config.list_logical_devices("GPU")
+    two = _all_reduce_seconds(2)
+    every = _all_reduce_seconds(devices) if devices > 2 else two
     return Hardware(
         device_flops=flops / per_example,
         call_overhead=max(0.0, few - per_example) / (3 * len(graph.nodes)),
-        collective_latency=_all_reduce_seconds(devices),
+        collective_latency=two,
+        member_latency=max(0.0, every - two) / (devices - 2) if devices > 2 else 0.0,
         shared_cores=len(os.sched_getaffinity(0)) if cpu else None, **bandwidths)
 
 

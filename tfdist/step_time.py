@@ -14,7 +14,8 @@ per example of each layer call) and the layout `describe` prints:
   its stage's time; the bubble is what the last end adds to the busiest
   device's own work.
 - communication: ring collectives, each moving (n - 1) / n of its bytes per
-  device (twice for an all-reduce), plus `collective_latency` each:
+  device (twice for an all-reduce), plus a latency each that grows with
+  its members (`Hardware.latency`; a send's is a 2-member collective's):
   the data group's gradients (compressed as `compression` says), ZeRO's
   parameter gathers (zero 1/2 after the update, zero=3 twice per step), the
   tensor groups' activation all-reduces (two per split block: Megatron's
@@ -61,8 +62,10 @@ class Hardware:
         device_bandwidth: bytes per second between two devices of a host.
         link_bandwidth: bytes per second between two hosts.
         devices_per_host: devices of each host (None: all on one).
-        collective_latency: seconds each collective or send costs besides
-            its bytes.
+        collective_latency: seconds a collective of 2 devices, or a send,
+            costs besides its bytes.
+        member_latency: seconds each further member adds to a collective's
+            latency (a ring's steps grow with its members).
         call_overhead: seconds each layer call's forward costs besides its
             FLOPs (its backward twice that): the runtime's per-op work.
         shared_cores: when a host's devices are logical devices of one
@@ -83,12 +86,21 @@ class Hardware:
     link_bandwidth: float
     devices_per_host: int | None = None
     collective_latency: float = 5e-5
+    member_latency: float = 0.0
     call_overhead: float = 0.0
     shared_cores: int | None = None
 
     def hosts_of(self, devices: int) -> int:
         """How many hosts `devices` devices span (1 when `devices_per_host` is None)."""
         return max(1, math.ceil(devices / (self.devices_per_host or devices)))
+
+    def latency(self, members: int) -> float:
+        """Seconds a collective over `members` devices costs besides its bytes.
+
+        >>> Hardware(1e12, 1e11, 1e9, collective_latency=1e-4, member_latency=5e-5).latency(8)
+        0.0004
+        """
+        return self.collective_latency + self.member_latency * max(0, members - 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +239,7 @@ def _data_group_time(config, model, weights, layout, hardware):
     sent, summed, collectives = zero3.data_group_traffic(config, model, layout.stages,
                                                           gradients, parameters)
     return (_ring(sent, data, bandwidth, reduce=summed)
-            + collectives * hardware.collective_latency)
+            + collectives * hardware.latency(data))
 
 
 def _tensor_group_time(config, graph, layout, rows, sequence_length, hardware):
@@ -246,7 +258,7 @@ def _tensor_group_time(config, graph, layout, rows, sequence_length, hardware):
         blocks += 1
     reduced = _ring(2 * rows * per_example, config.tensor, hardware.device_bandwidth,
                     reduce=True)
-    return reduced + 2 * blocks * config.microbatches * hardware.collective_latency
+    return reduced + 2 * blocks * config.microbatches * hardware.latency(config.tensor)
 
 
 def _enclosing_nodes(graph):
@@ -270,4 +282,4 @@ def _pipeline_send_time(config, stages, rows, sequence_length, hardware):
     largest = max((tensors_bytes(stage.inputs, 1, sequence_length) for stage in stages[1:]),
                   default=0)
     sends = 2 * config.microbatches
-    return sends * (micro * largest / hardware.device_bandwidth + hardware.collective_latency)
+    return sends * (micro * largest / hardware.device_bandwidth + hardware.latency(2))

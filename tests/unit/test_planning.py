@@ -150,6 +150,24 @@ def test_tensor_groups_split_the_compute_and_send_activations_not_gradients():
     assert time_of(640, data=2).communication == pytest.approx(data.communication)
 
 
+def test_a_collectives_latency_grows_with_its_members_and_a_send_is_two_members():
+    model = _mlp()
+    free_bytes = dict(device_flops=1e10, device_bandwidth=1e18, link_bandwidth=1e18)
+    flat = Hardware(**free_bytes, collective_latency=1e-4)
+    ring = Hardware(**free_bytes, collective_latency=1e-4, member_latency=5e-5)
+
+    def communication(hardware, **fields):
+        config = ParallelConfig(**fields).resolve(8)
+        return predict_step_time(config, model, 64, hardware).communication
+
+    # 8 members: 6 beyond 2, each 5e-5 s more than 2 members' 1e-4 s
+    assert communication(flat, data=8) > 0
+    assert communication(ring, data=8) == pytest.approx(4 * communication(flat, data=8))
+    pipelined = dict(data=2, pipeline=4, microbatches=4, schedule="1f1b")
+    assert communication(ring, **pipelined) == pytest.approx(communication(flat, **pipelined))
+    assert communication(flat, **pipelined) > 0
+
+
 def test_hosts_put_the_data_groups_gradients_on_the_slower_link():
     model = _mlp()
     config = ParallelConfig(data=4).resolve(4)
