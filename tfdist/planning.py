@@ -419,8 +419,9 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
       layer calls;
     - `collective_latency` and `member_latency`: chains of small
       all-reduces over 2 and over `devices` devices of this process, per
-      all-reduce (when it has them): the latency of 2 members, and what
-      each further member adds;
+      all-reduce: the latency of 2 members, and what each further member
+      adds (`Hardware`'s defaults, and no growth, where this process has
+      fewer devices than a chain needs);
     - `shared_cores`: this host's cores when the devices are logical CPU
       devices (no GPU).
 
@@ -441,12 +442,13 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
     flops = 3 * sum(node_cost(node, sequence_length) for node in graph.nodes)
     cpu = not tf.config.list_logical_devices("GPU")
     two = _all_reduce_seconds(2)
-    every = _all_reduce_seconds(devices) if devices > 2 else two
+    every = _all_reduce_seconds(devices) if devices > 2 else None
     return Hardware(
         device_flops=flops / per_example,
         call_overhead=max(0.0, few - per_example) / (3 * len(graph.nodes)),
-        collective_latency=two,
-        member_latency=max(0.0, every - two) / (devices - 2) if devices > 2 else 0.0,
+        collective_latency=Hardware.collective_latency if two is None else two,
+        member_latency=(0.0 if two is None or every is None
+                        else max(0.0, every - two) / (devices - 2)),
         shared_cores=len(os.sched_getaffinity(0)) if cpu else None, **bandwidths)
 
 
@@ -476,10 +478,10 @@ def _forward_and_backward_seconds(model, rows, sequence_length, repeats=9):
 
 def _all_reduce_seconds(devices, chain=20, repeats=5):
     """Seconds per all-reduce of a chain of small ones over `devices` of
-    this process's devices (the default `Hardware`'s when it has fewer)."""
+    this process's devices (None when it has fewer: not measured)."""
     available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
     if devices < 2 or len(available) < devices:
-        return Hardware.collective_latency
+        return None
     from tfdist.strategy import Strategy
 
     strategy = Strategy(devices=[device.name for device in available[:devices]])

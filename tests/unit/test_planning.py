@@ -168,6 +168,19 @@ def test_a_collectives_latency_grows_with_its_members_and_a_send_is_two_members(
     assert communication(flat, **pipelined) > 0
 
 
+def test_latency_is_measured_over_this_processs_devices_and_not_mixed_with_defaults():
+    from tfdist.planning import measured_hardware
+
+    model = _mlp(layers=2, width=32)
+    measured = measured_hardware(model, 4, device_bandwidth=1e10, link_bandwidth=1e9)
+    assert measured.collective_latency != Hardware.collective_latency
+    assert measured.member_latency > 0  # 4 members cost more than 2 here
+    # more devices than this process has: 2 members measured, no growth guessed
+    beyond = measured_hardware(model, 64, device_bandwidth=1e10, link_bandwidth=1e9)
+    assert beyond.collective_latency != Hardware.collective_latency
+    assert beyond.member_latency == 0.0
+
+
 def test_hosts_put_the_data_groups_gradients_on_the_slower_link():
     model = _mlp()
     config = ParallelConfig(data=4).resolve(4)
