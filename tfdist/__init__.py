@@ -33,7 +33,7 @@ _LAZY = {
     "MultiWorkerStrategy": "tfdist.strategy",
     "ParameterServerStrategy": "tfdist.ps",
     "Strategy": "tfdist.strategy",
-    "plan": "tfdist.planning",
+    "plan": "tfdist.plan_trials",
     "use_virtual_devices": "tfdist.devices",
 }
 _LAZY_MODULES = ("batch_statistics", "callbacks", "checkpoint", "cluster", "engine", "layers",

@@ -1,14 +1,15 @@
-"""`tfdist.plan`: the parallel layout for a model, devices and memory, chosen
-and explained.
+"""The parallel layout for a model, devices and memory, predicted and ranked:
+what `tfdist.plan` (`tfdist.plan_trials`, which can also train the first
+plans) and `Strategy(plan="auto")` choose from.
 
-`plan` enumerates every `ParallelConfig` the devices allow (data x pipeline x
-tensor, zero, microbatches, pipeline schedule, remat), keeps those that
-`ParallelConfig.validate` and the model's own rules (`tfdist.engine.modes.check`)
-accept, and predicts for each the busiest device's peak memory (the predictor
-`Strategy.describe` prints, `tfdist.sharding.peak`) and the step's time
-(`tfdist.step_time`). Plans whose peak exceeds `memory_per_device` are kept
-with that reason; the rest are ranked by predicted time. With `measure=K` the
-top K are trained for a few steps here and re-ranked by their measured time.
+`predicted_plans` enumerates every `ParallelConfig` the devices allow (data x
+pipeline x tensor, zero, microbatches, pipeline schedule, remat), keeps those
+that `ParallelConfig.validate` and the model's own rules
+(`tfdist.engine.modes.check`) accept, and predicts for each the busiest
+device's peak memory (the predictor `Strategy.describe` prints,
+`tfdist.sharding.peak`) and the step's time (`tfdist.step_time`). Plans whose
+peak exceeds `memory_per_device` are kept with that reason; the rest are
+ranked by predicted time.
 
 Fields given as keyword arguments (`precision="mixed_bfloat16"`,
 `compression="bf16"`, `zero=3`, ...) are held at that value: precision and
@@ -17,8 +18,8 @@ compression change what is computed, so the planner never picks them itself.
 Example:
 
 ```python
-plans = tfdist.plan(model, devices=8, memory_per_device="16GiB", batch_size=64,
-                    sequence_length=1024)
+plans = predicted_plans(model, devices=8, memory_per_device="16GiB", batch_size=64,
+                        sequence_length=1024)
 print(plans)                  # the ranked table, with the reasons
 plans.best.config.to_json()   # for `tfdist launch --config` or `tfdist tfjob`
 ```
@@ -28,13 +29,13 @@ import dataclasses
 import itertools
 import os
 import re
-import statistics
 import time
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist._compat.tf_distribute import MirroredStrategyOfItsOwnKeys
 from tfdist.config import ParallelConfig
 from tfdist.engine import modes
 from tfdist.pipeline.cost import node_cost
@@ -234,52 +235,21 @@ def parse_quantity(value, name: str) -> float:
     return float(match[1]) * _UNITS[match[2]]
 
 
-def plan(model, devices: int, memory_per_device, batch_size: int, sequence_length=None,
-         hosts: int = 1, link_bandwidth="10Gbit", device_bandwidth="100Gbit",
-         device_flops=None, measure: int = 0, steps: int = 10, dataset=None,
-         **fixed) -> Plans:
-    """Every configuration of `devices` devices for `model`, predicted and
-    ranked (`Plans`, best first).
-
-    Args:
-        model: a built, compiled Keras 3 model, or a function of no
-            arguments returning one (needed by `measure`, which builds the
-            model again under each plan's strategy). Its optimizer is built
-            if it is not, so that its slots count.
-        devices: the devices to spread over (data x pipeline x tensor).
-        memory_per_device: bytes each device may hold, or a string such as
-            "16GiB".
-        batch_size: the global batch.
-        sequence_length: the length of the model's unknown input
-            dimensions in the first batch (1 when None).
-        hosts: hosts the devices are spread over, equally; tensor groups
-            and pipeline stages stay within one (a process per host: the
-            peak counts the transport's copies of data collectives between
-            them).
-        link_bandwidth: between hosts, bytes per second or "10Gbit".
-        device_bandwidth: between the devices of a host.
-        device_flops: FLOP/s of one device (the hardware then as given:
-            no call overhead, the default collective latency); None: this
-            process's devices measured on the model (`measured_hardware`).
-        measure: train the first `measure` plans that fit here, `steps`
-            steps each, and rank them by their measured time (needs
-            `devices` devices in this process: `tfdist.use_virtual_devices`).
-        dataset: with `measure`, a function `(batch_size) -> tf.data.Dataset`
-            of (inputs, targets); None: `synthetic_batch`'s.
-        **fixed: `ParallelConfig` fields held at these values (such as
-            `precision="mixed_bfloat16"`, `compression="bf16"`, `zero=3`).
-
-    Raises `ValueError` naming the argument for a bad value, before any
-    planning.
+def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
+                    sequence_length=None, hosts: int = 1, link_bandwidth="10Gbit",
+                    device_bandwidth="100Gbit", device_flops=None, **fixed) -> Plans:
+    """`tfdist.plan` without `measure` (the arguments are its): every
+    configuration of `devices` devices for `model`, predicted and ranked
+    (`Plans`, best first). What `Strategy(plan="auto")` follows.
 
     Example:
 
     ```python
-    plans = tfdist.plan(model, devices=4, memory_per_device="1GiB", batch_size=32)
-    print(plans.best.config.to_json())
+    plans = predicted_plans(model, devices=4, memory_per_device="1GiB", batch_size=32)
+    plans.best.config
     ```
     """
-    _check_args(model, devices, batch_size, hosts, measure, steps, fixed)
+    _check_args(model, devices, batch_size, hosts, fixed)
     limit = parse_quantity(memory_per_device, "memory_per_device")
     bandwidths = dict(device_bandwidth=parse_quantity(device_bandwidth, "device_bandwidth"),
                       link_bandwidth=parse_quantity(link_bandwidth, "link_bandwidth"),
@@ -317,11 +287,9 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         fits = peak.total <= limit
         reason = "" if fits else f"peak {readable(peak.total)} > {readable(int(limit))}"
         weighed.append(Plan(config, peak, step, fits, reason))
-    plans = _ranked(weighed, refused, limit, hardware)
-    if measure:
-        _measure(plans, model, batch_size, sequence_length, steps, dataset, measure)
-        plans = _ranked(plans, plans.refused, limit, hardware)
-    return plans
+    return ranked(weighed, refused, limit, hardware)
+
+
 
 
 def _layout_or_refusal(config, model, sequence_length):
@@ -336,13 +304,10 @@ def _layout_or_refusal(config, model, sequence_length):
     return layout
 
 
-def _check_args(model, devices, batch_size, hosts, measure, steps, fixed):
-    for name, value in (("devices", devices), ("batch_size", batch_size), ("hosts", hosts),
-                        ("steps", steps)):
+def _check_args(model, devices, batch_size, hosts, fixed):
+    for name, value in (("devices", devices), ("batch_size", batch_size), ("hosts", hosts)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
-    if isinstance(measure, bool) or not isinstance(measure, int) or measure < 0:
-        raise ValueError(f"`measure` must be an int >= 0 (plans to train), got {measure!r}.")
     if devices % hosts:
         raise ValueError(f"`devices={devices}` must be a multiple of `hosts={hosts}` "
                          f"(each host has as many devices).")
@@ -353,10 +318,6 @@ def _check_args(model, devices, batch_size, hosts, measure, steps, fixed):
     if not isinstance(model, keras.Model) and not callable(model):
         raise ValueError(f"`model` must be a Keras model or a function returning one, "
                          f"got {type(model).__name__}.")
-    if measure and isinstance(model, keras.Model):
-        raise ValueError(f"`measure={measure}` builds the model again under each plan's "
-                         f"strategy: pass `model` as a function returning the compiled "
-                         f"model, not the model.")
 
 
 def candidates(model, devices, batch_size, hosts=1, fixed=None):
@@ -401,7 +362,16 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _ranked(weighed, refused, limit, hardware) -> Plans:
+def ranked(weighed, refused, limit, hardware) -> Plans:
+    """`weighed` (`Plan`s) as `Plans`: those that fit by their measured,
+    else predicted, step time, then the others by peak.
+
+    Example:
+
+    ```python
+    plans = ranked(plans, plans.refused, plans.memory_per_device, plans.hardware)
+    ```
+    """
     fitting = sorted((p for p in weighed if p.fits),
                      key=lambda p: (p.measured is None, p.seconds, p.peak.total))
     over = sorted((p for p in weighed if not p.fits), key=lambda p: p.peak.total)
@@ -482,9 +452,7 @@ def _all_reduce_seconds(devices, chain=20, repeats=5):
     available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
     if devices < 2 or len(available) < devices:
         return None
-    from tfdist.strategy import Strategy
-
-    strategy = Strategy(devices=[device.name for device in available[:devices]])
+    strategy = MirroredStrategyOfItsOwnKeys([device.name for device in available[:devices]])
 
     def chained(length):
         def replica():
@@ -537,60 +505,3 @@ def synthetic_batch(model, rows: int, sequence_length=None):
     sequential = isinstance(model, keras.Sequential)  # (no `input` before a call)
     return (tf.nest.map_structure(fill, model.inputs[0] if sequential else model.input),
             tf.nest.map_structure(target, model.outputs[0] if sequential else model.output))
-
-
-def _measure(plans, model_fn, batch_size, sequence_length, steps, dataset, count):
-    """Trains the first `count` fitting plans; sets each one's `measured`."""
-    for candidate in [p for p in plans if p.fits][:count]:
-        candidate.measured = measured_step_seconds(candidate.config, model_fn, batch_size,
-                                                   sequence_length, steps, dataset)
-
-
-def measured_step_seconds(config: ParallelConfig, model_fn, batch_size: int,
-                          sequence_length=None, steps: int = 10, dataset=None) -> float:
-    """Median seconds of a training step of `model_fn()` under `config` on
-    this process's first devices, over `steps` steps of `fit` (the first two,
-    which trace, left out); `dataset` as `plan`'s.
-
-    Example:
-
-    ```python
-    measured_step_seconds(plans.best.config, build, batch_size=32)
-    ```
-    """
-    from tfdist.strategy import Strategy
-
-    devices = config.devices_needed
-    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
-    if len(available) < devices:
-        raise ValueError(
-            f"Measuring {describe_config(config)} trains on {devices} devices, but this "
-            f"process has {len(available)}: call tfdist.use_virtual_devices({devices}) "
-            f"before TensorFlow starts, or measure=0.")
-    strategy = Strategy(config, devices=[device.name for device in available[:devices]])
-    with strategy.scope():
-        model = model_fn()
-    data = dataset(batch_size) if dataset else _synthetic_dataset(
-        model, batch_size, sequence_length)
-    timer = _StepTimer()
-    model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False,
-              callbacks=[timer])
-    return statistics.median(timer.seconds[2:] or timer.seconds)
-
-
-def _synthetic_dataset(model, batch_size, sequence_length):
-    return tf.data.Dataset.from_tensors(synthetic_batch(model, batch_size, sequence_length))
-
-
-class _StepTimer(keras.callbacks.Callback):
-    """Seconds of each training step."""
-
-    def __init__(self):
-        super().__init__()
-        self.seconds, self._start = [], 0.0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seconds.append(time.perf_counter() - self._start)

@@ -38,6 +38,7 @@ predict_step_time(ParallelConfig(data=4).resolve(4), model, 64, hardware).total
 import dataclasses
 import math
 
+import keras
 import tensorflow as tf
 
 from tfdist._compat.keras_functional import direct_sublayers
@@ -158,7 +159,8 @@ def _split_share(node, layout, config):
     what its split weights' share of its weights is."""
     if not layout.split:
         return 1.0
-    weights = {id(v): v for v in node.operation.weights}
+    # (an operation of `keras.ops`, such as `x[:, 0]`, holds no weights)
+    weights = {id(v): v for v in getattr(node.operation, "weights", ())}
     total = sum(v.shape.num_elements() for v in weights.values())
     split = sum(v.shape.num_elements() for key, v in weights.items() if key in layout.split)
     if not total:
@@ -269,7 +271,8 @@ def _enclosing_nodes(graph):
         while pending:
             layer = pending.pop()
             enclosing.setdefault(id(layer), node)
-            pending.extend(direct_sublayers(layer))
+            if isinstance(layer, keras.layers.Layer):  # not an op such as `x[:, 0]`
+                pending.extend(direct_sublayers(layer))
     return enclosing
 
 

@@ -15,7 +15,6 @@ arguments and behave as their parents everywhere except two places:
 import contextlib
 import functools
 import inspect
-import itertools
 import re
 import sys
 import warnings
@@ -24,10 +23,10 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfdist import usage_checks, weight_files
+from tfdist import planning, usage_checks, weight_files
 from tfdist._compat import tf_data
 from tfdist._compat.keras_trainer import uses_keras_train_step
-from tfdist._compat.tf_distribute import bound_task_registration
+from tfdist._compat.tf_distribute import bound_task_registration, own_collective_keys
 from tfdist._compat.tf_function import eagerly_outside_the_trace
 from tfdist.cluster.agreement import check_tasks_agree
 from tfdist.cluster.rendezvous import (
@@ -48,12 +47,6 @@ from tfdist.profiling import start_profiler_server
 from tfdist.sharding.creation import sharded_creation, whole_where_not_kept
 from tfdist.tensor.layout_map import check_layout_map
 from tfdist.tensor.mesh import DataOnlyMesh
-
-# Each strategy gets its own range of collective group keys: TensorFlow's
-# collective runtime remembers a group key's size for the life of the process,
-# so two strategies of different sizes must never share one.
-_COLLECTIVE_KEY_SPACING = 100_000
-_collective_key_bases = itertools.count(1)
 
 
 def requested_config(config, fields, strategy: str) -> ParallelConfig:
@@ -87,18 +80,21 @@ def requested_config(config, fields, strategy: str) -> ParallelConfig:
     return config.validate(strategy)
 
 
-def planned_config(plan, config, fields) -> ParallelConfig:
+def planned_config(plan, config, fields, devices) -> ParallelConfig:
     """The `ParallelConfig` of `plan`: what `tfdist.plan` returned (its
-    `best`), or one of its `Plan`s; logged (INFO) with why it was chosen.
+    `best`), or one of its `Plan`s, or "auto" (`auto_plan`'s best); logged
+    (INFO) with why it was chosen.
 
     Example:
 
     ```python
     plans = tfdist.plan(build_model, devices=4, memory_per_device="2GiB", batch_size=64)
-    planned_config(plans, None, {}).zero
+    planned_config(plans, None, {}, devices).zero
     ```
     """
-    if config is not None or fields:
+    if plan == "auto":
+        plan = auto_plan(devices, config, fields)
+    elif config is not None or fields:
         raise ValueError(
             f"Pass either `plan=` or a config (`config=` or ParallelConfig fields as "
             f"keywords), not both; got plan and "
@@ -114,6 +110,39 @@ def planned_config(plan, config, fields) -> ParallelConfig:
             f"{type(plan).__name__}.")
     logging.info("tfdist: the plan chosen: %s", why)
     return chosen.config
+
+
+# What `plan="auto"` cannot plan without (`tfdist.plan`'s arguments).
+_PLANNING_NEEDS = ("model", "memory_per_device", "batch_size")
+
+
+def auto_plan(devices, config, arguments):
+    """The predicted plans (`tfdist.plan` without `measure`) for `devices`,
+    from its other `arguments`: what `Strategy(plan="auto", ...)` follows.
+
+    Example:
+
+    ```python
+    plans = auto_plan(["CPU:0", "CPU:1"], None, dict(
+        model=build_model, memory_per_device="2GiB", batch_size=64, zero=1))
+    plans.best.config.data
+    ```
+    """
+    missing = [name for name in _PLANNING_NEEDS if arguments.get(name) is None]
+    if arguments.get("measure"):
+        raise ValueError(
+            f"`plan=\"auto\"` predicts; `measure={arguments['measure']}` trains plans, "
+            f"each under a strategy of its own: pass what that returns, "
+            f"tfdist.Strategy(plan=tfdist.plan(build_model, ..., measure=K)).")
+    if config is not None or missing:
+        raise ValueError(
+            "`plan=\"auto\"` plans for the strategy's devices from tfdist.plan's "
+            "other arguments as keywords: `model` (a function returning the compiled "
+            "model), `memory_per_device` and `batch_size`; optionally "
+            "`sequence_length` and ParallelConfig fields to hold (such as `zero=3`); "
+            + ("not `config`." if config is not None else f"missing: {', '.join(missing)}."))
+    logging.info("tfdist: planning for %d devices (plan=\"auto\")", len(devices))
+    return planning.predicted_plans(devices=len(devices), **arguments)
 
 
 def default_devices() -> list[str]:
@@ -506,7 +535,11 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
             of a job builds it in the script it runs.
         plan: instead of a config, what `tfdist.plan` returned for these
             devices: its best plan's config is used, and why it was chosen
-            is logged (INFO); or one `Plan` of it.
+            is logged (INFO); or one `Plan` of it; or "auto": planned here,
+            for these devices, from `tfdist.plan`'s other arguments given as
+            keywords (`model`, a function returning the compiled model;
+            `memory_per_device`; `batch_size`; optionally `sequence_length`
+            and fields to hold, such as `zero=3`).
 
     Example:
 
@@ -518,16 +551,18 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         model.compile(optimizer="adam", loss="mse")
     model.fit(x, y, batch_size=64, epochs=2)
 
-    # or the layout tfdist.plan chooses for the model, devices and memory:
-    strategy = tfdist.Strategy(plan=tfdist.plan(
-        build_model, devices=4, memory_per_device="2GiB", batch_size=64))
+    # or the layout tfdist.plan chooses for the model, these devices and memory:
+    strategy = tfdist.Strategy(plan="auto", model=build_model,
+                               memory_per_device="2GiB", batch_size=64)
+    with strategy.scope():
+        model = build_model()
     ```
     """
 
     def __init__(self, config=None, *, devices=None, layout_map=None, plan=None, **fields):
         devices = default_devices() if devices is None else check_devices(devices)
         if plan is not None:
-            config, fields = planned_config(plan, config, fields), {}
+            config, fields = planned_config(plan, config, fields, devices), {}
             _check_planned_devices(config, devices)
         requested = requested_config(config, fields, "Strategy")
         try:
@@ -535,9 +570,7 @@ class Strategy(_StepOwner, tf.distribute.MirroredStrategy):
         except ValueError as error:
             raise ValueError(f"{error}{_devices_hint(requested, devices)}") from None
         self._init_step_owner(config, layout_map)
-        self._collective_key_base = (
-            next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
-        )
+        own_collective_keys(self)
         p = config.pipeline
         # Data replica r runs stage s on devices[r * p + s]; the replicas'
         # own devices (where their batches arrive) are the stage-0 ones.
@@ -590,14 +623,18 @@ class MultiWorkerStrategy(_StepOwner, tf.distribute.MultiWorkerMirroredStrategy)
     def __init__(self, config=None, *, cluster_resolver=None,
                  timeout_seconds: float = 300.0, layout_map=None, **fields):
         check_timeout_seconds(timeout_seconds)
+        if "plan" in fields:
+            raise ValueError(
+                "MultiWorkerStrategy takes no `plan`: give every task the same one as "
+                "a config (`tfdist plan ... --json > plan.json`, then `tfdist launch "
+                "--config plan.json ...`). Tasks planning for themselves would each "
+                "time their own host, and could disagree.")
         # fails before connecting:
         config = requested_config(config, fields, "MultiWorkerStrategy")
         check_layout_map(layout_map, config.tensor, config.zero)
         # TF's own wait has no deadline:
         task = wait_for_peers(timeout_seconds, cluster_resolver)
-        self._collective_key_base = (
-            next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
-        )
+        own_collective_keys(self)
         if task is not None:  # a task dying after the wait above: bounded too
             bound_task_registration(task.cluster, task.task_type, timeout_seconds)
         # No per-collective timeout: TensorFlow spends a sleeping thread on

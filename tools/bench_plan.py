@@ -9,7 +9,7 @@ keras-hub GPT-2 and Llama backbones with a token classifier; Adam), on
 per device of `--memory_fraction` x data parallelism's predicted peak (so
 that data parallelism and some other plans do not fit); every plan that fits
 (or the first `--max_plans` of them, in predicted order) is trained `--steps`
-steps and timed (`tfdist.planning.measured_step_seconds`). One JSON line per
+steps and timed (`tfdist.plan_trials.measured_step_seconds`). One JSON line per
 plan as it is timed (predicted peak and time, measured time), then one per
 model: the
 rank the prediction gave the plan measured fastest, the measured time of
@@ -86,7 +86,8 @@ def make_model(name):
 
 def bench_model(name):
     import tfdist
-    from tfdist.planning import describe_config, measured_step_seconds
+    from tfdist.plan_trials import measured_step_seconds
+    from tfdist.planning import describe_config
     from tfdist.sharding.peak import predict_peak
 
     sequence = FLAGS.sequence_length if name in ("gpt2", "llama") else None

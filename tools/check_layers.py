@@ -60,10 +60,11 @@ LAYERS = (
     ("assembling a step from the config",
      ("tfdist.sharding.creation", "tfdist.sharding.peak", "tfdist.engine.build",
       "tfdist.engine.modes", "tfdist.engine.tf_keras", "tfdist.engine.step",
-      "tfdist.model_garden", "tfdist.usage_checks", "tfdist.step_time")),
+      "tfdist.model_garden", "tfdist.usage_checks", "tfdist.step_time",
+      "tfdist.planning")),
     ("strategies and callbacks",
      ("tfdist.strategy", "tfdist.chief", "tfdist.ps", "tfdist.ps.*", "tfdist.callbacks",
-      "tfdist.callbacks.*", "tfdist.planning")),
+      "tfdist.callbacks.*", "tfdist.plan_trials")),
     ("the command line", ("tfdist.cli",)),
 )
 

@@ -224,4 +224,49 @@ def test_a_strategy_refuses_a_plan_it_cannot_follow(kwargs, error, message):
     with pytest.raises(error, match=message):
         tfdist.Strategy(plan=plans, **{"devices": DEVICES, **kwargs})
     with pytest.raises(TypeError, match="`plan` must be what tfdist.plan returns"):
-        tfdist.Strategy(plan="auto", devices=DEVICES)
+        tfdist.Strategy(plan="fastest", devices=DEVICES)
+
+
+def test_a_strategy_plans_for_its_own_devices_with_plan_auto_and_trains(caplog):
+    limit = int(0.6 * _data_parallel_peak(_mlp()))
+    arguments = dict(model=_mlp, memory_per_device=limit, batch_size=32, **HARDWARE)
+    with caplog.at_level("INFO", logger="absl"):
+        strategy = tfdist.Strategy(plan="auto", devices=DEVICES, **arguments)
+    plans = tfdist.plan(devices=4, **arguments)
+    assert strategy.config == plans.best.config != ParallelConfig(data=4).resolve(4)
+    assert "planning for 4 devices" in caplog.text
+    assert f"the plan chosen: {plans.best.summary()}" in caplog.text
+    held = tfdist.Strategy(plan="auto", devices=DEVICES[:2], zero=3, **arguments)
+    assert (held.config.data, held.config.zero) == (2, 3)
+    with strategy.scope():
+        model = _mlp()
+    x = keras.random.normal((64, 64), seed=1)
+    history = model.fit(x, keras.ops.arange(64) % 10, batch_size=32, epochs=2, verbose=0)
+    assert all(loss == loss for loss in history.history["loss"])  # trained, no NaN
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(memory_per_device="1GiB", batch_size=32), "missing: model"),
+    (dict(model=_mlp, batch_size=32), "missing: memory_per_device"),
+    (dict(model=_mlp, memory_per_device="1GiB", batch_size=32, config=ParallelConfig()),
+     "not `config`"),
+])
+def test_plan_auto_names_what_it_plans_from_before_planning(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tfdist.Strategy(plan="auto", devices=DEVICES, **kwargs)
+
+
+def test_a_multi_worker_strategy_takes_its_plan_as_a_config_before_connecting():
+    with pytest.raises(ValueError, match="MultiWorkerStrategy takes no `plan`.*--config"):
+        tfdist.MultiWorkerStrategy(plan="auto")
+
+
+def test_a_model_calling_keras_ops_between_its_layers_is_planned():
+    # as keras-hub's classifiers take the first token: `x[:, 0]`, an op of no weights
+    inputs = keras.Input((8, 16))
+    hidden = keras.layers.Dense(64)(keras.layers.Dense(64)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4)(hidden[:, 0]))
+    model.compile(optimizer="adam", loss="mse")
+    plans = tfdist.plan(model, devices=4, memory_per_device="1GiB", batch_size=16,
+                        sequence_length=8, **HARDWARE)
+    assert any(p.config.tensor > 1 and p.time.communication > 0 for p in plans)

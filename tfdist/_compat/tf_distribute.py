@@ -4,6 +4,8 @@ A strategy's `extended` knows which replica of the sync group each local
 device is and holds the collective group keys; none of it is public.
 """
 
+import itertools
+
 import tensorflow as tf
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import (
@@ -179,3 +181,43 @@ def bound_task_registration(cluster: dict, task_type: str, timeout_seconds: floa
             for job in ("chief", "worker") if job in cluster],
         cluster_register_timeout_in_ms=int(timeout_seconds * 1000))
     context.coordination_service.cluster_register_with_barrier = True
+
+
+# Each strategy gets its own range of collective group keys: TensorFlow's
+# collective runtime remembers a group key's size for the life of the process,
+# so two strategies of different sizes must never share one.
+_COLLECTIVE_KEY_SPACING = 100_000
+_collective_key_bases = itertools.count(1)
+
+
+def own_collective_keys(strategy):
+    """Gives `strategy`, before its `tf.distribute` `__init__` runs, a range
+    of collective group keys no other strategy of this process uses (as
+    `_collective_key_base`, which that `__init__` reads).
+
+    Example:
+
+    ```python
+    class Owned(tf.distribute.MirroredStrategy):
+        def __init__(self, devices):
+            own_collective_keys(self)
+            super().__init__(devices)
+    ```
+    """
+    strategy._collective_key_base = next(_collective_key_bases) * _COLLECTIVE_KEY_SPACING
+
+
+class MirroredStrategyOfItsOwnKeys(tf.distribute.MirroredStrategy):
+    """A `tf.distribute.MirroredStrategy` over `devices` whose collectives
+    share no group key with another strategy's (of another size).
+
+    Example:
+
+    ```python
+    strategy = MirroredStrategyOfItsOwnKeys(["/device:CPU:0", "/device:CPU:1"])
+    ```
+    """
+
+    def __init__(self, devices):
+        own_collective_keys(self)
+        super().__init__(devices)

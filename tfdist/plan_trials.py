@@ -1,0 +1,138 @@
+"""`tfdist.plan`: the plans `tfdist.planning` predicts, and with `measure=K`
+the first K that fit trained here for a few steps and ranked by their
+measured time.
+
+Example:
+
+```python
+plans = tfdist.plan(build_model, devices=4, memory_per_device="1GiB",
+                    batch_size=32, measure=3)
+[p.measured for p in plans[:3]]   # seconds per step, measured
+```
+"""
+
+import statistics
+import time
+
+import keras
+import tensorflow as tf
+
+from tfdist.config import ParallelConfig
+from tfdist.planning import Plans, describe_config, predicted_plans, ranked, synthetic_batch
+from tfdist.strategy import Strategy
+
+
+def plan(model, devices: int, memory_per_device, batch_size: int, sequence_length=None,
+         hosts: int = 1, link_bandwidth="10Gbit", device_bandwidth="100Gbit",
+         device_flops=None, measure: int = 0, steps: int = 10, dataset=None,
+         **fixed) -> Plans:
+    """Every configuration of `devices` devices for `model`, predicted and
+    ranked (`Plans`, best first).
+
+    Args:
+        model: a built, compiled Keras 3 model, or a function of no
+            arguments returning one (needed by `measure`, which builds the
+            model again under each plan's strategy). Its optimizer is built
+            if it is not, so that its slots count.
+        devices: the devices to spread over (data x pipeline x tensor).
+        memory_per_device: bytes each device may hold, or a string such as
+            "16GiB".
+        batch_size: the global batch.
+        sequence_length: the length of the model's unknown input
+            dimensions in the first batch (1 when None).
+        hosts: hosts the devices are spread over, equally; tensor groups
+            and pipeline stages stay within one (a process per host: the
+            peak counts the transport's copies of data collectives between
+            them).
+        link_bandwidth: between hosts, bytes per second or "10Gbit".
+        device_bandwidth: between the devices of a host.
+        device_flops: FLOP/s of one device (the hardware then as given:
+            no call overhead, the default collective latency); None: this
+            process's devices measured on the model (`measured_hardware`).
+        measure: train the first `measure` plans that fit here, `steps`
+            steps each, and rank them by their measured time (needs
+            `devices` devices in this process: `tfdist.use_virtual_devices`).
+        dataset: with `measure`, a function `(batch_size) -> tf.data.Dataset`
+            of (inputs, targets); None: `synthetic_batch`'s.
+        **fixed: `ParallelConfig` fields held at these values (such as
+            `precision="mixed_bfloat16"`, `compression="bf16"`, `zero=3`).
+
+    Raises `ValueError` naming the argument for a bad value, before any
+    planning.
+
+    Example:
+
+    ```python
+    plans = tfdist.plan(model, devices=4, memory_per_device="1GiB", batch_size=32)
+    print(plans.best.config.to_json())
+    ```
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` must be an int >= 1, got {steps!r}.")
+    if isinstance(measure, bool) or not isinstance(measure, int) or measure < 0:
+        raise ValueError(f"`measure` must be an int >= 0 (plans to train), got {measure!r}.")
+    if measure and isinstance(model, keras.Model):
+        raise ValueError(f"`measure={measure}` builds the model again under each plan's "
+                         f"strategy: pass `model` as a function returning the compiled "
+                         f"model, not the model.")
+    plans = predicted_plans(model, devices, memory_per_device, batch_size, sequence_length,
+                            hosts, link_bandwidth, device_bandwidth, device_flops, **fixed)
+    if measure:
+        _measure(plans, model, batch_size, sequence_length, steps, dataset, measure)
+        plans = ranked(plans, plans.refused, plans.memory_per_device, plans.hardware)
+    return plans
+
+
+def _measure(plans, model_fn, batch_size, sequence_length, steps, dataset, count):
+    """Trains the first `count` fitting plans; sets each one's `measured`."""
+    for candidate in [p for p in plans if p.fits][:count]:
+        candidate.measured = measured_step_seconds(candidate.config, model_fn, batch_size,
+                                                   sequence_length, steps, dataset)
+
+
+def measured_step_seconds(config: ParallelConfig, model_fn, batch_size: int,
+                          sequence_length=None, steps: int = 10, dataset=None) -> float:
+    """Median seconds of a training step of `model_fn()` under `config` on
+    this process's first devices, over `steps` steps of `fit` (the first two,
+    which trace, left out); `dataset` as `plan`'s.
+
+    Example:
+
+    ```python
+    measured_step_seconds(plans.best.config, build, batch_size=32)
+    ```
+    """
+    devices = config.devices_needed
+    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    if len(available) < devices:
+        raise ValueError(
+            f"Measuring {describe_config(config)} trains on {devices} devices, but this "
+            f"process has {len(available)}: call tfdist.use_virtual_devices({devices}) "
+            f"before TensorFlow starts, or measure=0.")
+    strategy = Strategy(config, devices=[device.name for device in available[:devices]])
+    with strategy.scope():
+        model = model_fn()
+    data = dataset(batch_size) if dataset else _synthetic_dataset(
+        model, batch_size, sequence_length)
+    timer = _StepTimer()
+    model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False,
+              callbacks=[timer])
+    return statistics.median(timer.seconds[2:] or timer.seconds)
+
+
+def _synthetic_dataset(model, batch_size, sequence_length):
+    return tf.data.Dataset.from_tensors(synthetic_batch(model, batch_size, sequence_length))
+
+
+class _StepTimer(keras.callbacks.Callback):
+    """Seconds of each training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds, self._start = [], 0.0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seconds.append(time.perf_counter() - self._start)
