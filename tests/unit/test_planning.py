@@ -250,6 +250,8 @@ def test_a_strategy_plans_for_its_own_devices_with_plan_auto_and_trains(caplog):
     (dict(model=_mlp, batch_size=32), "missing: memory_per_device"),
     (dict(model=_mlp, memory_per_device="1GiB", batch_size=32, config=ParallelConfig()),
      "not `config`"),
+    (dict(model=_mlp, memory_per_device="1GiB", batch_size=32, measure=2),
+     r"`measure=2` trains plans.*plan=tfdist.plan\(build_model, ..., measure=K\)"),
 ])
 def test_plan_auto_names_what_it_plans_from_before_planning(kwargs, message):
     with pytest.raises(ValueError, match=message):
