@@ -28,6 +28,14 @@ count: `tf.config.experimental.get_memory_info`), and the strategy's
 prediction of the peak (`Strategy.predicted_peak`). One JSON line per process,
 then a table of each mode's worst worker against `single` and the prediction.
 
+    python tools/bench_memory.py --plan=1.5GiB --release_memory
+
+`tfdist.plan`'s memory, run: the plans of the same model for `--workers`
+hosts of one device each and `--plan` bytes per device; every plan it says
+fits (and the `--over` smallest that do not) trained as a launched job with
+that `ParallelConfig`, each worker's peak above its baseline against the
+plan's predicted peak. One JSON line per plan, then a table.
+
     python tools/bench_memory.py --cap=0.8 --modes=zero3,tensor4
 
 The demonstration: each process capped (a memory cgroup the bench makes;
@@ -74,6 +82,10 @@ flags.DEFINE_bool("checkpoint", False, "Also measure checkpoints: each trained t
                   "two new jobs of the same mode build the model and read one each; the "
                   "peaks of each save and of each build with its read, against the training "
                   "peak.")
+flags.DEFINE_string("plan", None, "Instead of --modes: plan the model for --workers hosts "
+                    "of this memory per device (such as 1.5GiB) and run every plan that fits.")
+flags.DEFINE_integer("over", 2, "With --plan, also run this many of the plans that do not "
+                     "fit (the smallest predicted peaks).")
 flags.DEFINE_string("mode", None, "Internal: the mode this task runs.")
 flags.DEFINE_string("checkpoint_dir", None, "Internal: the sharded checkpoint's directory.")
 flags.DEFINE_enum("restore", None, ["sharded", "h5"], "Internal: build the model and read "
@@ -137,7 +149,6 @@ def run_task():
     if FLAGS.cap_bytes:
         cap_memory(FLAGS.cap_bytes)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import keras
 
     import tfdist
 
@@ -154,13 +165,8 @@ def run_task():
     baseline = status_bytes("VmRSS")
     reset_peak()
     tensor_peak_bytes(reset=True)
-    keras.utils.set_random_seed(0)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = keras.Sequential([keras.Input((FLAGS.width,))] + [
-            keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.layers)])
-        # one_bit_adam: compressed from the third of its 8 steps
-        model.compile(optimizer=tfdist.optim.OneBitAdam(1e-3, warmup_steps=2)
-                      if FLAGS.mode == "one_bit_adam" else "adam", loss="mse")
+        model = build_model()
     if FLAGS.restore:  # a restarted job: the model built, then the checkpoint read
         if FLAGS.restore == "sharded":
             tfdist.checkpoint.ShardedCheckpoint(model, FLAGS.checkpoint_dir).restore()
@@ -200,6 +206,21 @@ def run_task():
             if first:
                 np.save(pathlib.Path(FLAGS.weights, f"{i}.npy"), value)
     write_report(record)
+
+
+def build_model():
+    """The compiled MLP every mode trains (seeded: each builds the same)."""
+    import keras
+
+    import tfdist
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((FLAGS.width,))] + [
+        keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.layers)])
+    # one_bit_adam: compressed from the third of its 8 steps
+    model.compile(optimizer=tfdist.optim.OneBitAdam(1e-3, warmup_steps=2)
+                  if FLAGS.mode == "one_bit_adam" else "adam", loss="mse")
+    return model
 
 
 def report_while_serving(period_seconds=0.2, settle_seconds=0.3, timeout_seconds=300.0):
@@ -283,10 +304,12 @@ def _task_name():
     return f"{task['type']}:{task['index']}"
 
 
-def run_mode(mode, task_flags=(), must_succeed=True, released_single=False):
+def run_mode(mode, task_flags=(), must_succeed=True, released_single=False,
+             launch_flags=None):
     """The records of every process of one mode (none if it failed and need
-    not succeed). A launched mode's tasks release memory with
-    `--release_memory`; the one process only if `released_single`."""
+    not succeed), launched with `launch_flags` (default: the mode's). A
+    launched mode's tasks release memory with `--release_memory`; the one
+    process only if `released_single`."""
     with tempfile.TemporaryDirectory() as report:
         script = [sys.executable, __file__, f"--mode={mode}", f"--report={report}",
                   f"--width={FLAGS.width}", f"--layers={FLAGS.layers}",
@@ -295,7 +318,8 @@ def run_mode(mode, task_flags=(), must_succeed=True, released_single=False):
         if mode != "single":
             released = ["--release_memory"] if FLAGS.release_memory else []
             script = [sys.executable, "-m", "tfdist.cli", "launch", f"--workers={FLAGS.workers}",
-                      *MODES[mode], *released, "--timeout=3600", "--", *script]
+                      *(MODES[mode] if launch_flags is None else launch_flags),
+                      *released, "--timeout=3600", "--", *script]
         elif released_single:
             env.update(release_memory_env(env))
         done = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, env=env)
@@ -410,6 +434,8 @@ def main(argv):
         return run_task()
     if FLAGS.cap:
         return demonstrate_cap()
+    if FLAGS.plan:
+        return run_plans()
     unknown = [m for m in FLAGS.modes if m != "single" and m not in MODES]
     if unknown:
         sys.exit(f"--modes: unknown {unknown}; choose from single, {', '.join(MODES)}")
@@ -442,6 +468,43 @@ def main(argv):
     print_table(worst, predicted, tensors)
     if checkpoints:
         print_checkpoints(worst, checkpoints)
+
+
+def run_plans():
+    """`--plan`: every plan that fits, and `--over` that do not, trained;
+    each one's worst worker against its predicted peak and the limit."""
+    import tfdist
+    from tfdist.planning import describe_config
+
+    plans = tfdist.plan(build_model, devices=FLAGS.workers, memory_per_device=FLAGS.plan,
+                        batch_size=BATCH, hosts=FLAGS.workers, device_flops=1e12)
+    limit = plans.memory_per_device
+    chosen = [p for p in plans if p.fits] + [p for p in plans if not p.fits][:FLAGS.over]
+    print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, batch {BATCH}, {FLAGS.workers} "
+          f"hosts of one device, {FLAGS.plan} per device: {sum(p.fits for p in plans)} of "
+          f"{len(plans)} plans fit; running {len(chosen)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        for plan in chosen:
+            path = pathlib.Path(directory, "plan.json")
+            path.write_text(plan.config.to_json())
+            records = run_mode("plan", launch_flags=[f"--config={path}"])
+            worst = max(r["peak_above_baseline_bytes"] for r in records)
+            rows.append((plan, worst))
+            emit({"bench": "memory_plan", "width": FLAGS.width, "layers": FLAGS.layers,
+                  "workers": FLAGS.workers, "limit_bytes": int(limit),
+                  "config": describe_config(plan.config), "fits": plan.fits,
+                  "planned_peak_bytes": plan.peak.total, "worst_worker_bytes": worst,
+                  "workers_peaks_bytes": [r["peak_above_baseline_bytes"] for r in records],
+                  "job_predicted_bytes": max(r["predicted_peak_bytes"] for r in records),
+                  "task_env": task_env(), "release_memory": FLAGS.release_memory}, FLAGS.out)
+    print(f"| plan | fits in {limit / 2**30:.2f} GiB | predicted (GiB) | worst worker (GiB) "
+          "| measured / predicted | within the limit |")
+    print("|---|---|---|---|---|---|")
+    for plan, worst in rows:
+        print(f"| {describe_config(plan.config)} | {'yes' if plan.fits else 'no'} | "
+              f"{plan.peak.total / 2**30:.2f} | {worst / 2**30:.2f} | "
+              f"{worst / plan.peak.total:.2f} | {'yes' if worst <= limit else 'no'} |")
 
 
 def print_table(worst, predicted, tensors):
