@@ -103,6 +103,11 @@ def test_zero3_keeps_shards_and_gathers_the_two_largest_units():
     # the largest unit's, its packed copy and its reduced shard (each unit's
     # update uses its shards as they come; with loss scaling, all shards wait)
     assert estimate.gradients == FIRST // 4 + 2 * FIRST
+    # with microbatches every unit's reduced shard is a running sum until
+    # the last microbatch's reduce-scatter
+    strategy = tfdist.Strategy(devices=DEVICES, zero=3, microbatches=2)
+    estimate = predict_peak(strategy.config, _model(strategy), batch_size=16)
+    assert estimate.gradients == shard + 2 * FIRST
 
 
 def test_describe_ends_with_the_prediction_given_a_batch_size():

@@ -408,7 +408,8 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
     the reduced shards; zero=3 a shard of the parameters, gathering two
     units at once (with `stages`, its whole stage), and one unit's gradients
     with a piece of its reduce-scatter and its reduced shard (every unit's
-    when the update waits for all: `updates_in_backward`).
+    when the update waits for all, `updates_in_backward`, or for the last
+    microbatch).
 
     Example:
 
@@ -431,7 +432,9 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
                    reverse=True)
     # A unit's whole gradient, the reduce-scatter's received rows (in pieces
     # of at most PIECE_BYTES), and the reduced shards: one unit's when each
-    # unit's update uses them at once, else all until the step's update.
-    reduced = (units[0] // config.data
-               if updates_in_backward(getattr(model, "optimizer", None), 3) else shard)
+    # unit's update uses them at once, else all until the step's update (or,
+    # with microbatches, every unit's running sum until the last one's).
+    each_at_once = (updates_in_backward(getattr(model, "optimizer", None), 3)
+                    and config.microbatches == 1)
+    reduced = units[0] // config.data if each_at_once else shard
     return shard, sum(units[:2]), reduced + units[0] + min(units[0], PIECE_BYTES), state
