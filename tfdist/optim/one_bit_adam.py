@@ -104,7 +104,7 @@ class OneBitAdam(keras.optimizers.Optimizer):
 
         Example:
 
-        >>> OneBitAdam(warmup_steps=2).warming_up().numpy()
+        >>> bool(OneBitAdam(warmup_steps=2).warming_up())
         True
         """
         return self.iterations + 1 <= self.warmup_steps
