@@ -290,8 +290,6 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
     return ranked(weighed, refused, limit, hardware)
 
 
-
-
 def _layout_or_refusal(config, model, sequence_length):
     """`config`'s planned layout, or why the model cannot take it (stages it
     cannot cut, a tensor group that would split nothing)."""

@@ -48,6 +48,7 @@ from tfdist.optim import zero3
 from tfdist.pipeline import schedule as pipeline_schedule
 from tfdist.pipeline.cost import node_cost
 from tfdist.pipeline.graph import LayerGraph
+from tfdist.pipeline.stages import operation_weights
 from tfdist.sharding.peak import held_weights, tensors_bytes, weight_bytes
 
 # Layouts whose layer ends a split block with an all-reduce of its output.
@@ -159,8 +160,7 @@ def _split_share(node, layout, config):
     what its split weights' share of its weights is."""
     if not layout.split:
         return 1.0
-    # (an operation of `keras.ops`, such as `x[:, 0]`, holds no weights)
-    weights = {id(v): v for v in getattr(node.operation, "weights", ())}
+    weights = {id(v): v for v in operation_weights(node.operation)}
     total = sum(v.shape.num_elements() for v in weights.values())
     split = sum(v.shape.num_elements() for key, v in weights.items() if key in layout.split)
     if not total:

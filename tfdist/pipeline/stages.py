@@ -104,7 +104,7 @@ def plan_stages(model, stages: int, boundaries=None, sequence_length=None) -> li
             f"`pipeline={stages}` needs at least {stages} layers to split, but "
             f"{model.name!r} has {len(nodes)}: use pipeline <= {len(nodes)}.")
     costs = [node_cost(n, sequence_length) for n in nodes]
-    params = [sum(math.prod(w.shape) for w in _weights(n.operation)) for n in nodes]
+    params = [sum(math.prod(w.shape) for w in operation_weights(n.operation)) for n in nodes]
     if boundaries is None:
         starts = _balanced_starts(costs, params, stages)
     else:
@@ -283,8 +283,16 @@ def held_activation_bytes(config, stage_bytes: int, input_bytes: int) -> int:
     return stage_bytes * in_flight
 
 
-def _weights(operation):
-    """A layer's weights; none for a Keras op such as `x + y` in a functional model."""
+def operation_weights(operation):
+    """A layer's weights; none for a Keras op such as `x + y` or `x[:, 0]`
+    in a functional model.
+
+    Example:
+
+    ```python
+    [operation_weights(node.operation) for node in LayerGraph(model).nodes]
+    ```
+    """
     return getattr(operation, "weights", ())
 
 
