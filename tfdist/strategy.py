@@ -129,9 +129,10 @@ def auto_plan(devices, config, arguments):
     ```
     """
     missing = [name for name in _PLANNING_NEEDS if arguments.get(name) is None]
-    if arguments.get("measure"):
+    measure = arguments.pop("measure", 0)  # 0: predictions only, as "auto" plans
+    if measure:
         raise ValueError(
-            f"`plan=\"auto\"` predicts; `measure={arguments['measure']}` trains plans, "
+            f"`plan=\"auto\"` predicts; `measure={measure}` trains plans, "
             f"each under a strategy of its own: pass what that returns, "
             f"tfdist.Strategy(plan=tfdist.plan(build_model, ..., measure=K)).")
     if config is not None or missing:

@@ -238,6 +238,9 @@ def test_a_strategy_plans_for_its_own_devices_with_plan_auto_and_trains(caplog):
     assert f"the plan chosen: {plans.best.summary()}" in caplog.text
     held = tfdist.Strategy(plan="auto", devices=DEVICES[:2], zero=3, **arguments)
     assert (held.config.data, held.config.zero) == (2, 3)
+    # measure=0 asks for the predictions alone, as "auto" plans
+    assert tfdist.Strategy(plan="auto", devices=DEVICES, measure=0,
+                           **arguments).config == strategy.config
     with strategy.scope():
         model = _mlp()
     x = keras.random.normal((64, 64), seed=1)
