@@ -43,7 +43,10 @@ _state = {"stopping": False, "urgent": False}
 
 
 def _raise_stop(signum, frame):
+    # Once: a second signal arriving while the first one's _Stop unwinds (or
+    # while cleanup runs) must not raise again outside the `try`.
     if not _state["stopping"]:
+        _state["stopping"] = True
         raise _Stop()
 
 
@@ -123,14 +126,14 @@ def _stop_descendants(launcher_signalled_group):
 
 def main(argv):
     launcher, command = int(argv[1]), argv[2:]
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGUSR1, _stop_now)
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     task = status = None
     stopped = False
     try:
+        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.signal(signal.SIGUSR1, _stop_now)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != launcher:  # the launcher died before prctl
             raise _Stop()
         try:
