@@ -498,6 +498,11 @@ class ParallelConfig:
             raise NotImplementedError(
                 f"`pipeline={self.pipeline}` with `tensor={self.tensor}` runs on "
                 f"one host (tfdist.Strategy); MultiWorkerStrategy takes one of them.")
+        if strategy == "MultiWorkerStrategy" and self.pipeline > 1 and self.zero == 3:
+            raise NotImplementedError(
+                f"`zero=3` with `pipeline={self.pipeline}` runs on one host in this "
+                f"version (tfdist.Strategy: every replica's stage devices local); "
+                f"MultiWorkerStrategy takes zero <= 2 with `pipeline`.")
         replicas = (self.data or 1) * self.tensor
         if strategy == "ChiefStrategy" and replicas > 1:
             raise NotImplementedError(

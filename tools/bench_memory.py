@@ -84,6 +84,9 @@ flags.DEFINE_bool("checkpoint", False, "Also measure checkpoints: each trained t
                   "peak.")
 flags.DEFINE_string("plan", None, "Instead of --modes: plan the model for --workers hosts "
                     "of this memory per device (such as 1.5GiB) and run every plan that fits.")
+flags.DEFINE_integer("devices_per_worker", 1, "With --plan: each worker's logical CPU "
+                     "devices (`tfdist.use_virtual_devices`); tensor groups and pipeline "
+                     "stages stay within a worker, so plans with them need 2 or more.")
 flags.DEFINE_integer("over", 2, "With --plan, also run this many of the plans that do not "
                      "fit (the smallest predicted peaks).")
 flags.DEFINE_string("mode", None, "Internal: the mode this task runs.")
@@ -153,6 +156,8 @@ def run_task():
     import tfdist
 
     strategy = None
+    if FLAGS.devices_per_worker > 1:
+        tfdist.use_virtual_devices(FLAGS.devices_per_worker)
     if FLAGS.mode in CHIEF_MODES:
         if _task_name().startswith("worker"):  # serves in the strategy: measured aside
             threading.Thread(target=report_while_serving, daemon=True).start()
@@ -313,7 +318,8 @@ def run_mode(mode, task_flags=(), must_succeed=True, released_single=False,
     with tempfile.TemporaryDirectory() as report:
         script = [sys.executable, __file__, f"--mode={mode}", f"--report={report}",
                   f"--width={FLAGS.width}", f"--layers={FLAGS.layers}",
-                  f"--epochs={FLAGS.epochs}", f"--examples={FLAGS.examples}", *task_flags]
+                  f"--epochs={FLAGS.epochs}", f"--examples={FLAGS.examples}",
+                  f"--devices_per_worker={FLAGS.devices_per_worker}", *task_flags]
         env = {**os.environ, **task_env()}
         if mode != "single":
             released = ["--release_memory"] if FLAGS.release_memory else []
@@ -476,13 +482,23 @@ def run_plans():
     import tfdist
     from tfdist.planning import describe_config
 
-    plans = tfdist.plan(build_model, devices=FLAGS.workers, memory_per_device=FLAGS.plan,
-                        batch_size=BATCH, hosts=FLAGS.workers, device_flops=1e12)
+    per_worker = FLAGS.devices_per_worker
+    plans = tfdist.plan(build_model, devices=FLAGS.workers * per_worker,
+                        memory_per_device=FLAGS.plan, batch_size=BATCH, hosts=FLAGS.workers,
+                        device_flops=1e12)
     limit = plans.memory_per_device
+    if per_worker > 1:  # on CPU a worker is one replica, whose stages are its devices
+        runnable = [p for p in plans if p.config.pipeline == per_worker]
+        print(f"Not run: {len(plans) - len(runnable)} plans with pipeline != {per_worker} "
+              "(they place several replicas on a worker, where a CPU worker has one).")
+        plans = runnable
     chosen = [p for p in plans if p.fits] + [p for p in plans if not p.fits][:FLAGS.over]
     print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, batch {BATCH}, {FLAGS.workers} "
-          f"hosts of one device, {FLAGS.plan} per device: {sum(p.fits for p in plans)} of "
-          f"{len(plans)} plans fit; running {len(chosen)}")
+          f"hosts of {per_worker} device(s), {FLAGS.plan} per device: "
+          f"{sum(p.fits for p in plans)} of {len(plans)} plans fit; running {len(chosen)}")
+    if per_worker > 1:  # one allocator per process: its devices' peaks add up
+        print(f"A worker's peak is compared with {per_worker} x the busiest device's "
+              "predicted peak (its devices hold equal shares, or balanced stages, of the MLP).")
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for plan in chosen:
@@ -490,15 +506,17 @@ def run_plans():
             path.write_text(plan.config.to_json())
             records = run_mode("plan", launch_flags=[f"--config={path}"])
             worst = max(r["peak_above_baseline_bytes"] for r in records)
-            rows.append((plan, worst))
+            rows.append((plan, worst / per_worker))
             emit({"bench": "memory_plan", "width": FLAGS.width, "layers": FLAGS.layers,
-                  "workers": FLAGS.workers, "limit_bytes": int(limit),
+                  "workers": FLAGS.workers, "devices_per_worker": per_worker,
+                  "limit_bytes": int(limit),
                   "config": describe_config(plan.config), "fits": plan.fits,
                   "planned_peak_bytes": plan.peak.total, "worst_worker_bytes": worst,
                   "workers_peaks_bytes": [r["peak_above_baseline_bytes"] for r in records],
                   "job_predicted_bytes": max(r["predicted_peak_bytes"] for r in records),
                   "task_env": task_env(), "release_memory": FLAGS.release_memory}, FLAGS.out)
-    print(f"| plan | fits in {limit / 2**30:.2f} GiB | predicted (GiB) | worst worker (GiB) "
+    print(f"| plan | fits in {limit / 2**30:.2f} GiB | predicted (GiB) | worst worker "
+          f"/ {per_worker} (GiB) "
           "| measured / predicted | within the limit |")
     print("|---|---|---|---|---|---|")
     for plan, worst in rows:

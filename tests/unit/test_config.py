@@ -122,6 +122,9 @@ def test_modes_of_later_versions_say_so():
     with pytest.raises(NotImplementedError, match=r"`pipeline=2` with `tensor=2` runs "
                                                   r"on one host"):
         tfdist.MultiWorkerStrategy(pipeline=2, tensor=2)
+    with pytest.raises(NotImplementedError, match=r"`zero=3` with `pipeline=2` runs on one "
+                                                  r"host.*MultiWorkerStrategy takes zero <= 2"):
+        tfdist.MultiWorkerStrategy(pipeline=2, zero=3, remat=True)
 
 
 def test_bad_devices_argument():

@@ -190,6 +190,15 @@ def test_hosts_put_the_data_groups_gradients_on_the_slower_link():
     assert two_hosts.communication > 10 * one_host.communication
 
 
+def test_plans_across_hosts_are_those_a_multi_worker_strategy_runs():
+    plans = tfdist.plan(_mlp(), devices=4, memory_per_device="1GiB", batch_size=16,
+                        hosts=2, **HARDWARE)
+    assert any(p.config.pipeline == 2 for p in plans)
+    assert not any(p.config.pipeline > 1 and p.config.zero == 3 for p in plans)
+    assert any("`zero=3` with `pipeline=2` runs on one host" in error
+               for _, error in plans.refused)
+
+
 def test_a_model_tensor_groups_cannot_split_gets_no_tensor_plan():
     convnet = keras.Sequential([keras.Input((12, 12, 1)), keras.layers.Conv2D(8, 3),
                                 keras.layers.Flatten(), keras.layers.Dense(4)])

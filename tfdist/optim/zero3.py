@@ -250,17 +250,12 @@ def gather_stage_parameters(pipeline, layouts, whole, wire=None):
     ```
     """
     model = pipeline.model
-    strategy = model.distribute_strategy
     tied = [v.path for runner in pipeline.runners for v, _ in runner.copies]
     if tied:
         raise NotImplementedError(
             f"`zero=3` with `pipeline` does not support a weight used by two stages "
             f"in this version ({', '.join(tied)}: a tied embedding): use zero <= 2, "
             f"or place the layers that share it on one stage (`stage_boundaries`).")
-    if len(strategy.pipeline_devices) != strategy.num_replicas_in_sync:
-        raise NotImplementedError(
-            "`zero=3` with `pipeline` runs in one process in this version (its "
-            "replicas' stage devices all local): use zero <= 2 across workers.")
     mesh = pipeline.mesh  # (its data launcher is the current stage's: `mesh.stage`)
     pipeline.gather_stages(_gathering(model, layouts, mesh, wire))
     # (no weight is on two stages)
