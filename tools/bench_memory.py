@@ -64,8 +64,13 @@ from absl import app, flags
 from results import emit
 from tfdist.cluster.release_memory import release_memory_env
 
-flags.DEFINE_integer("width", 4096, "Units of each square Dense layer.")
-flags.DEFINE_integer("layers", 8, "Dense layers.")
+flags.DEFINE_enum("model", "mlp", ["mlp", "gpt2"], "What every mode trains: the MLP, or "
+                  "keras-hub's GPT2Backbone (`--layers` blocks of width `--width`, "
+                  "`--vocabulary` tokens, `--sequence_length`) with a Dense token classifier.")
+flags.DEFINE_integer("width", 4096, "Units of each square Dense layer (gpt2: hidden width).")
+flags.DEFINE_integer("layers", 8, "Dense layers (gpt2: transformer blocks).")
+flags.DEFINE_integer("vocabulary", 16384, "gpt2: tokens of the vocabulary.")
+flags.DEFINE_integer("sequence_length", 32, "gpt2: tokens per example.")
 flags.DEFINE_integer("workers", 4, "Worker tasks of the launched modes.")
 flags.DEFINE_integer("epochs", 2, "Epochs of fit.")
 flags.DEFINE_integer("examples", 64, "Training examples (batch 16).")
@@ -164,9 +169,7 @@ def run_task():
         strategy = tfdist.ChiefStrategy(config=tfdist.ParallelConfig.from_env())
     elif FLAGS.mode != "single":
         strategy = tfdist.MultiWorkerStrategy(config=tfdist.ParallelConfig.from_env())
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(FLAGS.examples, FLAGS.width)).astype("float32")
-    y = rng.normal(size=(FLAGS.examples, FLAGS.width)).astype("float32")
+    x, y = training_data()
     baseline = status_bytes("VmRSS")
     reset_peak()
     tensor_peak_bytes(reset=True)
@@ -193,7 +196,7 @@ def run_task():
               "tensor_peak_bytes": tensor_peak_bytes()}
     record["peak_above_baseline_bytes"] = record["peak_bytes"] - baseline
     if strategy is not None:
-        estimate = strategy.predicted_peak(model, BATCH)
+        estimate = strategy.predicted_peak(model, BATCH, sequence_length())
         record["predicted_peak_bytes"] = estimate.total
         record["predicted_parts"] = dict(vars(estimate))
     if FLAGS.checkpoint_dir:
@@ -214,18 +217,55 @@ def run_task():
 
 
 def build_model():
-    """The compiled MLP every mode trains (seeded: each builds the same)."""
+    """The compiled model every mode trains (seeded: each builds the same)."""
     import keras
 
     import tfdist
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((FLAGS.width,))] + [
-        keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.layers)])
+    if FLAGS.model == "gpt2":
+        import keras_hub
+
+        body = keras_hub.models.GPT2Backbone(
+            vocabulary_size=FLAGS.vocabulary, num_layers=FLAGS.layers,
+            num_heads=FLAGS.width // 64, hidden_dim=FLAGS.width,
+            intermediate_dim=4 * FLAGS.width, max_sequence_length=FLAGS.sequence_length,
+            dropout=0.0)
+        model = keras.Model(body.input, keras.layers.Dense(FLAGS.vocabulary)(body.output))
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    else:
+        model = keras.Sequential([keras.Input((FLAGS.width,))] + [
+            keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.layers)])
+        loss = "mse"
     # one_bit_adam: compressed from the third of its 8 steps
     model.compile(optimizer=tfdist.optim.OneBitAdam(1e-3, warmup_steps=2)
-                  if FLAGS.mode == "one_bit_adam" else "adam", loss="mse")
+                  if FLAGS.mode == "one_bit_adam" else "adam", loss=loss)
     return model
+
+
+def training_data():
+    """(x, y) of `--examples` rows for `build_model`'s model (seeded)."""
+    rng = np.random.default_rng(0)
+    if FLAGS.model == "gpt2":
+        shape = (FLAGS.examples, FLAGS.sequence_length)
+        tokens = rng.integers(0, FLAGS.vocabulary, size=shape).astype("int32")
+        return ({"token_ids": tokens, "padding_mask": np.ones(shape, "int32")},
+                rng.integers(0, FLAGS.vocabulary, size=shape).astype("int32"))
+    return tuple(rng.normal(size=(FLAGS.examples, FLAGS.width)).astype("float32")
+                 for _ in range(2))
+
+
+def sequence_length():
+    """Tokens per example, or None for the MLP."""
+    return FLAGS.sequence_length if FLAGS.model == "gpt2" else None
+
+
+def model_name():
+    """What `build_model` builds, for the tables."""
+    if FLAGS.model == "gpt2":
+        return (f"GPT-2 ({FLAGS.layers} blocks of width {FLAGS.width}, vocabulary "
+                f"{FLAGS.vocabulary}, sequence {FLAGS.sequence_length})")
+    return f"{FLAGS.layers} x Dense({FLAGS.width})"
 
 
 def report_while_serving(period_seconds=0.2, settle_seconds=0.3, timeout_seconds=300.0):
@@ -273,7 +313,7 @@ def tensor_peak_bytes(reset=False):
         return None
     if reset:
         tf.config.experimental.reset_memory_stats("CPU:0")
-    return peak
+    return peak or None  # (0 where the allocator in use, such as malloc's, keeps none)
 
 
 def reset_peak():
@@ -317,7 +357,9 @@ def run_mode(mode, task_flags=(), must_succeed=True, released_single=False,
     process only if `released_single`."""
     with tempfile.TemporaryDirectory() as report:
         script = [sys.executable, __file__, f"--mode={mode}", f"--report={report}",
-                  f"--width={FLAGS.width}", f"--layers={FLAGS.layers}",
+                  f"--model={FLAGS.model}", f"--width={FLAGS.width}",
+                  f"--layers={FLAGS.layers}", f"--vocabulary={FLAGS.vocabulary}",
+                  f"--sequence_length={FLAGS.sequence_length}",
                   f"--epochs={FLAGS.epochs}", f"--examples={FLAGS.examples}",
                   f"--devices_per_worker={FLAGS.devices_per_worker}", *task_flags]
         env = {**os.environ, **task_env()}
@@ -409,7 +451,7 @@ def demonstrate_cap():
         _, _, needed = run_capped("single", 2**40, None)
         (expected,), _, _ = run_capped("single", 2**40, reference)
         cap = int(FLAGS.cap * needed)
-        print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam; one process training the "
+        print(f"\n{model_name()}, Adam; one process training the "
               f"whole model is charged {needed / 2**30:.2f} GiB at its peak; each process "
               f"capped at {cap / 2**30:.2f} GiB ({FLAGS.cap} x)")
         print("| mode | largest charged peak (GiB) | processes killed for memory | trained "
@@ -484,7 +526,8 @@ def run_plans():
 
     per_worker = FLAGS.devices_per_worker
     plans = tfdist.plan(build_model, devices=FLAGS.workers * per_worker,
-                        memory_per_device=FLAGS.plan, batch_size=BATCH, hosts=FLAGS.workers,
+                        memory_per_device=FLAGS.plan, batch_size=BATCH,
+                        sequence_length=sequence_length(), hosts=FLAGS.workers,
                         device_flops=1e12)
     limit = plans.memory_per_device
     if per_worker > 1:  # on CPU a worker is one replica, whose stages are its devices
@@ -493,7 +536,7 @@ def run_plans():
               "(they place several replicas on a worker, where a CPU worker has one).")
         plans = runnable
     chosen = [p for p in plans if p.fits] + [p for p in plans if not p.fits][:FLAGS.over]
-    print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, batch {BATCH}, {FLAGS.workers} "
+    print(f"\n{model_name()}, Adam, batch {BATCH}, {FLAGS.workers} "
           f"hosts of {per_worker} device(s), {FLAGS.plan} per device: "
           f"{sum(p.fits for p in plans)} of {len(plans)} plans fit; running {len(chosen)}")
     if per_worker > 1:  # one allocator per process: its devices' peaks add up
@@ -506,23 +549,31 @@ def run_plans():
             path.write_text(plan.config.to_json())
             records = run_mode("plan", launch_flags=[f"--config={path}"])
             worst = max(r["peak_above_baseline_bytes"] for r in records)
-            rows.append((plan, worst / per_worker))
-            emit({"bench": "memory_plan", "width": FLAGS.width, "layers": FLAGS.layers,
+            tensors = [r["tensor_peak_bytes"] for r in records]
+            tensors = None if None in tensors else max(tensors)
+            rows.append((plan, worst / per_worker, tensors and tensors / per_worker))
+            emit({"bench": "memory_plan", "model": model_name(), "width": FLAGS.width,
+                  "layers": FLAGS.layers,
                   "workers": FLAGS.workers, "devices_per_worker": per_worker,
                   "limit_bytes": int(limit),
                   "config": describe_config(plan.config), "fits": plan.fits,
                   "planned_peak_bytes": plan.peak.total, "worst_worker_bytes": worst,
                   "workers_peaks_bytes": [r["peak_above_baseline_bytes"] for r in records],
+                  "worst_worker_tensors_bytes": tensors,
                   "job_predicted_bytes": max(r["predicted_peak_bytes"] for r in records),
                   "task_env": task_env(), "release_memory": FLAGS.release_memory}, FLAGS.out)
+    # Beside the process's peak, TensorFlow's own count of its tensors at
+    # their peak: what a GPU's memory would hold (without the runtime's).
     print(f"| plan | fits in {limit / 2**30:.2f} GiB | predicted (GiB) | worst worker "
-          f"/ {per_worker} (GiB) "
-          "| measured / predicted | within the limit |")
-    print("|---|---|---|---|---|---|")
-    for plan, worst in rows:
+          f"/ {per_worker} (GiB) | measured / predicted | within the limit "
+          "| tensors at their peak (GiB) | tensors / predicted |")
+    print("|---|---|---|---|---|---|---|---|")
+    for plan, worst, tensors in rows:
         print(f"| {describe_config(plan.config)} | {'yes' if plan.fits else 'no'} | "
               f"{plan.peak.total / 2**30:.2f} | {worst / 2**30:.2f} | "
-              f"{worst / plan.peak.total:.2f} | {'yes' if worst <= limit else 'no'} |")
+              f"{worst / plan.peak.total:.2f} | {'yes' if worst <= limit else 'no'} | "
+              + ("- | - |" if tensors is None else
+                 f"{tensors / 2**30:.2f} | {tensors / plan.peak.total:.2f} |"))
 
 
 def print_table(worst, predicted, tensors):
@@ -530,7 +581,7 @@ def print_table(worst, predicted, tensors):
     process with the same allocator settings, with `--release_memory`)."""
     single, released = worst.get("single"), worst.get(RELEASED_SINGLE)
     settings = "tfdist launch --release_memory" if FLAGS.release_memory else "as they are"
-    print(f"\n{FLAGS.layers} x Dense({FLAGS.width}), Adam, {FLAGS.workers} workers, "
+    print(f"\n{model_name()}, Adam, {FLAGS.workers} workers, "
           f"environment {task_env() or 'unchanged'}, allocators {settings}")
     print("| mode | worst worker's peak above baseline (GiB) | x single process "
           "| x single, memory released | predicted (GiB) | measured / predicted "
