@@ -29,12 +29,15 @@ prediction of the peak (`Strategy.predicted_peak`). One JSON line per process,
 then a table of each mode's worst worker against `single` and the prediction.
 
     python tools/bench_memory.py --plan=1.5GiB --release_memory
+        [--workers=2 --devices_per_worker=2] [--model=gpt2 --width=768 ...]
 
-`tfdist.plan`'s memory, run: the plans of the same model for `--workers`
-hosts of one device each and `--plan` bytes per device; every plan it says
-fits (and the `--over` smallest that do not) trained as a launched job with
-that `ParallelConfig`, each worker's peak above its baseline against the
-plan's predicted peak. One JSON line per plan, then a table.
+`tfdist.plan`'s memory, run: the plans of the model for `--workers` hosts
+of `--devices_per_worker` devices and `--plan` bytes per device; every plan
+it says fits (and the `--over` smallest that do not) trained as a launched
+job with that `ParallelConfig`, each worker's peak above its baseline (and
+TensorFlow's count of its tensors at their peak, where its allocator keeps
+one) against the plan's predicted peak, per device. One JSON line per plan,
+then a table.
 
     python tools/bench_memory.py --cap=0.8 --modes=zero3,tensor4
 
