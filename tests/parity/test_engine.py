@@ -43,6 +43,23 @@ def test_exactly_one_gradient_all_reduce_per_step(microbatches):
     assert counts["MatMul"] >= 4 * microbatches * 3
 
 
+def test_a_microbatch_waits_for_the_previous_sum_through_one_edge_per_op():
+    # Each op of microbatch i runs after microbatch i-1's gradients are summed,
+    # through one grouped op, not one control edge per gradient: every op
+    # without inputs of its own (each constant) carried them all, and the
+    # step's graph grew with the square of the model's depth (0.26 GiB per
+    # microbatch on an 8-block GPT-2). One device: the microbatch is traced
+    # inline, as on each worker of a multi-worker job on CPU.
+    strategy = tfdist.Strategy(data=1, microbatches=2, devices=devices(1))
+    _, _, model = train(strategy)
+    assert len(model.trainable_variables) >= 6
+    second = [op for op in _step_graph(model).get_operations() if "microbatch1/" in op.name]
+    (gate,) = [op for op in second  # the only op waiting on the first's gradients
+               if any(c.name.startswith("gradient_tape/") for c in op.control_inputs)]
+    assert gate.type == "NoOp" and len(gate.control_inputs) >= 6
+    assert sum(gate in op.control_inputs for op in second) > 1
+
+
 def components(model):
     """{variable path: [per-device numpy values]} for every model variable."""
     return {
