@@ -544,7 +544,7 @@ def run_plans():
           f"{sum(p.fits for p in plans)} of {len(plans)} plans fit; running {len(chosen)}")
     if per_worker > 1:  # one allocator per process: its devices' peaks add up
         print(f"A worker's peak is compared with {per_worker} x the busiest device's "
-              "predicted peak (its devices hold equal shares, or balanced stages, of the MLP).")
+              "predicted peak (which assumes its devices peak alike: balanced stages).")
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for plan in chosen:
