@@ -16,6 +16,7 @@ from helpers import (
     assert_parity,
     data,
     devices,
+    step_ops,
     step_peak_bytes,
     strategy_on_its_devices,
     trace_events,
@@ -23,6 +24,7 @@ from helpers import (
     trained_reference,
 )
 from test_tensor_transformer import SEQ, VOCAB, WIDTH, block, compile_lm, lm_data
+from test_zero import _step_graph
 from tfdist.pipeline.placement import component_devices
 from tfdist.pipeline.schedule import held_activations, stage_device, stage_orders
 
@@ -377,6 +379,23 @@ def test_a_stages_microbatch_gradients_are_summed_as_they_come(schedule):
         x = np.ones((64, width), "float32")
         peaks[microbatches] = step_peak_bytes(model, x, x, batch_size=64)
     assert peaks[8] < peaks[1] + 8 * layer, {m: p / layer for m, p in peaks.items()}
+
+
+@pytest.mark.parametrize("config", [dict(data=1, pipeline=2), dict(data=2, zero=3)],
+                         ids=["pipeline", "zero3"])
+def test_a_block_waits_for_the_earlier_ones_through_one_grouped_op(config):
+    # A program's block (a stage's microbatch; a ZeRO-3 unit's) waits for the
+    # block before it through one grouped op. Without it, each op the block
+    # makes without inputs of its own (every constant) carried a control edge
+    # per result of that block: the step's graph grew with the square of the
+    # model's depth (as microbatches did, tests/parity/test_engine.py).
+    _, _, model = train(tfdist.Strategy(microbatches=4, devices=devices(2), **config))
+    constants = [op for op in step_ops(_step_graph(model)) if op.type == "Const"]
+    waiting = [op for op in constants if op.control_inputs]
+    assert waiting, "no block waited for the one before it"
+    assert all(len(op.control_inputs) == 1 for op in waiting), \
+        sorted({len(op.control_inputs) for op in waiting})
+    assert {c.type for op in waiting for c in op.control_inputs} == {"NoOp"}
 
 
 def test_remat_lowers_peak_memory():

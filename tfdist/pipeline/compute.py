@@ -255,15 +255,18 @@ class _Run:
         recording = (_recording(self.devices[d]) if program.wait_for_all_ops
                      else contextlib.nullcontext())
         lead = program.lead(block)
-        with tf.name_scope(lead.scope(program.name)), tf.device(self.devices[d]), \
-                tf.control_dependencies(waits), self.mesh.stage(d), recording as built:
-            results = []
-            for instruction in block:
-                with tf.name_scope(instruction.kind) if instruction is not lead \
-                        else contextlib.nullcontext():
-                    results = getattr(self, instruction.op)(instruction) or results
-            if not program.wait_for_all_ops:  # (else `built` says when it is done)
-                results = [done for value in results for done in _run_when_done(value)]
+        with tf.name_scope(lead.scope(program.name)), tf.device(self.devices[d]):
+            # One op to wait on: each op the block makes without inputs of its
+            # own would otherwise carry a control edge per earlier result.
+            after = [tf.group(waits, name="after")] if waits else []
+            with tf.control_dependencies(after), self.mesh.stage(d), recording as built:
+                results = []
+                for instruction in block:
+                    with tf.name_scope(instruction.kind) if instruction is not lead \
+                            else contextlib.nullcontext():
+                        results = getattr(self, instruction.op)(instruction) or results
+                if not program.wait_for_all_ops:  # (else `built` says when it is done)
+                    results = [done for value in results for done in _run_when_done(value)]
         if program.wait_for_all_ops:
             done.append(built)
         else:
