@@ -424,7 +424,7 @@ class DataOnlyMesh(_ReplicaMesh):
         compiled under `xla`. Every microbatch calls it, on one device too (a
         worker of a multi-worker job on CPU): traced inline, each microbatch
         was one more trace of the model (GPT-2 82M at 4 microbatches: first
-        step 19-24 -> 14 CPU s, peak 0.13 GiB lower).
+        step 19-24 -> 13-14 CPU s, peak 0.13-0.17 GiB lower).
 
         Example:
 
