@@ -373,7 +373,7 @@ def test_tensor_groups_trace_their_forward_and_backward_once_for_every_replica(c
 def test_microbatches_on_one_device_trace_the_model_once():
     # As on a multi-worker job's CPU worker (one device each): every
     # microbatch was one more trace of the model, inline (GPT-2 82M at 4
-    # microbatches: first step 19-24 -> 14 CPU s, docs/benchmarks.md); now
+    # microbatches: first step 19-24 -> 13-14 CPU s, docs/benchmarks.md); now
     # the microbatches call one trace, as replicas do.
     one_device = tfdist.Strategy(data=1, microbatches=4, devices=devices(1))
     assert _traced_model_calls(one_device) == _traced_model_calls(dict(data=4))

@@ -115,13 +115,7 @@ class LocalCompute(Compute):
             parts = self.split(x, y, sample_weight)
         start = self.moving.start()
         for i, part in enumerate(parts):
-            # One edge from each op of the microbatch to the previous sum, not
-            # one per gradient: every op without inputs of its own (each
-            # constant) would carry them all, and the step's graph grew with
-            # the square of the model's depth (0.26 GiB per microbatch on an
-            # 8-block GPT-2).
-            with tf.name_scope(f"microbatch{i}"), \
-                    tf.control_dependencies([tf.group(_tensors(total))] if total else []):
+            with tf.name_scope(f"microbatch{i}"), microbatch.waiting_for(_tensors(total)):
                 self.moving.reset(start)
                 loss, y_pred, masks, grads = self._runs[i](
                     part.x, part.y, part.sample_weight, part.share)

@@ -45,7 +45,7 @@ from tfdist import sparse_gradients
 from tfdist._compat import keras_functional
 from tfdist._compat.tf_distribute import local_replica_id
 from tfdist._compat.tf_function import ReplicaSharedFunction
-from tfdist.engine.microbatch import Microbatch, MicrobatchLoss
+from tfdist.engine.microbatch import Microbatch, MicrobatchLoss, waiting_for
 from tfdist.pipeline.placement import place_stages
 from tfdist.pipeline.program import REDUCE_SCATTER, WEIGHTS, Program, pipeline_program
 from tfdist.pipeline.runner import StageRunner
@@ -255,18 +255,15 @@ class _Run:
         recording = (_recording(self.devices[d]) if program.wait_for_all_ops
                      else contextlib.nullcontext())
         lead = program.lead(block)
-        with tf.name_scope(lead.scope(program.name)), tf.device(self.devices[d]):
-            # One op to wait on: each op the block makes without inputs of its
-            # own would otherwise carry a control edge per earlier result.
-            after = [tf.group(waits, name="after")] if waits else []
-            with tf.control_dependencies(after), self.mesh.stage(d), recording as built:
-                results = []
-                for instruction in block:
-                    with tf.name_scope(instruction.kind) if instruction is not lead \
-                            else contextlib.nullcontext():
-                        results = getattr(self, instruction.op)(instruction) or results
-                if not program.wait_for_all_ops:  # (else `built` says when it is done)
-                    results = [done for value in results for done in _run_when_done(value)]
+        with tf.name_scope(lead.scope(program.name)), tf.device(self.devices[d]), \
+                waiting_for(waits), self.mesh.stage(d), recording as built:
+            results = []
+            for instruction in block:
+                with tf.name_scope(instruction.kind) if instruction is not lead \
+                        else contextlib.nullcontext():
+                    results = getattr(self, instruction.op)(instruction) or results
+            if not program.wait_for_all_ops:  # (else `built` says when it is done)
+                results = [done for value in results for done in _run_when_done(value)]
         if program.wait_for_all_ops:
             done.append(built)
         else:
