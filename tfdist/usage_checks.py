@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat import patches
-from tfdist._compat.keras_trainer import is_validation_iterator, predicted_no_batch
+from tfdist._compat.keras_trainer import epoch_input, is_validation_iterator, predicted_no_batch
 from tfdist._compat.tf_variables import distribute_strategy_of
 from tfdist.engine.build import keras_flavour, step_level_options
 
@@ -157,12 +157,17 @@ def refuse_empty_input(strategy_class):
     `strategy_class` raise a ValueError naming an input that has no examples.
 
     Keras reads the first batch of `fit`'s and `evaluate`'s input before their
-    first step (to build the model) and ends in a bare `StopIteration` when
-    there is none; `predict` ends in an `UnboundLocalError`. This covers the
-    inputs whose size is only known by reading them (arrays, which Keras
-    turns into such a dataset, a `filter`ed dataset), which `check_not_empty`
-    cannot see. `fit`'s `validation_data` is read, and refused, after the
-    first epoch, as Keras first reads it then.
+    first step, to build the model, and ends in a bare `StopIteration` when
+    there is none; `predict` ends in an `UnboundLocalError`. Under these
+    strategies the model is built from the batch's spec instead: Keras's read
+    makes a distributed iterator and drops it at once, and TensorFlow can
+    crash dropping one while its thread still fills the devices' buffers
+    (docs/development.md). The input is refused when its number of batches
+    is known to be 0 (arrays) or, when it is not known (a `filter`ed
+    dataset), when one batch cannot be read with a plain iterator; a known
+    0-batch `tf.data` input is refused earlier, by `check_not_empty`. `fit`'s
+    `validation_data` is checked, and refused, after the first epoch, when
+    Keras first evaluates.
 
     Example:
 
@@ -178,10 +183,18 @@ def refuse_empty_input(strategy_class):
 
 
 def _build_from_first_batch(original, model, strategy, iterator=None, data_batch=None):
+    argument = "validation_data" if is_validation_iterator(model, iterator) else "x"
+    dataset, batches = epoch_input(iterator) if data_batch is None else (None, None)
+    if dataset is not None:
+        # Built from the batch's spec, not from a batch read through a
+        # distributed iterator and dropped at once: TensorFlow can crash
+        # dropping one while its thread still fills the devices' buffers.
+        if batches == 0 or (batches is None and not any(True for _ in dataset.take(1))):
+            raise _no_examples(argument)
+        return original(model, data_batch=dataset.element_spec)
     try:
         return original(model, iterator=iterator, data_batch=data_batch)
     except StopIteration:  # from reading the first batch, the only read
-        argument = "validation_data" if is_validation_iterator(model, iterator) else "x"
         raise _no_examples(argument) from None
 
 

@@ -81,3 +81,24 @@ def test_the_datasets_made_for_each_device_run_without_autotuning(enabled):
         made = _device_datasets(iterator)
         assert len(made) == 2
         assert [d.options().autotune.enabled for d in made] == [False, False]
+
+
+def test_fit_and_evaluate_read_their_input_once_per_epoch():
+    # Keras reads one batch before `fit`'s and `evaluate`'s first step, to
+    # build the model, through a distributed iterator it drops at once; under
+    # tfdist's strategies the model is built from the batch's spec.
+    reads = []
+
+    def read(index):
+        reads.append(int(index))
+        return index
+
+    dataset = tf.data.Dataset.range(2).map(lambda i: tf.py_function(read, [i], tf.int64))
+    dataset = dataset.map(lambda i: (tf.fill((4, 3), tf.cast(i, tf.float32)), tf.ones((4, 1))))
+    strategy = tfdist.Strategy(data=2, devices=devices(2))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    model.fit(dataset, epochs=2, verbose=0)
+    model.evaluate(dataset, verbose=0)
+    assert reads == [0, 1] * 3

@@ -130,6 +130,30 @@ def dataset_of(iterator):
     return getattr(iterator, "_dataset", None)
 
 
+def epoch_input(iterator):
+    """(the dataset this task reads, its number of batches or None if not
+    known) for the epoch iterator Keras's `fit` or `evaluate` made of its
+    input (a `TFEpochIterator`), when that input went through
+    `experimental_distribute_dataset`; else (None, None).
+
+    The dataset is the task's own after distribution (auto-sharded across
+    workers, each batch split for the replicas): its element spec is one
+    replica's batch, and reading it with a plain iterator reads what this
+    task's replicas would.
+
+    Example:
+
+    ```python
+    dataset, batches = epoch_input(epoch_iterator)   # (<_RebatchDataset ...>, 20)
+    ```
+    """
+    distributed = getattr(iterator, "_distributed_dataset", None)
+    local = getattr(distributed, "_cloned_datasets", None)
+    if not local:
+        return None, None
+    return local[0], iterator.data_adapter.num_batches
+
+
 def is_validation_iterator(model, iterator) -> bool:
     """Whether `iterator` is the epoch iterator `fit` made of its
     `validation_data` (Keras's `_eval_epoch_iterator`).
