@@ -178,11 +178,11 @@ def refuse_empty_input(strategy_class):
     ```
     """
     patches.install_for_strategy(patches.TRAINER_SYMBOLIC_BUILD, strategy_class,
-                                 _build_from_first_batch)
+                                 _build_from_spec)
     patches.install_for_strategy(patches.TRAINER_PREDICT, strategy_class, _predict)
 
 
-def _build_from_first_batch(original, model, strategy, iterator=None, data_batch=None):
+def _build_from_spec(original, model, strategy, iterator=None, data_batch=None):
     argument = "validation_data" if is_validation_iterator(model, iterator) else "x"
     dataset, batches = epoch_input(iterator) if data_batch is None else (None, None)
     if dataset is not None:
