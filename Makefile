@@ -11,7 +11,7 @@ CORE_VENV ?= .venv-core
 CORE_BIN = $(CORE_VENV)/bin
 CORE_STAMP = $(CORE_VENV)/.installed
 
-.PHONY: install browser demo lint test test-fast bench clean
+.PHONY: install venvs browser demo lint test test-fast bench clean
 
 LINT_PATHS = tfdist conftest.py tests tools keras_examples
 
@@ -29,6 +29,9 @@ $(CORE_STAMP): setup.cfg pyproject.toml
 	touch $(CORE_STAMP)
 
 install: $(STAMP)
+
+# Both environments; `make -j2 venvs` installs them side by side (.ci/run).
+venvs: $(STAMP) $(CORE_STAMP)
 
 # Debian's Chromium, for the test that searches a trace in TensorBoard's
 # trace viewer (Playwright drives it). Where it cannot be installed (no
