@@ -22,10 +22,6 @@ from tfdist.cluster.rendezvous import check_timeout_seconds, wait_for_peers
 from tfdist.cluster.serve import describe_jobs, resolver_or_tf_config, serve
 from tfdist.strategy import Strategy, requested_config
 
-# A worker found frozen (alive, not answering) ends the chief this long after,
-# naming it: the chief is blocked inside TensorFlow on it.
-_EXIT_AFTER_SECONDS = 10.0
-
 
 class ChiefStrategy(Strategy):
     """Synchronous training on the devices of every worker task, driven by the chief.
@@ -93,10 +89,11 @@ class ChiefStrategy(Strategy):
             raise ValueError(f"{error} (the workers have {len(devices)} devices)") from None
         super().__init__(config, devices=devices, layout_map=layout_map)
         # A worker that freezes would block the chief inside TensorFlow for good:
-        # probed for the strategy's life, it ends the chief naming it.
+        # probed for the strategy's life, it ends the chief naming it, at once
+        # (nothing of the chief's own checks the monitor meanwhile).
         self._task_monitor = TaskMonitor(
             {f"worker:{index}": address for index, address in enumerate(cluster["worker"])},
-            exit_after=_EXIT_AFTER_SECONDS)
+            exit_after=0.0)
         self._task_monitor.__enter__()
 
     @property
