@@ -175,6 +175,12 @@ class _Iterators:
     autotuning = weakref.WeakKeyDictionary()
 
     @classmethod
+    def autotuning_made_since(cls, made):
+        """The numbers of the iterators with autotuning still alive that were
+        made after the `made`-th."""
+        return [n for n in cls.autotuning.values() if n > made]
+
+    @classmethod
     def counting(cls, init):
         @functools.wraps(init)
         def counted(self, dataset=None, *args, **kwargs):
@@ -211,12 +217,12 @@ def _iterators_freed_by_their_test(request):
     test time)."""
     made = _Iterators.made_before_this_test
     yield
-    if any(n > made for n in _Iterators.autotuning.values()):
+    if _Iterators.autotuning_made_since(made):
         with _watched("collection", SLOW_COLLECTION_SECONDS,
                       f"the garbage collection closing {request.node.nodeid} still running "
                       f"after {SLOW_COLLECTION_SECONDS} s"):
             gc.collect()
-        kept = [n for n in _Iterators.autotuning.values() if n > made]
+        kept = _Iterators.autotuning_made_since(made)
         assert not kept, (
             f"{len(kept)} tf.data iterator(s) with autotuning made by this test (or its "
             f"fixtures) outlive it: whichever later test frees one can wait up to a minute. "
