@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from helpers import TFDIST, assert_parity, data, make_model, output_tail, train
+from tfdist.cluster.liveness import probe
+from tfdist.cluster.tf_config import free_ports
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "chief_fit.py"
 
@@ -125,6 +127,41 @@ def test_a_frozen_worker_ends_the_chief_naming_it():
                      r"answering during training", output), output_tail(output)
     assert "[launch] chief:0 failed with exit code 1" in output
     assert waited < 60, waited
+
+
+@pytest.mark.multiprocess
+def test_a_worker_ends_after_a_chief_that_lived_less_than_a_probe_interval():
+    # A worker serves until the chief, having answered, is gone. A chief whose
+    # server lives 0.3 s, less than the worker's 1 s between probes, must still
+    # be seen, or the worker waits out its timeout.
+    chief_port, worker_port = free_ports(2)
+    cluster = {"chief": [f"127.0.0.1:{chief_port}"], "worker": [f"127.0.0.1:{worker_port}"]}
+
+    def task(kind, code):
+        tf_config = {"cluster": cluster, "task": {"type": kind, "index": 0}}
+        return subprocess.Popen([sys.executable, "-c", code], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TF_CONFIG": json.dumps(tf_config)})
+
+    worker = task("worker", "import tfdist; tfdist.ChiefStrategy(timeout_seconds=60)")
+    chief = None
+    try:
+        deadline = time.monotonic() + 60
+        while probe(cluster["worker"][0], timeout=1.0) != "ok":
+            assert worker.poll() is None and time.monotonic() < deadline, worker.stdout.read()
+            time.sleep(0.2)
+        chief = task("chief", "import os, time, tensorflow as tf\n"
+                              "tf.distribute.Server(tf.train.ClusterSpec("
+                              f"{cluster!r}), 'chief', 0)\n"
+                              "time.sleep(0.3)\n"
+                              "os._exit(0)")
+        assert chief.wait(timeout=60) == 0, chief.stdout.read()
+        output, _ = worker.communicate(timeout=20)  # (before: its timeout, 60 s)
+    finally:
+        for process in (worker, chief):
+            if process is not None and process.poll() is None:
+                process.kill()
+    assert worker.returncode == 0, output_tail(output)
 
 
 def _children(pid):

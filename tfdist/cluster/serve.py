@@ -88,7 +88,9 @@ def serve(resolver, until_gone=None, timeout_seconds=300.0, interval=1.0):
     deadline = time.monotonic() + timeout_seconds
     answered = False
     while True:
-        time.sleep(interval)
+        # Until it first answers, every 0.1 s: a chief that starts and ends
+        # between two probes would be taken as never started.
+        time.sleep(interval if answered else min(interval, 0.1))
         status = probe(until_gone, timeout=max(interval, 5.0))
         if status == "down" and answered:
             logging.info("%s:%d: %s has ended; stopping", resolver.task_type,
