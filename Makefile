@@ -59,15 +59,15 @@ lint: $(STAMP)
 # Every tier, then the tfdist/ docstring examples. The tests marked `alone`
 # (tests/cluster: bounds on wall time, processes killed at set moments) run
 # first, one at a time, with the machine to themselves; then every other test
-# in two processes (tracing a step is mostly one core's work, and the other
-# cluster tests mostly wait on their subprocesses), in two rounds of fresh
-# processes: the cluster tier with the parity files a-s (the cluster tests
-# first: their waits then overlap the other process's training, not end the
-# round with an idle machine), then the parity files t-z with the unit tier
-# (single tests have taken 10-30x their fresh-process time late in a worker
-# that ran the whole suite). Each process
-# takes half of its round's tests in file order and then takes over the
-# other's last ones (`worksteal`), so a file's tests mostly share one process
+# in three processes on the two cores (a cluster test waits on its
+# subprocesses part of the time: in two, the cores were 16% idle), in two
+# rounds of fresh processes: the cluster tier with the parity files a-s (the
+# cluster tests first: their waits then overlap the others' training, not end
+# the round with an idle machine), then the parity files t-z with the unit
+# tier (single tests have taken 10-30x their fresh-process time late in a
+# worker that ran the whole suite). Each process takes its share of its
+# round's tests in file order and then takes over the others' last ones
+# (`worksteal`), so a file's tests mostly share one process
 # and its single-device references; the rounds share the references kept on
 # disk (tests/helpers.py), emptied once here. These run in .venv-core, without
 # the Model Garden (conftest.py leaves out what needs it); then the tests marked
@@ -78,9 +78,9 @@ test: $(STAMP) $(CORE_STAMP) browser
 	export TFDIST_TEST_KEEP_REFERENCES=1; \
 	status=0; \
 	$(CORE_BIN)/python -m pytest -m alone tests/cluster || status=1; \
-	$(CORE_BIN)/python -m pytest -n 2 --dist worksteal -m "not alone" \
+	$(CORE_BIN)/python -m pytest -n 3 --dist worksteal -m "not alone" \
 		tests/cluster tests/parity/test_[a-s]*.py || status=1; \
-	$(CORE_BIN)/python -m pytest -n 2 --dist worksteal \
+	$(CORE_BIN)/python -m pytest -n 3 --dist worksteal \
 		tests/parity/test_[t-z]*.py tests/unit || status=1; \
 	$(BIN)/python -m pytest -n 2 --dist worksteal -m model_garden \
 		tests/parity tests/cluster || status=1; \
