@@ -181,16 +181,20 @@ def _op_counts(nodes, library, device=None):
     return counts
 
 
-def step_ops(graph, device=None, caller_device=""):
+def step_ops(graph, device=None, caller_device="", scope=None):
     """The ops of a traced step's `graph` and of the functions its ops call
     (function calls, not a branch's or a loop's body), each function's once
     per op that calls it; with `device`, only those that run there: a
     function's ops without a device of their own run on the calling op's
-    (the replicas share one trace of a ZeRO-3 program, whose ops have none)."""
+    (the replicas share one trace of a ZeRO-3 program, whose ops have none).
+    With `scope`, only `graph`'s ops whose names hold it, and all the ops of
+    the functions they call (a shared trace's ops are named in its own graph)."""
     found = []
     for op in graph.get_operations():
         where = op.device or caller_device
         if device is not None and not where.endswith(device):
+            continue
+        if scope is not None and scope not in op.name:
             continue
         found.append(op)
         if op.type in ("PartitionedCall", "StatefulPartitionedCall"):

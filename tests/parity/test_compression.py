@@ -37,9 +37,8 @@ GATHERED = [dict(data=4), dict(data=4, zero=1, microbatches=2)]
 def reduce_collectives(model):
     """Replica 0's collectives of the step's reduce part (the gradients and
     the metric states summed with them)."""
-    return [op for op in _step_graph(model).get_operations()
-            if op.type.startswith("Collective") and op.device.endswith("CPU:0")
-            and "tfdist/reduce/" in op.name]
+    return [op for op in step_ops(_step_graph(model), "CPU:0", scope="tfdist/reduce/")
+            if op.type.startswith("Collective")]
 
 
 def sent_bytes(collectives):

@@ -36,7 +36,7 @@ import tensorflow as tf
 from tfdist import sparse_gradients
 from tfdist._compat import tf_collectives
 from tfdist._compat.tf_distribute import summed_across_replicas
-from tfdist._compat.tf_function import sharing_a_trace
+from tfdist._compat.tf_function import ReplicaSharedFunction, sharing_a_trace
 from tfdist.sharding.collectives import non_finite_count, packed_reduce_scatter, replica_launcher
 
 
@@ -104,6 +104,8 @@ class DataGroupAllReduce:
         self.share_non_finite = share_non_finite
         self.bucket_bytes = bucket_bytes
         self._one_replica_per_group = mesh.data == 1  # (nothing to sum)
+        # Traced once for every replica (each gives its groups' launchers).
+        self._shared = ReplicaSharedFunction(self._with_states)
 
     def __call__(self, grads):
         return self.with_states(grads, [])[0]
@@ -112,6 +114,9 @@ class DataGroupAllReduce:
         """(the reduced `grads`, `states` summed over the data group, which
         together holds every example once: a tensor group's ranks compute on
         the same examples)."""
+        return self._shared(grads, states)
+
+    def _with_states(self, grads, states):
         mesh = self.mesh
         present = [g for g in grads if g is not None]
         if not self._one_replica_per_group:
