@@ -187,20 +187,20 @@ def step_ops(graph, device=None, caller_device="", scope=None):
     per op that calls it; with `device`, only those that run there: a
     function's ops without a device of their own run on the calling op's
     (the replicas share one trace of a ZeRO-3 program, whose ops have none).
-    With `scope`, only `graph`'s ops whose names hold it, and all the ops of
-    the functions they call (a shared trace's ops are named in its own graph)."""
+    With `scope`, only the ops whose names hold it, and all the ops of the
+    functions those call (a shared trace's ops are named in its own graph)."""
     found = []
     for op in graph.get_operations():
         where = op.device or caller_device
         if device is not None and not where.endswith(device):
             continue
-        if scope is not None and scope not in op.name:
-            continue
-        found.append(op)
+        inside = scope is None or scope in op.name
+        if inside:
+            found.append(op)
         if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
             body = _function_graph(graph, op.get_attr("f").name)
             if body is not None:
-                found += step_ops(body, device, where)
+                found += step_ops(body, device, where, None if inside else scope)
     return found
 
 

@@ -127,6 +127,6 @@ def test_uint8_inputs_and_small_labels_match_one_device(label_dtype):
                    make=make_uint8_mlp, x=x, y=y, batch_size=16)
     assert_parity(result, reference, steps=4)
     (step,) = traced_train_function(result[2])._list_all_concrete_functions()
-    gathers = [op for op in step_ops(step.graph)
-               if op.type == "CollectiveGatherV2" and "group_batch" in op.name]
+    gathers = [op for op in step_ops(step.graph, scope="group_batch")
+               if op.type == "CollectiveGatherV2"]
     assert len(gathers) == 2 * 4  # 4 replicas

@@ -153,6 +153,8 @@ class TensorMesh(_ReplicaMesh):
                                         options=options)
                 for replica, device in enumerate(on_stage)})
         self._stage = threading.local()
+        # One trace for every replica (each gives its group's keys and rank).
+        self._shared_group_batch = ReplicaSharedFunction(self._group_batch)
 
     def rank(self):
         """The current replica's tensor rank (its shard index), or None outside
@@ -302,6 +304,9 @@ class TensorMesh(_ReplicaMesh):
         batch; the replicas of one tensor group must compute on the same
         examples, so they exchange their slices (sizes may differ).
         """
+        return self._shared_group_batch(data)
+
+    def _group_batch(self, data):
         flat = tf.nest.flatten(data)
         sizes = self._group_sizes(tf.shape(next(t for t in flat if t is not None))[0])
         rank = self.rank()
