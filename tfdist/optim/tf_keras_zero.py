@@ -142,9 +142,8 @@ class TfKerasShardedUpdate(ShardedUpdate):
     def _learning_rate(self):
         return tf_keras_optimizer.current_learning_rate(self.inner)
 
-    def _update_steps(self, shards, buffers, indices, learning_rate, in_shared_trace=False):
+    def _update_steps(self, shards, buffers, indices, learning_rate):
         del learning_rate  # tf_keras's update_step reads it from the optimizer
-        del in_shared_trace  # tf_keras's steps are always traced inline
         shards = tf_keras_optimizer.summed_duplicates(self.inner, shards)
         for gradient, buffer in zip(shards, buffers):  # each finds its variable's slots
             self.inner.update_step(gradient, buffer)

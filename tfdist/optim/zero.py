@@ -49,6 +49,7 @@ from tfdist import sparse_gradients
 from tfdist._compat import keras_optimizer
 from tfdist._compat.keras_optimizer import slots_found_by
 from tfdist._compat.tf_distribute import summed_across_replicas
+from tfdist._compat.tf_function import sharing_a_trace
 from tfdist._compat.tf_variables import storage_of
 from tfdist.optim import adafactor
 from tfdist.sharding.collectives import non_finite_count, packed_all_gather
@@ -252,16 +253,17 @@ class ShardedUpdate:
     def _learning_rate(self):
         return self.inner.learning_rate
 
-    def _update_steps(self, shards, buffers, indices, learning_rate, in_shared_trace=False):
+    def _update_steps(self, shards, buffers, indices, learning_rate):
         """The optimizer's own `update_step` on each buffer (a shard of
         variable `indices[k]`), finding that variable's slots; each buffer's
         traced once for every replica (`ReplicaSharedFunction`), or inline
-        when the caller's trace is already shared (a function per buffer
-        there made the Llama tiny's zero=3 first step about 0.3 s longer)."""
+        when the caller's trace is already shared (ZeRO-3's units: a function
+        per buffer there made the Llama tiny's first step about 0.3 s longer)."""
         learning_rate = tf.convert_to_tensor(learning_rate)
+        inline = sharing_a_trace()
         with slots_found_by(self.inner, buffers, indices):
             for gradient, buffer, index in zip(shards, buffers, indices):
-                if in_shared_trace:
+                if inline:
                     type(self.inner).update_step(self.inner, gradient, buffer, learning_rate)
                     continue
                 if index not in self._update_step_of:
@@ -331,8 +333,7 @@ class ShardedUpdate:
         present = [(self._index_of(v), g) for v, g in zip(weights, shards) if g is not None]
         if present:
             with tf.name_scope("apply"):
-                self._update([g for _, g in present], [i for i, _ in present],
-                             in_shared_trace=True)()
+                self._update([g for _, g in present], [i for i, _ in present])()
 
     def _gather(self, indices, layouts, launcher):
         """Every replica writes the updated parameters, gathered from the
@@ -364,14 +365,11 @@ class ShardedUpdate:
         tf.cond(tf.equal(scaler.step_counter, scaler.dynamic_growth_steps - 1),
                 upscale, increment)
 
-    def _update(self, shards, indices, in_shared_trace=False):
+    def _update(self, shards, indices):
         """Keras's `apply` (without the counter) on this replica's shards, as
         a function that makes the update (called in the step, or in its
         finite-gradient branch). What needs the other replicas (Adafactor's
-        sums) is computed now, so no collective is inside a branch. With
-        `in_shared_trace` (ZeRO-3's units, whose program every replica
-        shares one trace of) each shard's update is traced inline, not as a
-        shared function of its own."""
+        sums) is computed now, so no collective is inside a branch."""
         inner = self.inner
         if getattr(inner, "loss_scale_factor", None) is not None:
             shards = [sparse_gradients.map_values(g, lambda v: v / inner.loss_scale_factor)
@@ -392,7 +390,7 @@ class ShardedUpdate:
             for i, buffer in zip(indices, buffers):
                 if self._decays(i):  # (no write of a shard to itself: a copy per step)
                     buffer.assign(self._decayed(i, buffer.value(), learning_rate))
-            self._update_steps(shards, buffers, indices, learning_rate, in_shared_trace)
+            self._update_steps(shards, buffers, indices, learning_rate)
 
         return elementwise
 
