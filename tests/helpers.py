@@ -15,12 +15,14 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import tfdist
+from tfdist.cluster.liveness import probe
 from tfdist.input_options import without_autotuning
 
 FEATURES, CLASSES = 16, 4
@@ -55,6 +57,18 @@ def output_tail(output, chars=4000):
     without the list of extension modules Python prints after a fatal
     error's stacks (a few thousand characters that would hide them)."""
     return re.sub(r"\nExtension modules: [^\n]*", "", output)[-chars:]
+
+
+def wait_until_answering(address, process, seconds=60.0):
+    """Waits until the TensorFlow server at `address`, started by `process`,
+    answers a probe; fails naming it if `process` ends first or `seconds` pass."""
+    deadline = time.monotonic() + seconds
+    while probe(address, timeout=1.0) != "ok":
+        assert process.poll() is None, (f"the server at {address} ended before answering: "
+                                        + (process.stdout.read() if process.stdout else ""))
+        assert time.monotonic() < deadline, (
+            f"the server at {address} did not answer within {seconds:g} s")
+        time.sleep(0.2)
 
 
 def devices(n):

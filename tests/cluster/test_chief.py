@@ -16,8 +16,15 @@ import time
 import numpy as np
 import pytest
 
-from helpers import TFDIST, assert_parity, data, make_model, output_tail, train
-from tfdist.cluster.liveness import probe
+from helpers import (
+    TFDIST,
+    assert_parity,
+    data,
+    make_model,
+    output_tail,
+    train,
+    wait_until_answering,
+)
 from tfdist.cluster.tf_config import free_ports
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "chief_fit.py"
@@ -146,10 +153,7 @@ def test_a_worker_ends_after_a_chief_that_lived_less_than_a_probe_interval():
     worker = task("worker", "import tfdist; tfdist.ChiefStrategy(timeout_seconds=60)")
     chief = None
     try:
-        deadline = time.monotonic() + 60
-        while probe(cluster["worker"][0], timeout=1.0) != "ok":
-            assert worker.poll() is None and time.monotonic() < deadline, worker.stdout.read()
-            time.sleep(0.2)
+        wait_until_answering(cluster["worker"][0], worker)
         chief = task("chief", "import os, time, tensorflow as tf\n"
                               "tf.distribute.Server(tf.train.ClusterSpec("
                               f"{cluster!r}), 'chief', 0)\n"

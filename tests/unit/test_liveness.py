@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from helpers import wait_until_answering
 from tfdist.cluster.liveness import TaskMonitor, TaskUnresponsiveError, probe
 from tfdist.cluster.tf_config import free_ports
 
@@ -30,10 +31,7 @@ def server():  # one server: the frozen test thaws it, the dead test kills it
     process = subprocess.Popen([sys.executable, "-c", SERVER, address],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while probe(address, timeout=1.0) != "ok":
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_until_answering(address, process)
         yield process, address
     finally:
         with contextlib.suppress(ProcessLookupError):
