@@ -3,6 +3,7 @@ each replica reading and writing its own copies of the variables; traces that
 are not the same on every replica are each replica's own."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfdist
@@ -94,6 +95,41 @@ def test_tensor_group_collectives_take_each_callers_keys_in_one_trace():
     assert len(traces) == 1
     graph = step.get_concrete_function().graph
     assert sum(op.type == "CollectiveReduceV2" for op in graph.get_operations()) == 0  # in the call
+
+
+def test_with_one_body_every_call_runs_one_function_not_inlined_copies():
+    # Each replica calls the trace twice in a step (as microbatches do). With
+    # one_body the trace's body is the one branch of a Case TensorFlow does
+    # not lower: the step holds one copy of the body, which every call runs
+    # with its own group's keys (the second call takes fresh instance keys).
+    strategy = tfdist.Strategy(data=2, tensor=2, devices=devices(4))
+    mesh = strategy.tensor_mesh
+
+    def in_groups(x):
+        return mesh.reduce(x * tf.cast(mesh.rank() + 1, tf.float32)), None
+
+    shared = ReplicaSharedFunction(in_groups, one_body=True)
+
+    def twice(x):
+        once, nothing = shared(x)
+        assert nothing is None
+        return shared(once)[0]
+
+    ids = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(float(context.replica_id_in_sync_group)))
+    step = tf.function(lambda: strategy.run(twice, args=(ids,)))
+    for _ in range(2):
+        results = [float(t) for t in strategy.experimental_local_results(step())]
+        # Group (0, 1): 0 + 2 * 1 = 2, then 2 + 2 * 2 = 6; group (2, 3): 8, then 24.
+        assert results == [6.0, 6.0, 24.0, 24.0]
+    library = step.get_concrete_function().graph.as_graph_def().library.function
+    bodies = [f for f in library if any(n.op == "CollectiveReduceV2" for n in f.node_def)]
+    cases = [n for f in library for n in f.node_def if n.op == "Case"]
+    assert len(bodies) == 1 and cases
+    assert all(n.attr["_lower_using_switch_merge"].b is False for n in cases)
+    assert {n.attr["branches"].list.func[0].name for n in cases} == {bodies[0].signature.name}
+    with pytest.raises(ValueError, match="one_body=True cannot combine with jit_compile"):
+        ReplicaSharedFunction(in_groups, one_body=True, jit_compile=True)
 
 
 def test_a_function_that_synchronises_the_replicas_runs_in_their_own_traces():

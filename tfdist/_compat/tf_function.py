@@ -23,6 +23,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.eager.polymorphic_function import function_type_utils
 from tensorflow.python.framework import op_def_registry, ops
+from tensorflow.python.ops import cond_v2
 
 # The name of the creator a tf.function's first trace installs.
 _CAPTURING_CREATOR = "variable_capturing_scope"
@@ -177,6 +178,11 @@ class ReplicaSharedFunction:
         unshared: what a caller that cannot share the trace calls instead
             (default: `fn` in the caller's own trace, compiled with XLA under
             `jit_compile`).
+        one_body: run the trace's body as one function every call runs on
+            its caller's device, not inlined into the step at each call
+            (`in_one_body`): for a function each replica calls several times
+            (a microbatch's forward and backward), which no tape outside it
+            differentiates. Not with `jit_compile`.
 
     Example:
 
@@ -187,7 +193,10 @@ class ReplicaSharedFunction:
     """
 
     def __init__(self, fn, jit_compile=False, one_copy_too=False, no_lookups=False,
-                 unshared=None):
+                 unshared=None, one_body=False):
+        if one_body and jit_compile:
+            raise ValueError("ReplicaSharedFunction: one_body=True cannot combine with "
+                             "jit_compile=True (XLA compiles the body with its call).")
         self._fn = fn
         self._no_lookups = no_lookups
         self._copies_needed = 1 if one_copy_too else 2
@@ -198,7 +207,7 @@ class ReplicaSharedFunction:
             # must match ^[A-Za-z0-9.]: a Keras layer named "_x" called first
             # (a pipeline stage's) would fail to trace.
             with tf.name_scope("replica"):
-                return fn(*args)
+                return in_one_body(fn, *args) if one_body else fn(*args)
 
         self._function = tf.function(in_a_root_scope, autograph=False,
                                      jit_compile=jit_compile or None, reduce_retracing=jit_compile)
@@ -255,6 +264,26 @@ class ReplicaSharedFunction:
             if self._shared[key]:
                 _callers_give_the_gradient_inputs(concrete)
         return self._shared[key]
+
+
+def in_one_body(fn, *args):
+    """`fn(*args)` in a traced function, as the one branch of a `Case` that
+    TensorFlow does not lower into the graph: the branch is a function of
+    the library that each device instantiates once and every call runs,
+    where a function call is inlined at each call site before the step's
+    first run. A function traced once and called k times per replica (a
+    microbatch's forward and backward) is then instantiated and optimised
+    once per device, not k times: the step's first call costs what one call
+    per replica would. Outputs as `fn`'s (nests, None, `IndexedSlices`).
+
+    Example:
+
+    ```python
+    loss, grads = in_one_body(forward_backward, x, y)   # in a tf.function
+    ```
+    """
+    return cond_v2.indexed_case(tf.constant(0), [lambda: fn(*args)],
+                                lower_using_switch_merge=False)
 
 
 def _local_copies_at_least(count: int) -> bool:

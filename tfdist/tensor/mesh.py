@@ -189,9 +189,10 @@ class TensorMesh(_ReplicaMesh):
     def microbatch_runs(self, forward_backward, microbatches: int, xla: bool):
         """What runs each microbatch's `forward_backward` with tensor groups:
         one trace the replicas and microbatches share (each with its own
-        variables and its own group's collective keys), or, under XLA (which
-        compiles a collective with its keys), each replica's own compiled
-        function.
+        variables and its own group's collective keys; with microbatches, its
+        body one function each device instantiates once: `in_one_body`), or,
+        under XLA (which compiles a collective with its keys), each replica's
+        own compiled function.
 
         Example:
 
@@ -202,7 +203,7 @@ class TensorMesh(_ReplicaMesh):
         if xla:
             return [tf.function(forward_backward, jit_compile=True, reduce_retracing=True,
                                 autograph=False)] * microbatches
-        shared = ReplicaSharedFunction(forward_backward)
+        shared = ReplicaSharedFunction(forward_backward, one_body=microbatches > 1)
         if microbatches == 1:
             return [shared]
         # Where the trace cannot be shared (a layer's collectives of its own),
@@ -429,7 +430,9 @@ class DataOnlyMesh(_ReplicaMesh):
         compiled under `xla`. Every microbatch calls it, on one device too (a
         worker of a multi-worker job on CPU): traced inline, each microbatch
         was one more trace of the model (GPT-2 82M at 4 microbatches: first
-        step 19-24 -> 13-14 CPU s, peak 0.13-0.17 GiB lower).
+        step 19-24 -> 13-14 CPU s, peak 0.13-0.17 GiB lower). Without XLA the
+        trace's body is one function each device instantiates once
+        (`in_one_body`), not one inlined copy per microbatch.
 
         Example:
 
@@ -437,8 +440,9 @@ class DataOnlyMesh(_ReplicaMesh):
         runs = mesh.microbatch_runs(compute._forward_backward, 2, xla=False)
         ```
         """
-        return [ReplicaSharedFunction(forward_backward, jit_compile=xla,
-                                      one_copy_too=microbatches > 1)] * microbatches
+        several = microbatches > 1
+        return [ReplicaSharedFunction(forward_backward, jit_compile=xla, one_copy_too=several,
+                                      one_body=several and not xla)] * microbatches
 
     def in_own_function(self, fn):
         """`fn`, a replica's part of the step: called as it is (see `TensorMesh`'s)."""
