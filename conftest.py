@@ -16,6 +16,12 @@ import sys
 import weakref
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The memory tests read the bytes TensorFlow's CPU allocator holds
+# (`tf.config.experimental.get_memory_info`), which it counts only under
+# oneDNN's allocator. TensorFlow turns oneDNN on by default on CPUs with
+# AVX-512 only; elsewhere (an AMD EPYC with AVX2) it says "Allocator stats not
+# available". On for this process and the workers its tests start.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
