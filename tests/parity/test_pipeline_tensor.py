@@ -96,12 +96,11 @@ def test_each_stage_all_reduces_megatrons_count_on_its_own_devices(one_f_one_b):
         # On stage 0: the tensor group's batch exchange (the slices' sizes,
         # then x and y together, padded to the longest slice), and the data
         # group's gather of the token embedding's sparse gradient, which is
-        # gathered, not summed: its slice counts, then its values and indices
-        # padded to the longest (the exchanged batch's rows are not known to
-        # the trace).
-        assert counts["CollectiveGatherV2", first] == (1 + 1) + 3
+        # gathered, not summed: its values and indices, as they are (the
+        # exchanged batch's rows are known to the trace).
+        assert counts["CollectiveGatherV2", first] == (1 + 1) + 2
         assert counts["CollectiveGatherV2", second] == 0
-    assert sum(counts.values()) == 4 * (12 + 8 + 5)  # nothing anywhere else
+    assert sum(counts.values()) == 4 * (12 + 8 + 4)  # nothing anywhere else
 
 
 def test_class_split_classifier_in_the_last_stage_matches_one_device(reference):

@@ -343,9 +343,18 @@ class TensorMesh(_ReplicaMesh):
                 received = _from_columns(
                     self._gathered_rows(_as_columns(parts), longest, rows), parts)
             for i, t, r in zip(positions, parts, received):
-                r.set_shape([None, *t.shape[1:]])
-                gathered[i] = r
+                gathered[i] = self._with_group_shape(r, t)
         return gathered
+
+    def _with_group_shape(self, gathered, own):
+        """`gathered`, every rank's rows of `own`, with its static shape: when
+        `own`'s rows are counted in the trace, every rank's are that many
+        (checked as the step runs), and the model's trace then knows its
+        batch (no shape computed at run time where its layers reshape)."""
+        if own.shape[0] is None:
+            gathered.set_shape([None, *own.shape[1:]])
+            return gathered
+        return tf.ensure_shape(gathered, [self.tensor * own.shape[0], *own.shape[1:]])
 
     def _gathered_rows(self, t, longest, rows):
         """Every rank's rows of `t`, in rank order: each rank's padded to
