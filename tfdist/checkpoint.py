@@ -50,7 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist._compat import tf_variables
-from tfdist._compat.tf_distribute import replica_id_in_sync_group
+from tfdist._compat.tf_distribute import lost_peer, replica_id_in_sync_group
 from tfdist.cluster.agreement import gather_from_tasks
 from tfdist.sharding.layout import AxisLayout, MeshShardLayout, ShardLayout
 from tfdist.sharding.replica_state import state_of
@@ -60,6 +60,7 @@ _FORMAT = "tfdist-sharded-checkpoint-1"
 _STATE = "state/"  # the prefix of the step's per-replica state's keys
 _LATEST = "latest"
 _POLL_SECONDS = 0.05
+_PEER_CHECK_SECONDS = 1.0  # how often a save's wait asks whether its peers are alive
 
 
 class ShardedCheckpoint:
@@ -292,13 +293,15 @@ class ShardedCheckpoint:
             self._commit(name, staging, index_json)
         else:  # committed once `latest` names it (task 0 renames the directory first)
             _wait_for(lambda: self.latest() == name, self.timeout_seconds,
-                      f"task 0 to commit checkpoint {name!r} in {self.directory!r}")
+                      f"task 0 to commit checkpoint {name!r} in {self.directory!r}",
+                      lambda: lost_peer(self._strategy))
 
     def _commit(self, name, staging, index_json):
         done = [os.path.join(staging, f"task-{t}.done") for t in range(self.tasks)]
         _wait_for(lambda: all(os.path.exists(p) for p in done), self.timeout_seconds,
                   lambda: (f"the other tasks' parts of checkpoint {name!r} (missing: " + ", ".join(
-                      f"task {t}" for t, p in enumerate(done) if not os.path.exists(p)) + ")"))
+                      f"task {t}" for t, p in enumerate(done) if not os.path.exists(p)) + ")"),
+                  lambda: lost_peer(self._strategy))
         # (A task that holds no piece wrote no part.)
         parts = [prefix for prefix in (_part_prefix(staging, t) for t in range(self.tasks))
                  if os.path.exists(f"{prefix}.index")]
@@ -493,12 +496,23 @@ def _write_atomically(path, text):
     os.replace(partial, path)
 
 
-def _wait_for(ready, timeout_seconds, what):
-    """Polls `ready()` until true; TimeoutError naming `what` after `timeout_seconds`."""
+def _wait_for(ready, timeout_seconds, what, lost):
+    """Polls `ready()` until true; TimeoutError naming `what` after
+    `timeout_seconds`, and RuntimeError as soon as `lost()` (asked every
+    `_PEER_CHECK_SECONDS`) names a task that is down or has restarted: its
+    part of the save will never come."""
     deadline = time.monotonic() + timeout_seconds
+    check = time.monotonic() + _PEER_CHECK_SECONDS
     while not ready():
         if time.monotonic() > deadline:
             raise TimeoutError(f"Waited {timeout_seconds:g} s for "
                                f"{what() if callable(what) else what}: a task stopped or "
                                f"cannot write to the checkpoint directory.")
+        if time.monotonic() > check:
+            gone = lost()
+            if gone is not None:
+                raise RuntimeError(f"Stopped waiting for {what() if callable(what) else what}: "
+                                   f"task {gone} is down or has restarted since the save "
+                                   f"began; the save is abandoned.")
+            check = time.monotonic() + _PEER_CHECK_SECONDS
         time.sleep(_POLL_SECONDS)

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.multiprocess
 
 # argv: checkpoint directory, phase ("first": segment 0, save, segment 1, a
 # save during which worker 1 is killed; "resume": restore, segments 1 and 2,
-# save; "frozen": a save during which worker 1 stops; "segment1": restore, or
+# save; "frozen": a save during which worker 1 stops; "gone": a save during
+# which worker 1 exits; "segment1": restore, or
 # segment 0 and a save when there is no checkpoint, then segment 1).
 JOB = """
 import json, os, signal, sys
@@ -52,7 +53,15 @@ def fit(segment):
     return losses
 
 
-if phase == "frozen":  # worker 1 stops as it starts writing its part
+if phase == "gone":  # worker 1 exits (code 0: the job goes on) as it starts writing its part
+    checkpoints = ShardedCheckpoint(model, directory, timeout_seconds=60)
+    fit(0)
+    if index == 1:
+        tf.raw_ops.SaveV2 = lambda **kwargs: os._exit(0)
+    checkpoints.save()
+    checkpoints.wait()
+    print("committed", flush=True)
+elif phase == "frozen":  # worker 1 stops as it starts writing its part
     checkpoints = ShardedCheckpoint(model, directory, timeout_seconds=8)
     fit(0)
     if index == 1:
@@ -187,3 +196,18 @@ def test_topk_residuals_are_saved_by_each_worker_and_a_resumed_job_continues_the
     # The residuals left after segment 1 (what was not sent yet): the same.
     assert whole["residual"] > 0
     np.testing.assert_allclose(resumed["residual"], whole["residual"], rtol=1e-6)
+
+
+def test_a_worker_gone_during_a_save_fails_it_at_once_naming_it(tmp_path):
+    # Task 0 waits for the other tasks' parts of a save; a task that is down
+    # (or restarted) will never write its part: the wait ends at the next
+    # check of the peers, not at the save's 60 s timeout.
+    done = run_tfdist("launch", "--workers=2", "--zero=1", "--timeout=150", "--",
+                      sys.executable, "-c", JOB, str(tmp_path), "gone", timeout=200)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert "committed" not in done.stdout
+    assert ("RuntimeError: Stopped waiting for the other tasks' parts of checkpoint 'ckpt-6-"
+            in output and "task worker:1 (" in output), output[-3000:]
+    assert "Waited 60 s" not in output
+    assert not (tmp_path / "latest").exists()

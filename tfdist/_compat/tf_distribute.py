@@ -221,3 +221,34 @@ class MirroredStrategyOfItsOwnKeys(tf.distribute.MirroredStrategy):
     def __init__(self, devices):
         own_collective_keys(self)
         super().__init__(devices)
+
+
+def lost_peer(strategy, timeout_seconds: float = 2.0):
+    """The first chief or worker task of a multi-worker `strategy`, other than
+    this one, that is down or has restarted since this task first talked to
+    it, as "worker:1 (TensorFlow's message)"; None when all answer, or for a
+    strategy of one task. Asks each task's TensorFlow server (collective
+    ops' peer health check), each for at most `timeout_seconds`.
+
+    Example:
+
+    ```python
+    lost = lost_peer(strategy)   # e.g. "worker:1 (UnavailableError: ...)"
+    ```
+    """
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec() if resolver is not None else None
+    if not spec or not spec.jobs:
+        return None
+    own = (resolver.task_type, resolver.task_id)
+    for job in ("chief", "worker"):
+        for index in spec.task_indices(job) if job in spec.jobs else ():
+            if (job, index) == own:
+                continue
+            try:
+                eager_context.context().check_collective_ops_peer_health(
+                    f"/job:{job}/replica:0/task:{index}", int(timeout_seconds * 1000))
+            except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError,
+                    tf.errors.DeadlineExceededError) as error:
+                return f"{job}:{index} ({type(error).__name__}: {error.message})"
+    return None
