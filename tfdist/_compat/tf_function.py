@@ -275,6 +275,9 @@ def in_one_body(fn, *args):
     microbatch's forward and backward) is then instantiated and optimised
     once per device, not k times: the step's first call costs what one call
     per replica would. Outputs as `fn`'s (nests, None, `IndexedSlices`).
+    Under a parameter-server strategy, whose variables live on other tasks
+    (a branch run as a function takes inputs on its own device only), `fn`
+    is called inline.
 
     Example:
 
@@ -282,6 +285,8 @@ def in_one_body(fn, *args):
     loss, grads = in_one_body(forward_backward, x, y)   # in a tf.function
     ```
     """
+    if isinstance(tf.distribute.get_strategy(), tf.distribute.experimental.ParameterServerStrategy):
+        return fn(*args)
     return cond_v2.indexed_case(tf.constant(0), [lambda: fn(*args)],
                                 lower_using_switch_merge=False)
 
