@@ -501,18 +501,20 @@ def _wait_for(ready, timeout_seconds, what, lost):
     `timeout_seconds`, and RuntimeError as soon as `lost()` (asked every
     `_PEER_CHECK_SECONDS`) names a task that is down or has restarted: its
     part of the save will never come."""
+    def described():
+        return what() if callable(what) else what
+
     deadline = time.monotonic() + timeout_seconds
     check = time.monotonic() + _PEER_CHECK_SECONDS
     while not ready():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"Waited {timeout_seconds:g} s for "
-                               f"{what() if callable(what) else what}: a task stopped or "
-                               f"cannot write to the checkpoint directory.")
+            raise TimeoutError(f"Waited {timeout_seconds:g} s for {described()}: a task "
+                               f"stopped or cannot write to the checkpoint directory.")
         if time.monotonic() > check:
             gone = lost()
             if gone is not None:
-                raise RuntimeError(f"Stopped waiting for {what() if callable(what) else what}: "
-                                   f"task {gone} is down or has restarted since the save "
-                                   f"began; the save is abandoned.")
+                raise RuntimeError(f"Stopped waiting for {described()}: task {gone} is down "
+                                   f"or has restarted since the save began; the save is "
+                                   f"abandoned.")
             check = time.monotonic() + _PEER_CHECK_SECONDS
         time.sleep(_POLL_SECONDS)
