@@ -168,15 +168,21 @@ def test_a_collectives_latency_grows_with_its_members_and_a_send_is_two_members(
     assert communication(flat, **pipelined) > 0
 
 
-def test_latency_is_measured_over_this_processs_devices_and_not_mixed_with_defaults():
-    from tfdist.planning import measured_hardware
+def test_latency_is_measured_over_this_processs_devices_and_not_mixed_with_defaults(monkeypatch):
+    from tfdist import planning
 
+    timed = {}  # members -> seconds per all-reduce, as measured
+    measure = planning._all_reduce_seconds
+    monkeypatch.setattr(planning, "_all_reduce_seconds",
+                        lambda devices: timed.setdefault(devices, measure(devices)))
     model = _mlp(layers=2, width=32)
-    measured = measured_hardware(model, 4, device_bandwidth=1e10, link_bandwidth=1e9)
-    assert measured.collective_latency != Hardware.collective_latency
-    assert measured.member_latency > 0  # 4 members cost more than 2 here
+    measured = planning.measured_hardware(model, 4, device_bandwidth=1e10, link_bandwidth=1e9)
+    # both chains ran on this process's devices; their times, not defaults, are the latencies
+    assert sorted(timed) == [2, 4] and None not in timed.values()
+    assert measured.collective_latency == timed[2] != Hardware.collective_latency
+    assert measured.member_latency == pytest.approx(max(0.0, timed[4] - timed[2]) / 2)
     # more devices than this process has: 2 members measured, no growth guessed
-    beyond = measured_hardware(model, 64, device_bandwidth=1e10, link_bandwidth=1e9)
+    beyond = planning.measured_hardware(model, 64, device_bandwidth=1e10, link_bandwidth=1e9)
     assert beyond.collective_latency != Hardware.collective_latency
     assert beyond.member_latency == 0.0
 
