@@ -55,8 +55,15 @@ def run_tfdist(*args, timeout=120, env=None):
 def output_tail(output, chars=4000):
     """The last `chars` of a subprocess's `output`, for a failure message,
     without the list of extension modules Python prints after a fatal
-    error's stacks (a few thousand characters that would hide them)."""
-    return re.sub(r"\nExtension modules: [^\n]*", "", output)[-chars:]
+    error's stacks (a few thousand characters that would hide them); after a
+    fatal error, first its next 40 lines (the stack of the thread that
+    failed), which the tail may not reach."""
+    output = re.sub(r"\nExtension modules: [^\n]*", "", output)
+    start = output.find("Fatal Python error")
+    if start < 0 or start >= len(output) - chars:
+        return output[-chars:]
+    head = "\n".join(output[output.rfind("\n", 0, start) + 1:].splitlines()[:40])
+    return head + "\n[...]\n" + output[-chars:]
 
 
 def wait_until_answering(address, process, seconds=60.0):

@@ -93,14 +93,14 @@ def test_each_stage_all_reduces_megatrons_count_on_its_own_devices(one_f_one_b):
         # count's. Stage 1 (block 2, head): the block's 4.
         assert counts["CollectiveReduceV2", first] == microbatches * (1 + 4) + 1 + 1
         assert counts["CollectiveReduceV2", second] == microbatches * 4
-        # On stage 0: the tensor group's batch exchange (the slices' sizes,
-        # then x and y together, padded to the longest slice), and the data
-        # group's gather of the token embedding's sparse gradient, which is
-        # gathered, not summed: its values and indices, as they are (the
-        # exchanged batch's rows are known to the trace).
-        assert counts["CollectiveGatherV2", first] == (1 + 1) + 2
+        # On stage 0: the tensor group's batch exchange (x and y together; the
+        # trace counts the slices' rows, so no rank's row count is exchanged),
+        # and the data group's gather of the token embedding's sparse
+        # gradient, which is gathered, not summed: its values and indices, as
+        # they are (the exchanged batch's rows are known to the trace).
+        assert counts["CollectiveGatherV2", first] == 1 + 2
         assert counts["CollectiveGatherV2", second] == 0
-    assert sum(counts.values()) == 4 * (12 + 8 + 4)  # nothing anywhere else
+    assert sum(counts.values()) == 4 * (12 + 8 + 3)  # nothing anywhere else
 
 
 def test_class_split_classifier_in_the_last_stage_matches_one_device(reference):

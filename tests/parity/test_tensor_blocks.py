@@ -186,13 +186,13 @@ def test_blocks_split_by_heads_and_column_row_and_match_one_device(backbone, dat
     counts = executed_op_counts(model)
     per_replica = BLOCKS * (2 + 2) + EMBEDDINGS[backbone] + (data_size > 1) + 1
     assert counts["CollectiveReduceV2"] == n * per_replica
-    # The tensor group exchanges its batch: the slices' sizes, then x's arrays
-    # and y together (all int32: the columns of one matrix). Across data
-    # groups each Embedding's sparse gradient is gathered, not summed: its
-    # values and indices, as they are (the exchanged batch's rows are known
-    # to the trace: every replica's slices are that many).
+    # The tensor group exchanges its batch: x's arrays and y together (all
+    # int32: the columns of one matrix; the trace counts the slices' rows, so
+    # no rank's row count is exchanged). Across data groups each Embedding's
+    # sparse gradient is gathered, not summed: its values and indices, as
+    # they are (the exchanged batch's rows are known to the trace too).
     sparse = (data_size > 1) * 2 * EMBEDDINGS[backbone]
-    assert counts["CollectiveGatherV2"] == n * (1 + 1 + sparse)
+    assert counts["CollectiveGatherV2"] == n * (1 + sparse)
 
 
 def trained_at_tensor_2(make, backbone):

@@ -309,22 +309,32 @@ class TensorMesh(_ReplicaMesh):
 
     def _group_batch(self, data):
         flat = tf.nest.flatten(data)
-        sizes = self._group_sizes(tf.shape(next(t for t in flat if t is not None))[0])
+        first = next(t for t in flat if t is not None)
         rank = self.rank()
+        if first.shape[0] is not None and not any(isinstance(t, tf.RaggedTensor)
+                                                  for t in flat):
+            # The trace counts the slice's rows: the group's replicas read one
+            # input spec, so every rank's slice has as many, and none is
+            # exchanged or padded.
+            rows = first.shape[0]
+            return tf.nest.pack_sequence_as(data, self._gathered(flat)), (rank * rows, rows)
+        sizes = self._group_sizes(tf.shape(first)[0])
         own = (tf.reduce_sum(sizes[:rank]), sizes[rank])
         return tf.nest.pack_sequence_as(data, self._gathered(flat, sizes)), own
 
-    def _gathered(self, tensors, sizes):
+    def _gathered(self, tensors, sizes=None):
         """Every rank's rows of each of `tensors` (None kept), rank i's
-        `sizes[i]` of them, in rank order. Tensors sent in one dtype whose
-        rows have a known shape travel together, as the columns of one
-        matrix (a batch's token ids, mask and labels: one collective, not
-        three); a `tf.RaggedTensor` travels as its row lengths and its
-        values."""
+        `sizes[i]` of them, in rank order (None: as many on every rank, no
+        `tf.RaggedTensor`). Tensors sent in one dtype whose rows have a known
+        shape travel together, as the columns of one matrix (a batch's token
+        ids, mask and labels: one collective, not three); a
+        `tf.RaggedTensor` travels as its row lengths and its values."""
         # Every rank's rows padded to the longest: where the real ones are.
-        longest = tf.reduce_max(sizes)
-        rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
-                          for i in range(self.tensor)], axis=0)
+        longest = rows = None
+        if sizes is not None:
+            longest = tf.reduce_max(sizes)
+            rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
+                              for i in range(self.tensor)], axis=0)
         gathered, together = list(tensors), {}
         for i, t in enumerate(tensors):
             if isinstance(t, tf.RaggedTensor):
@@ -348,17 +358,19 @@ class TensorMesh(_ReplicaMesh):
 
     def _with_group_shape(self, gathered, own):
         """`gathered`, every rank's rows of `own`, with its static shape: when
-        `own`'s rows are counted in the trace, every rank's are that many
-        (checked as the step runs), and the model's trace then knows its
-        batch (no shape computed at run time where its layers reshape)."""
-        if own.shape[0] is None:
-            gathered.set_shape([None, *own.shape[1:]])
-            return gathered
-        return tf.ensure_shape(gathered, [self.tensor * own.shape[0], *own.shape[1:]])
+        `own`'s rows are counted in the trace, every rank's are that many,
+        and the model's trace then knows its batch (no shape computed at run
+        time where its layers reshape)."""
+        rows = None if own.shape[0] is None else self.tensor * own.shape[0]
+        gathered.set_shape([rows, *own.shape[1:]])
+        return gathered
 
     def _gathered_rows(self, t, longest, rows):
         """Every rank's rows of `t`, in rank order: each rank's padded to
-        `longest`, gathered, then only `rows` of the result kept."""
+        `longest`, gathered, then only `rows` of the result kept (all of
+        them as they are when `rows` is None)."""
+        if rows is None:
+            return tf_collectives.all_gather(self._tensor_launcher(), t)
         padding = [[0, longest - tf.shape(t)[0]]] + [[0, 0]] * (t.shape.rank - 1)
         return tf.gather(tf_collectives.all_gather(self._tensor_launcher(), tf.pad(t, padding)),
                          rows)
