@@ -118,6 +118,7 @@ def _data():
     return x, y
 
 
+@pytest.mark.alone  # a worker killed at a set moment; 7 tasks in all (29 s alone, 65-78 in a round)
 def test_a_worker_killed_during_a_save_leaves_the_last_checkpoint_and_the_job_resumes(tmp_path):
     first = run_tfdist("launch", "--workers=4", "--zero=3", "--timeout=150", "--",
                        sys.executable, "-c", JOB, str(tmp_path), "first", timeout=200)
