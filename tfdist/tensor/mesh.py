@@ -329,9 +329,8 @@ class TensorMesh(_ReplicaMesh):
         shape travel together, as the columns of one matrix (a batch's token
         ids, mask and labels: one collective, not three); a
         `tf.RaggedTensor` travels as its row lengths and its values."""
-        # Every rank's rows padded to the longest: where the real ones are.
         longest = rows = None
-        if sizes is not None:
+        if sizes is not None:  # every rank's rows padded to the longest: where the real ones are
             longest = tf.reduce_max(sizes)
             rows = tf.concat([tf.range(i * longest, i * longest + sizes[i])
                               for i in range(self.tensor)], axis=0)
