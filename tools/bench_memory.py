@@ -30,14 +30,18 @@ then a table of each mode's worst worker against `single` and the prediction.
 
     python tools/bench_memory.py --plan=1.5GiB --release_memory
         [--workers=2 --devices_per_worker=2] [--model=gpt2 --width=768 ...]
+        [--plan_fields=microbatches=1]
 
 `tfdist.plan`'s memory, run: the plans of the model for `--workers` hosts
 of `--devices_per_worker` devices and `--plan` bytes per device; every plan
 it says fits (and the `--over` smallest that do not) trained as a launched
 job with that `ParallelConfig`, each worker's peak above its baseline (and
 TensorFlow's count of its tensors at their peak, where its allocator keeps
-one) against the plan's predicted peak, per device. One JSON line per plan,
-then a table.
+one) against the plan's predicted peak, per device. With `--workers=1`, one
+process of `--devices_per_worker` logical devices under
+`tfdist.Strategy(config)` instead, every layout on them (its peak against the
+devices' predictions summed: one allocator). One JSON line per plan, then a
+table.
 
     python tools/bench_memory.py --cap=0.8 --modes=zero3,tensor4
 
@@ -91,13 +95,18 @@ flags.DEFINE_bool("checkpoint", False, "Also measure checkpoints: each trained t
                   "peaks of each save and of each build with its read, against the training "
                   "peak.")
 flags.DEFINE_string("plan", None, "Instead of --modes: plan the model for --workers hosts "
-                    "of this memory per device (such as 1.5GiB) and run every plan that fits.")
+                    "of this memory per device (such as 1.5GiB) and run every plan that fits "
+                    "(--workers=1: in one process of --devices_per_worker devices).")
 flags.DEFINE_integer("devices_per_worker", 1, "With --plan: each worker's logical CPU "
                      "devices (`tfdist.use_virtual_devices`); tensor groups and pipeline "
                      "stages stay within a worker, so plans with them need 2 or more.")
+flags.DEFINE_list("plan_fields", [], "With --plan: KEY=VALUE fields every plan holds "
+                  "(`tfdist.plan`'s keywords), such as microbatches=1.")
 flags.DEFINE_integer("over", 2, "With --plan, also run this many of the plans that do not "
                      "fit (the smallest predicted peaks).")
 flags.DEFINE_string("mode", None, "Internal: the mode this task runs.")
+flags.DEFINE_string("config", None, "Internal: the `ParallelConfig` (JSON file) of a "
+                    "plan's task in one process.")
 flags.DEFINE_string("checkpoint_dir", None, "Internal: the sharded checkpoint's directory.")
 flags.DEFINE_enum("restore", None, ["sharded", "h5"], "Internal: build the model and read "
                   "the sharded checkpoint or this task's weights file instead of training.")
@@ -129,6 +138,8 @@ MODES = {"zero0": [], "zero1": ["--zero=1"], "zero2": ["--zero=2"], "zero3": ["-
          "chief_pipeline4": ["--chief", "--pipeline=4", "--microbatches=4"]}
 # Modes of `tfdist.ChiefStrategy`: the chief trains, the workers only serve.
 CHIEF_MODES = ("chief_pipeline4",)
+# A plan in one process of several devices (`--plan --workers=1`).
+ONE_HOST = "one_host"
 # The one process again, with the allocator settings of `--release_memory`.
 RELEASED_SINGLE = "single, memory released"
 
@@ -170,6 +181,9 @@ def run_task():
         if _task_name().startswith("worker"):  # serves in the strategy: measured aside
             threading.Thread(target=report_while_serving, daemon=True).start()
         strategy = tfdist.ChiefStrategy(config=tfdist.ParallelConfig.from_env())
+    elif FLAGS.mode == ONE_HOST:
+        config = tfdist.ParallelConfig.from_json(pathlib.Path(FLAGS.config).read_text())
+        strategy = tfdist.Strategy(config)
     elif FLAGS.mode != "single":
         strategy = tfdist.MultiWorkerStrategy(config=tfdist.ParallelConfig.from_env())
     x, y = training_data()
@@ -368,12 +382,12 @@ def run_mode(mode, task_flags=(), must_succeed=True, released_single=False,
                   f"--epochs={FLAGS.epochs}", f"--examples={FLAGS.examples}",
                   f"--devices_per_worker={FLAGS.devices_per_worker}", *task_flags]
         env = {**os.environ, **task_env()}
-        if mode != "single":
+        if mode not in ("single", ONE_HOST):
             released = ["--release_memory"] if FLAGS.release_memory else []
             script = [sys.executable, "-m", "tfdist.cli", "launch", f"--workers={FLAGS.workers}",
                       *(MODES[mode] if launch_flags is None else launch_flags),
                       *released, "--timeout=3600", "--", *script]
-        elif released_single:
+        elif released_single or (mode == ONE_HOST and FLAGS.release_memory):
             env.update(release_memory_env(env))
         done = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, env=env)
         if done.returncode and must_succeed:
@@ -382,7 +396,7 @@ def run_mode(mode, task_flags=(), must_succeed=True, released_single=False,
         if done.returncode:
             return []
         records = [json.loads(p.read_text()) for p in sorted(pathlib.Path(report).glob("*.json"))]
-        tasks = 1 if mode == "single" else FLAGS.workers + (mode in CHIEF_MODES)
+        tasks = 1 if mode in ("single", ONE_HOST) else FLAGS.workers + (mode in CHIEF_MODES)
         if len(records) != tasks:
             sys.exit(f"{mode}: {tasks} tasks ran but {len(records)} reported "
                      f"({[r['task'] for r in records]}):\n{done.stdout[-3000:]}"
@@ -530,12 +544,14 @@ def run_plans():
     from tfdist.planning import describe_config
 
     per_worker = FLAGS.devices_per_worker
+    fields = {key: json.loads(value) for key, value in
+              (item.split("=", 1) for item in FLAGS.plan_fields)}
     plans = tfdist.plan(build_model, devices=FLAGS.workers * per_worker,
                         memory_per_device=FLAGS.plan, batch_size=BATCH,
                         sequence_length=sequence_length(), hosts=FLAGS.workers,
-                        device_flops=1e12)
+                        device_flops=1e12, **fields)
     limit = plans.memory_per_device
-    if per_worker > 1:  # on CPU a worker is one replica, whose stages are its devices
+    if per_worker > 1 and FLAGS.workers > 1:  # a CPU worker is one replica, its stages its devices
         runnable = [p for p in plans if p.config.pipeline == per_worker]
         print(f"Not run: {len(plans) - len(runnable)} plans with pipeline != {per_worker} "
               "(they place several replicas on a worker, where a CPU worker has one).")
@@ -552,7 +568,8 @@ def run_plans():
         for plan in chosen:
             path = pathlib.Path(directory, "plan.json")
             path.write_text(plan.config.to_json())
-            records = run_mode("plan", launch_flags=[f"--config={path}"])
+            records = (run_mode(ONE_HOST, [f"--config={path}"]) if FLAGS.workers == 1
+                       else run_mode("plan", launch_flags=[f"--config={path}"]))
             worst = max(r["peak_above_baseline_bytes"] for r in records)
             tensors = [r["tensor_peak_bytes"] for r in records]
             tensors = None if None in tensors else max(tensors)

@@ -5,7 +5,17 @@ import pytest
 
 import tfdist
 from tfdist.engine.modes import planned_peak
-from tfdist.sharding.peak import ALL_REDUCE_COPIES, predict_peak
+from tfdist.sharding.peak import (
+    ALL_REDUCE_COPIES,
+    MICROBATCH_PROGRAM_SHARE,
+    PROGRAM_BYTES_PER_WEIGHT,
+    SHARDED_UPDATE_BYTES_PER_WEIGHT,
+    STAGE_CALL_BYTES_PER_WEIGHT,
+    TRACE_BYTES_PER_WEIGHT,
+    predict_peak,
+    program_bytes,
+    readable,
+)
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 # Dense(64 -> 32) and Dense(32 -> 8): float32 kernels and biases.
@@ -47,14 +57,46 @@ def test_without_a_data_all_reduce_the_gradients_are_held_once_but_for_microbatc
     assert estimate.gradients == copies * estimate.parameters
 
 
-def test_the_strategys_prediction_adds_the_update_and_no_transport_in_one_process():
+def test_the_strategys_prediction_adds_the_update_the_program_and_no_transport_in_one_process():
     strategy = tfdist.Strategy(devices=DEVICES)
     model = _model(strategy)
     estimate = strategy.predicted_peak(model, batch_size=16)
     # Adam's update of the largest weight: its two new moments
     assert estimate.update == 2 * KERNEL
     assert estimate.transport == 0
-    assert estimate.total == predict_peak(strategy.config, model, 16).total + 2 * KERNEL
+    # the program of a step computing the 4 weights (2 kernels, 2 biases),
+    # its trace shared by the 4 devices of the process
+    assert estimate.program == program_bytes([FIRST - 128, 128, SECOND - 32, 32], sharing=4)
+    assert estimate.total == (predict_peak(strategy.config, model, 16).total + 2 * KERNEL
+                              + estimate.program)
+
+
+def test_the_program_counts_the_weights_a_device_computes_and_who_shares_their_trace():
+    one_process = tfdist.Strategy(devices=DEVICES)
+    model = _model(one_process)
+    shared = planned_peak(one_process.config, model, batch_size=16).program
+    # 4 processes of one device each: nobody shares a device's trace
+    alone = planned_peak(one_process.config, model, batch_size=16, processes=4).program
+    assert alone == 4 * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT)
+    assert shared == 4 * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // 4) < alone
+    # microbatches: a share of the weights' bytes for each past the first
+    microbatches = tfdist.Strategy(devices=DEVICES, microbatches=4)
+    estimate = microbatches.predicted_peak(_model(microbatches), batch_size=16)
+    assert estimate.program == shared + int(3 * MICROBATCH_PROGRAM_SHARE * (FIRST + SECOND))
+    # zero=1 and 2's sharded update
+    for zero in (1, 2, 3):
+        sharded = tfdist.Strategy(devices=DEVICES, zero=zero)
+        extra = SHARDED_UPDATE_BYTES_PER_WEIGHT if zero < 3 else 0
+        assert (sharded.predicted_peak(_model(sharded), batch_size=16).program
+                == shared + 4 * extra)
+    # a pipeline stage: its own 2 weights, its trace shared by its 2 data
+    # replicas, a call of its layers per microbatch
+    stages = tfdist.Strategy(devices=DEVICES, pipeline=2, microbatches=2)
+    estimate = stages.predicted_peak(_model(stages), batch_size=16)
+    per_weight = (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // 2
+                  + STAGE_CALL_BYTES_PER_WEIGHT)
+    assert estimate.program == 2 * per_weight + int(MICROBATCH_PROGRAM_SHARE * FIRST)
+    assert f"program {readable(estimate.program)}" in str(estimate)
 
 
 @pytest.mark.parametrize("zero, bucket_bytes, collective, copies", [

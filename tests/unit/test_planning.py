@@ -1,5 +1,7 @@
 """`tfdist.plan`: configurations enumerated, predicted and ranked; no training."""
 
+import functools
+
 import keras
 import pytest
 
@@ -22,6 +24,10 @@ def _mlp(layers=6, width=256):
     return model
 
 
+# Wide enough that the weights, not the step's program, decide what fits.
+_wide_mlp = functools.partial(_mlp, width=1024)
+
+
 def _data_parallel_peak(model, devices=4, batch_size=32):
     plans = tfdist.plan(model, devices=devices, memory_per_device="1TiB",
                         batch_size=batch_size, **HARDWARE)
@@ -29,7 +35,7 @@ def _data_parallel_peak(model, devices=4, batch_size=32):
 
 
 def test_plans_that_fit_are_ranked_by_time_and_the_others_say_why():
-    model = _mlp()
+    model = _wide_mlp()
     limit = int(0.6 * _data_parallel_peak(model))
     plans = tfdist.plan(model, devices=4, memory_per_device=limit, batch_size=32, **HARDWARE)
     fitting = [p for p in plans if p.fits]
@@ -216,7 +222,7 @@ def test_a_model_tensor_groups_cannot_split_gets_no_tensor_plan():
 
 
 def test_a_strategy_takes_the_best_plan_and_logs_why(caplog):
-    model = _mlp()
+    model = _wide_mlp()
     limit = int(0.6 * _data_parallel_peak(model))
     plans = tfdist.plan(model, devices=4, memory_per_device=limit, batch_size=32, **HARDWARE)
     with caplog.at_level("INFO", logger="absl"):
@@ -243,8 +249,8 @@ def test_a_strategy_refuses_a_plan_it_cannot_follow(kwargs, error, message):
 
 
 def test_a_strategy_plans_for_its_own_devices_with_plan_auto_and_trains(caplog):
-    limit = int(0.6 * _data_parallel_peak(_mlp()))
-    arguments = dict(model=_mlp, memory_per_device=limit, batch_size=32, **HARDWARE)
+    limit = int(0.7 * _data_parallel_peak(_wide_mlp()))
+    arguments = dict(model=_wide_mlp, memory_per_device=limit, batch_size=32, **HARDWARE)
     with caplog.at_level("INFO", logger="absl"):
         strategy = tfdist.Strategy(plan="auto", devices=DEVICES, **arguments)
     plans = tfdist.plan(devices=4, **arguments)
@@ -257,7 +263,7 @@ def test_a_strategy_plans_for_its_own_devices_with_plan_auto_and_trains(caplog):
     assert tfdist.Strategy(plan="auto", devices=DEVICES, measure=0,
                            **arguments).config == strategy.config
     with strategy.scope():
-        model = _mlp()
+        model = _wide_mlp()
     x = keras.random.normal((64, 64), seed=1)
     history = model.fit(x, keras.ops.arange(64) % 10, batch_size=32, epochs=2, verbose=0)
     assert all(loss == loss for loss in history.history["loss"])  # trained, no NaN

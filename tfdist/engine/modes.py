@@ -91,7 +91,14 @@ from tfdist.pipeline.graph import graph_of
 from tfdist.sharding.collectives import ALONE_BYTES
 from tfdist.sharding.creation import whole_where_not_kept
 from tfdist.sharding.layout import AxisLayout
-from tfdist.sharding.peak import has_slots, held_sizes, predict_peak, transport_bytes, update_bytes
+from tfdist.sharding.peak import (
+    has_slots,
+    held_sizes,
+    predict_peak,
+    program_bytes,
+    transport_bytes,
+    update_bytes,
+)
 from tfdist.sharding.replica_state import StateBytes, state_of
 from tfdist.sharding.wire import CastWire, Wire
 from tfdist.tensor import plan as tensor_plan
@@ -928,7 +935,8 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
     with its replicas in `processes` processes: `tfdist.sharding.peak.predict_peak`
     of its layout, plus what the active modes keep on each replica (a
     compression's residuals, `OneBitAdam`'s) and gather at once, the
-    optimizer update's temporaries and the transport's copies.
+    optimizer update's temporaries, the transport's copies and the step's
+    program.
 
     Example:
 
@@ -940,6 +948,11 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
     peak = predict_peak(config, model, batch_size, sequence_length, layout.split,
                         layout.stages)
     sizes = held_sizes(model, layout.stages, layout.split)
+    devices = config.data * config.pipeline * config.tensor // processes
+    peak.program = program_bytes(
+        sizes, sharing=max(1, devices // config.pipeline), microbatches=config.microbatches,
+        stage_calls=config.microbatches if config.pipeline > 1 else 1,
+        sharded_update=config.zero in (1, 2))
     if sizes:
         piece = -(-max(sizes) // config.data) if config.zero else max(sizes)
         peak.update = update_bytes(piece, has_slots(model))

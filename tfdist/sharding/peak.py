@@ -36,11 +36,21 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   by its sender and its receiver); a gather or reduce-scatter receives a
   shard from each of the N - 1 others, held once more.
   `tfdist.engine.modes.planned_peak` adds both, each mode saying what its
-  largest piece and collective are.
+  largest piece and collective are;
+- program: TensorFlow's own memory for the step's program beside its
+  tensors (the traced graph, its functions and kernels, and what the
+  allocators keep around them), which grows with the step's ops, about
+  50-100 per trainable weight (forward, backward, update): per weight the
+  device computes, `PROGRAM_BYTES_PER_WEIGHT`, `TRACE_BYTES_PER_WEIGHT`
+  shared by the devices of a process that run the same weights, and more
+  for a pipeline stage's microbatches and zero=1 and 2's update; with
+  microbatches, `MICROBATCH_PROGRAM_SHARE` of the weights' bytes for each
+  past the first (`program_bytes`); `tfdist.engine.modes.planned_peak` adds
+  it.
 
-The rest of TensorFlow's own memory (its runtime, the allocator's free lists)
-is outside the prediction: `tools/bench_memory.py` sets the prediction against
-each worker's measured peak.
+What the process held before the model was built (TensorFlow and Keras
+themselves) is outside the prediction: `tools/bench_memory.py` sets the
+prediction against each worker's peak above that baseline.
 """
 
 import dataclasses
@@ -60,8 +70,27 @@ from tfdist.sharding.slots import optimizer_slots
 # its messages being S / 4; an all-gather of N shards adds 0-1.1 shards over
 # 2 workers, 1.2-3.4 over 4).
 ALL_REDUCE_COPIES = 4
+# A step's program beside its tensors, per trainable weight it computes: on
+# each device that runs it (its graph's copy there, kernels), and once per
+# process for the replicas that share its trace (docs/benchmarks.md: a
+# process of one device training keras-hub GPT-2 of 2 and of 8 blocks,
+# widths 256 and 768, holds 2.3-2.8 MiB more per weight beside its tensors
+# at its peak under `--release_memory`'s allocator settings; one of 4
+# devices, 1.3-1.7 MiB per weight and device).
+PROGRAM_BYTES_PER_WEIGHT = 5 << 18  # 1.25 MiB, each device
+TRACE_BYTES_PER_WEIGHT = 5 << 18  # 1.25 MiB, shared by a process's replicas
+# More per weight: a pipeline stage's call of its layers for each microbatch
+# past the first (4 stages of a 4-block GPT-2 in one process), and zero=1
+# and 2's sharded update (0.45-0.66 MiB on 4 devices of that GPT-2).
+STAGE_CALL_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB
+SHARDED_UPDATE_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB
+# Each microbatch past the first adds about this fraction of the bytes of
+# the weights a device computes, outside TensorFlow's count of its tensors
+# (4 workers of an 8 x Dense(4096) MLP: 0.01-0.05; of the 8-block GPT-2 of
+# width 768: 0.13-0.26).
+MICROBATCH_PROGRAM_SHARE = 0.15
 # Parts a prediction prints only when they are not 0.
-_OPTIONAL_PARTS = ("replica_state", "update", "transport")
+_OPTIONAL_PARTS = ("replica_state", "update", "transport", "program")
 
 
 @dataclasses.dataclass
@@ -85,6 +114,7 @@ class PeakEstimate:
     replica_state: int = 0
     update: int = 0
     transport: int = 0
+    program: int = 0
 
     @property
     def total(self) -> int:
@@ -175,6 +205,29 @@ def transport_bytes(whole: int, data: int, processes: int, all_reduce: bool) -> 
     if processes < 2 or data < 2:
         return 0
     return (ALL_REDUCE_COPIES if all_reduce else data - 1) * -(-whole // data)
+
+
+def program_bytes(sizes: list[int], sharing: int = 1, microbatches: int = 1,
+                  stage_calls: int = 1, sharded_update: bool = False) -> int:
+    """TensorFlow's memory for the program of a step that computes weights
+    of `sizes` bytes on a device, beside its tensors: per weight, the
+    device's own part, its share of the trace `sharing` devices of its
+    process run (their replicas of the same weights), a call of its layers
+    for each of `stage_calls` past the first (a pipeline stage's
+    microbatches), a `sharded_update` (zero=1 and 2's); and
+    `MICROBATCH_PROGRAM_SHARE` of the weights' bytes per microbatch past the
+    first.
+
+    Example:
+
+    >>> program_bytes([4096] * 100) / 2**20, program_bytes([4096] * 100, sharing=4) / 2**20
+    (250.0, 156.25)
+    """
+    per_weight = (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // sharing
+                  + (stage_calls - 1) * STAGE_CALL_BYTES_PER_WEIGHT
+                  + sharded_update * SHARDED_UPDATE_BYTES_PER_WEIGHT)
+    return (len(sizes) * per_weight
+            + int((microbatches - 1) * MICROBATCH_PROGRAM_SHARE * sum(sizes)))
 
 
 def held_sizes(model, stages=None, split=None) -> list[int]:
