@@ -8,12 +8,12 @@ are trained a few steps here and ranked by their measured time. The best
 plan's `ParallelConfig` is printed last as JSON, for `tfdist launch --config`
 or `tfdist tfjob --config`.
 
-    python keras_examples/plan_gpt2.py --devices=4 --memory_per_device=200MiB --measure=2
+    python keras_examples/plan_gpt2.py --devices=4 --memory_per_device=128MiB --measure=2
 
 The same from the command line (`build` is this file's model function):
 
     tfdist plan --model keras_examples.plan_gpt2:build --devices 4 \
-        --memory-per-device 200MiB --batch-size 16 --sequence-length 64
+        --memory-per-device 128MiB --batch-size 16 --sequence-length 64
 """
 
 from absl import flags
@@ -55,7 +55,7 @@ def define_flags():
     `tfdist plan --model keras_examples.plan_gpt2:build` can import `build`
     next to the command's own flags of the same names."""
     flags.DEFINE_integer("devices", 4, "Devices to plan for (logical CPU devices here).")
-    flags.DEFINE_string("memory_per_device", "200MiB", "Memory of each device.")
+    flags.DEFINE_string("memory_per_device", "128MiB", "Memory of each device.")
     flags.DEFINE_integer("batch_size", 16, "Global batch.")
     flags.DEFINE_integer("sequence_length", 64, "Tokens per example.")
     flags.DEFINE_integer("measure", 0, "Train the first K plans that fit and rank them by "

@@ -102,7 +102,7 @@ def test_plan_prints_a_config_that_launch_and_tfjob_take(tmp_path):
     (tmp_path / "planned.py").write_text(PLANNED_MODEL)
     plan = ["plan", "--model", "planned:build", "--devices", "4", "--batch-size", "32",
             "--device-flops", "1e10"]
-    done = subprocess.run([*TFDIST, *plan, "--memory-per-device", "1MiB", "--zero", "3",
+    done = subprocess.run([*TFDIST, *plan, "--memory-per-device", "64MiB", "--zero", "3",
                            "--json"], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -111,14 +111,14 @@ def test_plan_prints_a_config_that_launch_and_tfjob_take(tmp_path):
     (tmp_path / "plan.json").write_text(done.stdout)
     checked = tfdist_cli("config", "--config", str(tmp_path / "plan.json"))
     assert checked.returncode == 0 and tfdist.ParallelConfig.from_json(checked.stdout) == config
-    table = subprocess.run([*TFDIST, *plan, "--memory-per-device", "1MiB"],
+    table = subprocess.run([*TFDIST, *plan, "--memory-per-device", "64MiB"],
                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert table.returncode == 0 and "fit in 1.00 MiB per device" in table.stdout
+    assert table.returncode == 0 and "fit in 64.00 MiB per device" in table.stdout
     none_fit = subprocess.run([*TFDIST, *plan, "--memory-per-device", "1KiB", "--json"],
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert none_fit.returncode == 2 and "Traceback" not in none_fit.stderr
     assert "tfdist plan: No configuration fits in memory_per_device=1.00 KiB" in none_fit.stderr
-    missing = subprocess.run([*TFDIST, *plan, "--memory-per-device", "1MiB", "--model",
+    missing = subprocess.run([*TFDIST, *plan, "--memory-per-device", "64MiB", "--model",
                               "planned:nothing"], capture_output=True, text=True, timeout=120,
                              cwd=tmp_path)
     assert missing.returncode == 2
