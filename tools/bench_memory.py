@@ -29,7 +29,7 @@ prediction of the peak (`Strategy.predicted_peak`). One JSON line per process,
 then a table of each mode's worst worker against `single` and the prediction.
 
     python tools/bench_memory.py --plan=1.5GiB --release_memory
-        [--workers=2 --devices_per_worker=2] [--model=gpt2 --width=768 ...]
+        [--workers=2 --devices_per_worker=2] [--model=gpt2|llama|bert --width=768 ...]
         [--plan_fields=microbatches=1]
 
 `tfdist.plan`'s memory, run: the plans of the model for `--workers` hosts
@@ -71,13 +71,17 @@ from absl import app, flags
 from results import emit
 from tfdist.cluster.release_memory import release_memory_env
 
-flags.DEFINE_enum("model", "mlp", ["mlp", "gpt2"], "What every mode trains: the MLP, or "
-                  "keras-hub's GPT2Backbone (`--layers` blocks of width `--width`, "
-                  "`--vocabulary` tokens, `--sequence_length`) with a Dense token classifier.")
-flags.DEFINE_integer("width", 4096, "Units of each square Dense layer (gpt2: hidden width).")
-flags.DEFINE_integer("layers", 8, "Dense layers (gpt2: transformer blocks).")
-flags.DEFINE_integer("vocabulary", 16384, "gpt2: tokens of the vocabulary.")
-flags.DEFINE_integer("sequence_length", 32, "gpt2: tokens per example.")
+# keras-hub backbones of the language models --model takes: their names here.
+LANGUAGE_MODELS = {"gpt2": "GPT-2", "llama": "Llama", "bert": "BERT"}
+flags.DEFINE_enum("model", "mlp", ["mlp", *LANGUAGE_MODELS], "What every mode trains: the "
+                  "MLP, or keras-hub's GPT2Backbone, LlamaBackbone or BertBackbone (`--layers` "
+                  "blocks of width `--width`, `--vocabulary` tokens, `--sequence_length`) with a "
+                  "Dense token classifier.")
+flags.DEFINE_integer("width", 4096, "Units of each square Dense layer (a language model: "
+                     "hidden width).")
+flags.DEFINE_integer("layers", 8, "Dense layers (a language model: transformer blocks).")
+flags.DEFINE_integer("vocabulary", 16384, "A language model's tokens of the vocabulary.")
+flags.DEFINE_integer("sequence_length", 32, "A language model's tokens per example.")
 flags.DEFINE_integer("workers", 4, "Worker tasks of the launched modes.")
 flags.DEFINE_integer("epochs", 2, "Epochs of fit.")
 flags.DEFINE_integer("examples", 64, "Training examples (batch 16).")
@@ -187,7 +191,7 @@ def run_task():
     elif FLAGS.mode != "single":
         strategy = tfdist.MultiWorkerStrategy(config=tfdist.ParallelConfig.from_env())
     x, y = training_data()
-    if FLAGS.model == "gpt2":
+    if FLAGS.model in LANGUAGE_MODELS:
         import keras_hub  # noqa: F401  (its modules, 0.04 GiB, are not the model's memory)
     baseline = status_bytes("VmRSS")
     reset_peak()
@@ -242,15 +246,22 @@ def build_model():
     import tfdist
 
     keras.utils.set_random_seed(0)
-    if FLAGS.model == "gpt2":
+    if FLAGS.model in LANGUAGE_MODELS:
         import keras_hub
 
-        body = keras_hub.models.GPT2Backbone(
-            vocabulary_size=FLAGS.vocabulary, num_layers=FLAGS.layers,
-            num_heads=FLAGS.width // 64, hidden_dim=FLAGS.width,
-            intermediate_dim=4 * FLAGS.width, max_sequence_length=FLAGS.sequence_length,
-            dropout=0.0)
-        model = keras.Model(body.input, keras.layers.Dense(FLAGS.vocabulary)(body.output))
+        shape = dict(vocabulary_size=FLAGS.vocabulary, num_layers=FLAGS.layers,
+                     hidden_dim=FLAGS.width, intermediate_dim=4 * FLAGS.width)
+        heads = FLAGS.width // 64
+        if FLAGS.model == "llama":
+            body = keras_hub.models.LlamaBackbone(num_query_heads=heads,
+                                                  num_key_value_heads=heads, **shape)
+        else:
+            backbone = {"gpt2": keras_hub.models.GPT2Backbone,
+                        "bert": keras_hub.models.BertBackbone}[FLAGS.model]
+            body = backbone(num_heads=heads, max_sequence_length=FLAGS.sequence_length,
+                            dropout=0.0, **shape)
+        tokens = body.output["sequence_output"] if FLAGS.model == "bert" else body.output
+        model = keras.Model(body.input, keras.layers.Dense(FLAGS.vocabulary)(tokens))
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     else:
         model = keras.Sequential([keras.Input((FLAGS.width,))] + [
@@ -265,25 +276,28 @@ def build_model():
 def training_data():
     """(x, y) of `--examples` rows for `build_model`'s model (seeded)."""
     rng = np.random.default_rng(0)
-    if FLAGS.model == "gpt2":
+    if FLAGS.model in LANGUAGE_MODELS:
         shape = (FLAGS.examples, FLAGS.sequence_length)
         tokens = rng.integers(0, FLAGS.vocabulary, size=shape).astype("int32")
-        return ({"token_ids": tokens, "padding_mask": np.ones(shape, "int32")},
-                rng.integers(0, FLAGS.vocabulary, size=shape).astype("int32"))
+        x = {"token_ids": tokens, "padding_mask": np.ones(shape, "int32")}
+        if FLAGS.model == "bert":
+            x["segment_ids"] = np.zeros(shape, "int32")
+        return x, rng.integers(0, FLAGS.vocabulary, size=shape).astype("int32")
     return tuple(rng.normal(size=(FLAGS.examples, FLAGS.width)).astype("float32")
                  for _ in range(2))
 
 
 def sequence_length():
     """Tokens per example, or None for the MLP."""
-    return FLAGS.sequence_length if FLAGS.model == "gpt2" else None
+    return FLAGS.sequence_length if FLAGS.model in LANGUAGE_MODELS else None
 
 
 def model_name():
     """What `build_model` builds, for the tables."""
-    if FLAGS.model == "gpt2":
-        return (f"GPT-2 ({FLAGS.layers} blocks of width {FLAGS.width}, vocabulary "
-                f"{FLAGS.vocabulary}, sequence {FLAGS.sequence_length})")
+    if FLAGS.model in LANGUAGE_MODELS:
+        return (f"{LANGUAGE_MODELS[FLAGS.model]} ({FLAGS.layers} blocks of width "
+                f"{FLAGS.width}, vocabulary {FLAGS.vocabulary}, sequence "
+                f"{FLAGS.sequence_length})")
     return f"{FLAGS.layers} x Dense({FLAGS.width})"
 
 
