@@ -29,7 +29,7 @@ prediction of the peak (`Strategy.predicted_peak`). One JSON line per process,
 then a table of each mode's worst worker against `single` and the prediction.
 
     python tools/bench_memory.py --plan=1.5GiB --release_memory
-        [--workers=2 --devices_per_worker=2] [--model=gpt2|llama|bert --width=768 ...]
+        [--workers=2 --devices_per_worker=2] [--model=convnet|gpt2|llama|bert --width=768 ...]
         [--plan_fields=microbatches=1]
 
 `tfdist.plan`'s memory, run: the plans of the model for `--workers` hosts
@@ -73,15 +73,20 @@ from tfdist.cluster.release_memory import release_memory_env
 
 # keras-hub backbones of the language models --model takes: their names here.
 LANGUAGE_MODELS = {"gpt2": "GPT-2", "llama": "Llama", "bert": "BERT"}
-flags.DEFINE_enum("model", "mlp", ["mlp", *LANGUAGE_MODELS], "What every mode trains: the "
-                  "MLP, or keras-hub's GPT2Backbone, LlamaBackbone or BertBackbone (`--layers` "
-                  "blocks of width `--width`, `--vocabulary` tokens, `--sequence_length`) with a "
-                  "Dense token classifier.")
+flags.DEFINE_enum("model", "mlp", ["mlp", "convnet", *LANGUAGE_MODELS],
+                  "What every mode trains: the MLP; keras-io's convnet of 'Image "
+                  "classification from scratch' (`--layers` residual blocks of separable "
+                  "convolutions and batch normalisation, the first of `--width` filters, each "
+                  "next twice the last's, on `--image_size` square RGB images, 10 classes); or "
+                  "keras-hub's GPT2Backbone, LlamaBackbone or BertBackbone (`--layers` blocks of "
+                  "width `--width`, `--vocabulary` tokens, `--sequence_length`) with a Dense "
+                  "token classifier.")
 flags.DEFINE_integer("width", 4096, "Units of each square Dense layer (a language model: "
                      "hidden width).")
 flags.DEFINE_integer("layers", 8, "Dense layers (a language model: transformer blocks).")
 flags.DEFINE_integer("vocabulary", 16384, "A language model's tokens of the vocabulary.")
 flags.DEFINE_integer("sequence_length", 32, "A language model's tokens per example.")
+flags.DEFINE_integer("image_size", 64, "The convnet's image height and width, in pixels.")
 flags.DEFINE_integer("workers", 4, "Worker tasks of the launched modes.")
 flags.DEFINE_integer("epochs", 2, "Epochs of fit.")
 flags.DEFINE_integer("examples", 64, "Training examples (batch 16).")
@@ -263,6 +268,9 @@ def build_model():
         tokens = body.output["sequence_output"] if FLAGS.model == "bert" else body.output
         model = keras.Model(body.input, keras.layers.Dense(FLAGS.vocabulary)(tokens))
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    elif FLAGS.model == "convnet":
+        model = convnet(keras)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     else:
         model = keras.Sequential([keras.Input((FLAGS.width,))] + [
             keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.layers)])
@@ -271,6 +279,27 @@ def build_model():
     model.compile(optimizer=tfdist.optim.OneBitAdam(1e-3, warmup_steps=2)
                   if FLAGS.mode == "one_bit_adam" else "adam", loss=loss)
     return model
+
+
+def convnet(keras):
+    """keras-io's "Image classification from scratch" network, its blocks'
+    filters from `--width` (keras-io's: 3 blocks from 256)."""
+    layers = keras.layers
+    inputs = keras.Input((FLAGS.image_size, FLAGS.image_size, 3))
+    x = layers.Conv2D(FLAGS.width // 2, 3, strides=2, padding="same")(inputs)
+    x = layers.Activation("relu")(layers.BatchNormalization()(x))
+    previous = x
+    for block in range(FLAGS.layers):
+        size = FLAGS.width << block
+        for _ in range(2):
+            x = layers.Activation("relu")(x)
+            x = layers.BatchNormalization()(layers.SeparableConv2D(size, 3, padding="same")(x))
+        x = layers.MaxPooling2D(3, strides=2, padding="same")(x)
+        x = previous = layers.add([x, layers.Conv2D(size, 1, strides=2, padding="same")(previous)])
+    x = layers.Activation("relu")(layers.BatchNormalization()(
+        layers.SeparableConv2D(2 * size, 3, padding="same")(x)))
+    x = layers.Dropout(0.25)(layers.GlobalAveragePooling2D()(x))
+    return keras.Model(inputs, layers.Dense(10)(x))
 
 
 def training_data():
@@ -283,12 +312,16 @@ def training_data():
         if FLAGS.model == "bert":
             x["segment_ids"] = np.zeros(shape, "int32")
         return x, rng.integers(0, FLAGS.vocabulary, size=shape).astype("int32")
+    if FLAGS.model == "convnet":
+        shape = (FLAGS.examples, FLAGS.image_size, FLAGS.image_size, 3)
+        return (rng.uniform(size=shape).astype("float32"),
+                rng.integers(0, 10, size=FLAGS.examples).astype("int32"))
     return tuple(rng.normal(size=(FLAGS.examples, FLAGS.width)).astype("float32")
                  for _ in range(2))
 
 
 def sequence_length():
-    """Tokens per example, or None for the MLP."""
+    """Tokens per example, or None for the MLP and the convnet."""
     return FLAGS.sequence_length if FLAGS.model in LANGUAGE_MODELS else None
 
 
@@ -298,6 +331,9 @@ def model_name():
         return (f"{LANGUAGE_MODELS[FLAGS.model]} ({FLAGS.layers} blocks of width "
                 f"{FLAGS.width}, vocabulary {FLAGS.vocabulary}, sequence "
                 f"{FLAGS.sequence_length})")
+    if FLAGS.model == "convnet":
+        return (f"keras-io convnet ({FLAGS.layers} blocks from {FLAGS.width} filters, "
+                f"{FLAGS.image_size} x {FLAGS.image_size} images)")
     return f"{FLAGS.layers} x Dense({FLAGS.width})"
 
 
@@ -392,7 +428,7 @@ def run_mode(mode, task_flags=(), must_succeed=True, released_single=False,
         script = [sys.executable, __file__, f"--mode={mode}", f"--report={report}",
                   f"--model={FLAGS.model}", f"--width={FLAGS.width}",
                   f"--layers={FLAGS.layers}", f"--vocabulary={FLAGS.vocabulary}",
-                  f"--sequence_length={FLAGS.sequence_length}",
+                  f"--sequence_length={FLAGS.sequence_length}", f"--image_size={FLAGS.image_size}",
                   f"--epochs={FLAGS.epochs}", f"--examples={FLAGS.examples}",
                   f"--devices_per_worker={FLAGS.devices_per_worker}", *task_flags]
         env = {**os.environ, **task_env()}

@@ -7,11 +7,13 @@ import tfdist
 from tfdist.engine.modes import planned_peak
 from tfdist.sharding.peak import (
     ALL_REDUCE_COPIES,
-    MICROBATCH_PROGRAM_SHARE,
+    MICROBATCH_BYTES_PER_WEIGHT,
     PROGRAM_BYTES_PER_WEIGHT,
     SHARDED_UPDATE_BYTES_PER_WEIGHT,
     STAGE_CALL_BYTES_PER_WEIGHT,
     TRACE_BYTES_PER_WEIGHT,
+    UNIT_PROGRAM_BYTES,
+    UNROLLED_MICROBATCH_BYTES_PER_WEIGHT,
     predict_peak,
     program_bytes,
     readable,
@@ -66,7 +68,7 @@ def test_the_strategys_prediction_adds_the_update_the_program_and_no_transport_i
     assert estimate.transport == 0
     # the program of a step computing the 4 weights (2 kernels, 2 biases),
     # its trace shared by the 4 devices of the process
-    assert estimate.program == program_bytes([FIRST - 128, 128, SECOND - 32, 32], sharing=4)
+    assert estimate.program == program_bytes(4, sharing=4)
     assert estimate.total == (predict_peak(strategy.config, model, 16).total + 2 * KERNEL
                               + estimate.program)
 
@@ -79,23 +81,29 @@ def test_the_program_counts_the_weights_a_device_computes_and_who_shares_their_t
     alone = planned_peak(one_process.config, model, batch_size=16, processes=4).program
     assert alone == 4 * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT)
     assert shared == 4 * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // 4) < alone
-    # microbatches: a share of the weights' bytes for each past the first
-    microbatches = tfdist.Strategy(devices=DEVICES, microbatches=4)
-    estimate = microbatches.predicted_peak(_model(microbatches), batch_size=16)
-    assert estimate.program == shared + int(3 * MICROBATCH_PROGRAM_SHARE * (FIRST + SECOND))
-    # zero=1 and 2's sharded update
-    for zero in (1, 2, 3):
+    # zero=1 and 2's sharded update of the 4 weights; zero=3's 2 units (a
+    # Dense layer each)
+    for zero, extra in ((1, 4 * SHARDED_UPDATE_BYTES_PER_WEIGHT),
+                        (2, 4 * SHARDED_UPDATE_BYTES_PER_WEIGHT), (3, 2 * UNIT_PROGRAM_BYTES)):
         sharded = tfdist.Strategy(devices=DEVICES, zero=zero)
-        extra = SHARDED_UPDATE_BYTES_PER_WEIGHT if zero < 3 else 0
         assert (sharded.predicted_peak(_model(sharded), batch_size=16).program
-                == shared + 4 * extra)
+                == shared + extra)
+    # microbatches: more per weight for each past the first, the more where
+    # zero=3's program repeats its collectives and backward for each
+    for zero, per_microbatch in ((0, MICROBATCH_BYTES_PER_WEIGHT),
+                                 (3, UNROLLED_MICROBATCH_BYTES_PER_WEIGHT)):
+        microbatches = tfdist.Strategy(devices=DEVICES, microbatches=4, zero=zero)
+        estimate = microbatches.predicted_peak(_model(microbatches), batch_size=16)
+        units = 2 * UNIT_PROGRAM_BYTES if zero == 3 else 0
+        assert estimate.program == shared + units + 3 * 4 * per_microbatch
+    assert UNROLLED_MICROBATCH_BYTES_PER_WEIGHT > MICROBATCH_BYTES_PER_WEIGHT
     # a pipeline stage: its own 2 weights, its trace shared by its 2 data
     # replicas, a call of its layers per microbatch
     stages = tfdist.Strategy(devices=DEVICES, pipeline=2, microbatches=2)
     estimate = stages.predicted_peak(_model(stages), batch_size=16)
     per_weight = (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // 2
                   + STAGE_CALL_BYTES_PER_WEIGHT)
-    assert estimate.program == 2 * per_weight + int(MICROBATCH_PROGRAM_SHARE * FIRST)
+    assert estimate.program == 2 * per_weight
     assert f"program {readable(estimate.program)}" in str(estimate)
 
 

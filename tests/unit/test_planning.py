@@ -249,7 +249,7 @@ def test_a_strategy_refuses_a_plan_it_cannot_follow(kwargs, error, message):
 
 
 def test_a_strategy_plans_for_its_own_devices_with_plan_auto_and_trains(caplog):
-    limit = int(0.7 * _data_parallel_peak(_wide_mlp()))
+    limit = int(0.75 * _data_parallel_peak(_wide_mlp()))
     arguments = dict(model=_wide_mlp, memory_per_device=limit, batch_size=32, **HARDWARE)
     with caplog.at_level("INFO", logger="absl"):
         strategy = tfdist.Strategy(plan="auto", devices=DEVICES, **arguments)

@@ -92,6 +92,9 @@ from tfdist.sharding.collectives import ALONE_BYTES
 from tfdist.sharding.creation import whole_where_not_kept
 from tfdist.sharding.layout import AxisLayout
 from tfdist.sharding.peak import (
+    MICROBATCH_BYTES_PER_WEIGHT,
+    STAGE_CALL_BYTES_PER_WEIGHT,
+    UNROLLED_MICROBATCH_BYTES_PER_WEIGHT,
     has_slots,
     held_sizes,
     predict_peak,
@@ -950,9 +953,13 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
     sizes = held_sizes(model, layout.stages, layout.split)
     devices = config.data * config.pipeline * config.tensor // processes
     peak.program = program_bytes(
-        sizes, sharing=max(1, devices // config.pipeline), microbatches=config.microbatches,
-        stage_calls=config.microbatches if config.pipeline > 1 else 1,
-        sharded_update=config.zero in (1, 2))
+        len(sizes), sharing=max(1, devices // config.pipeline),
+        microbatches=config.microbatches,
+        per_microbatch=(UNROLLED_MICROBATCH_BYTES_PER_WEIGHT if config.zero == 3
+                        else STAGE_CALL_BYTES_PER_WEIGHT if config.pipeline > 1
+                        else MICROBATCH_BYTES_PER_WEIGHT),
+        sharded_update=config.zero in (1, 2),
+        units=zero3.program_units(config, model, layout.stages))
     if sizes:
         piece = -(-max(sizes) // config.data) if config.zero else max(sizes)
         peak.update = update_bytes(piece, has_slots(model))

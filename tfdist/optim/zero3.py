@@ -391,6 +391,21 @@ def data_group_traffic(config, model, stages, gradients: float, parameters: floa
             3 * units * config.microbatches)
 
 
+def program_units(config, model, stages) -> int:
+    """The units a device's zero=3 program gathers, replays and
+    reduce-scatters (its stage under `pipeline`; 0 without zero=3).
+
+    Example:
+
+    ```python
+    program_units(strategy.config, model, None)   # len(plan_units(model))
+    ```
+    """
+    if config.zero < 3:
+        return 0
+    return 1 if stages else len(plan_units(model, config.zero3_unit_params))
+
+
 def held_at_peak(config, model, local: int, state: int, stages, size_of):
     """(parameters, gathered, gradients, optimizer state): the bytes a device
     holds at its step's peak under `config.zero` (resolved), for

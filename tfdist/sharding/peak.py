@@ -42,11 +42,15 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   allocators keep around them), which grows with the step's ops, about
   50-100 per trainable weight (forward, backward, update): per weight the
   device computes, `PROGRAM_BYTES_PER_WEIGHT`, `TRACE_BYTES_PER_WEIGHT`
-  shared by the devices of a process that run the same weights, and more
-  for a pipeline stage's microbatches and zero=1 and 2's update; with
-  microbatches, `MICROBATCH_PROGRAM_SHARE` of the weights' bytes for each
-  past the first (`program_bytes`); `tfdist.engine.modes.planned_peak` adds
-  it.
+  shared by the devices of a process that run the same weights, more for
+  zero=1 and 2's update, and per weight and microbatch past the first,
+  what the mode's program adds for it: `MICROBATCH_BYTES_PER_WEIGHT` where
+  the microbatches share one function body, `STAGE_CALL_BYTES_PER_WEIGHT`
+  for a pipeline stage's call of its layers,
+  `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` under zero=3, whose program repeats
+  its gathers, replays and reduce-scatters for each microbatch; and
+  `UNIT_PROGRAM_BYTES` for each of zero=3's units (`program_bytes`);
+  `tfdist.engine.modes.planned_peak` adds it.
 
 What the process held before the model was built (TensorFlow and Keras
 themselves) is outside the prediction: `tools/bench_memory.py` sets the
@@ -84,11 +88,20 @@ TRACE_BYTES_PER_WEIGHT = 5 << 18  # 1.25 MiB, shared by a process's replicas
 # and 2's sharded update (0.45-0.66 MiB on 4 devices of that GPT-2).
 STAGE_CALL_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB
 SHARDED_UPDATE_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB
-# Each microbatch past the first adds about this fraction of the bytes of
-# the weights a device computes, outside TensorFlow's count of its tensors
-# (4 workers of an 8 x Dense(4096) MLP: 0.01-0.05; of the 8-block GPT-2 of
-# width 768: 0.13-0.26).
-MICROBATCH_PROGRAM_SHARE = 0.15
+# Each microbatch past the first, per weight a device computes: where its
+# microbatches share one function body (data parallelism, zero 1 and 2;
+# 4 workers of keras-hub GPT-2 8 x 768, of an 8 x Dense(4096) MLP and of
+# keras-io's convnet: 0-1 MiB, 0.2 on the convnet), and under zero=3, whose
+# program has each microbatch's gathers, forward replays, backwards and
+# reduce-scatters of its own (`unit_program`: 0.9-1.1 MiB on GPT-2, 1.4-1.8
+# on the convnet, 0-0.5 on the MLP).
+MICROBATCH_BYTES_PER_WEIGHT = 1 << 18  # 0.25 MiB
+UNROLLED_MICROBATCH_BYTES_PER_WEIGHT = 5 << 18  # 1.25 MiB
+# Each of zero=3's units, on each device: its gather, replay and
+# reduce-scatter (4 workers, beside data parallelism's program: keras-io's
+# convnet 2.2 MiB per unit, keras-hub GPT-2 1.3, BERT 2.4, Llama 11.5; one
+# process of 4 devices, GPT-2: 2.1 per device).
+UNIT_PROGRAM_BYTES = 2 << 20
 # Parts a prediction prints only when they are not 0.
 _OPTIONAL_PARTS = ("replica_state", "update", "transport", "program")
 
@@ -207,27 +220,28 @@ def transport_bytes(whole: int, data: int, processes: int, all_reduce: bool) -> 
     return (ALL_REDUCE_COPIES if all_reduce else data - 1) * -(-whole // data)
 
 
-def program_bytes(sizes: list[int], sharing: int = 1, microbatches: int = 1,
-                  stage_calls: int = 1, sharded_update: bool = False) -> int:
-    """TensorFlow's memory for the program of a step that computes weights
-    of `sizes` bytes on a device, beside its tensors: per weight, the
-    device's own part, its share of the trace `sharing` devices of its
-    process run (their replicas of the same weights), a call of its layers
-    for each of `stage_calls` past the first (a pipeline stage's
-    microbatches), a `sharded_update` (zero=1 and 2's); and
-    `MICROBATCH_PROGRAM_SHARE` of the weights' bytes per microbatch past the
-    first.
+def program_bytes(weights: int, sharing: int = 1, microbatches: int = 1,
+                  per_microbatch: int = MICROBATCH_BYTES_PER_WEIGHT,
+                  sharded_update: bool = False, units: int = 0) -> int:
+    """TensorFlow's memory for the program of a step that computes
+    `weights` trainable weights on a device, beside its tensors: per weight,
+    the device's own part, its share of the trace `sharing` devices of its
+    process run (their replicas of the same weights), a `sharded_update`
+    (zero=1 and 2's), and `per_microbatch` bytes for each of its
+    `microbatches` past the first (what the mode's program repeats for one);
+    and `UNIT_PROGRAM_BYTES` for each of zero=3's `units`.
 
     Example:
 
-    >>> program_bytes([4096] * 100) / 2**20, program_bytes([4096] * 100, sharing=4) / 2**20
+    >>> program_bytes(100) / 2**20, program_bytes(100, sharing=4) / 2**20
     (250.0, 156.25)
+    >>> program_bytes(100, microbatches=2, per_microbatch=5 << 18) / 2**20
+    375.0
     """
-    per_weight = (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // sharing
-                  + (stage_calls - 1) * STAGE_CALL_BYTES_PER_WEIGHT
-                  + sharded_update * SHARDED_UPDATE_BYTES_PER_WEIGHT)
-    return (len(sizes) * per_weight
-            + int((microbatches - 1) * MICROBATCH_PROGRAM_SHARE * sum(sizes)))
+    return (weights * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // sharing
+                       + sharded_update * SHARDED_UPDATE_BYTES_PER_WEIGHT
+                       + (microbatches - 1) * per_microbatch)
+            + units * UNIT_PROGRAM_BYTES)
 
 
 def held_sizes(model, stages=None, split=None) -> list[int]:
