@@ -128,6 +128,9 @@ flags.DEFINE_string("device_bandwidth", "100Gbit", "Bandwidth between the device
                     "host.")
 flags.DEFINE_string("device_flops", None, "FLOP/s of one device, e.g. 1e12 (default: "
                     "measured on this host).")
+flags.DEFINE_float("headroom", None, "The share of --memory-per-device kept free for the "
+                   "predicted peak's error: a plan fits when its peak is within the rest "
+                   "(default: tfdist.plan's, 0.15).")
 flags.DEFINE_integer("measure", 0, "Train the first K plans that fit here for a few "
                      "steps and rank them by measured time.")
 flags.DEFINE_integer("rows", 20, "Plans shown in the table.")
@@ -303,8 +306,8 @@ def _plan_command(args):
         batch_size=FLAGS.batch_size, sequence_length=FLAGS.sequence_length,
         hosts=FLAGS.hosts, link_bandwidth=FLAGS.link_bandwidth,
         device_bandwidth=FLAGS.device_bandwidth,
-        device_flops=FLAGS.device_flops,
-        measure=FLAGS.measure, dataset=dataset, **held)
+        device_flops=FLAGS.device_flops, measure=FLAGS.measure, dataset=dataset,
+        **({} if FLAGS.headroom is None else {"headroom": FLAGS.headroom}), **held)
     print(plans.best.config.to_json() if FLAGS.json else plans.table(FLAGS.rows))
     return 0
 
@@ -383,7 +386,7 @@ COMMANDS = {
     "plan": _Command(_plan_command, _CONFIG_FLAGS + (
                          "model", "dataset", "devices", "memory_per_device", "batch_size",
                          "sequence_length", "hosts", "link_bandwidth", "device_bandwidth",
-                         "device_flops", "measure", "rows", "json"),
+                         "device_flops", "headroom", "measure", "rows", "json"),
                      "Rank every ParallelConfig for a model, devices and memory "
                      "(tfdist.plan); a config flag holds its field in every plan.",
                      "tfdist plan --model my_models:build_gpt2 --devices 8 "

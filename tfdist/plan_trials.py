@@ -18,14 +18,21 @@ import keras
 import tensorflow as tf
 
 from tfdist.config import ParallelConfig
-from tfdist.planning import Plans, describe_config, predicted_plans, ranked, synthetic_batch
+from tfdist.planning import (
+    HEADROOM,
+    Plans,
+    describe_config,
+    predicted_plans,
+    ranked,
+    synthetic_batch,
+)
 from tfdist.strategy import Strategy
 
 
 def plan(model, devices: int, memory_per_device, batch_size: int, sequence_length=None,
          hosts: int = 1, link_bandwidth="10Gbit", device_bandwidth="100Gbit",
-         device_flops=None, measure: int = 0, steps: int = 10, dataset=None,
-         **fixed) -> Plans:
+         device_flops=None, headroom=HEADROOM, measure: int = 0, steps: int = 10,
+         dataset=None, **fixed) -> Plans:
     """Every configuration of `devices` devices for `model`, predicted and
     ranked (`Plans`, best first).
 
@@ -49,6 +56,10 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         device_flops: FLOP/s of one device (the hardware then as given:
             no call overhead, the default collective latency); None: this
             process's devices measured on the model (`measured_hardware`).
+        headroom: the share of `memory_per_device` kept free for the
+            prediction's error: a plan fits when its predicted peak is
+            within the rest (0.15: the predictions measured 0.83-1.16 x on
+            the benchmarked models, docs/benchmarks.md).
         measure: train the first `measure` plans that fit here, `steps`
             steps each, and rank them by their measured time (needs
             `devices` devices in this process: `tfdist.use_virtual_devices`).
@@ -76,10 +87,12 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
                          f"strategy: pass `model` as a function returning the compiled "
                          f"model, not the model.")
     plans = predicted_plans(model, devices, memory_per_device, batch_size, sequence_length,
-                            hosts, link_bandwidth, device_bandwidth, device_flops, **fixed)
+                            hosts, link_bandwidth, device_bandwidth, device_flops, headroom,
+                            **fixed)
     if measure:
         _measure(plans, model, batch_size, sequence_length, steps, dataset, measure)
-        plans = ranked(plans, plans.refused, plans.memory_per_device, plans.hardware)
+        plans = ranked(plans, plans.refused, plans.memory_per_device, plans.hardware,
+                       plans.headroom)
     return plans
 
 

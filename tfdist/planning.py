@@ -8,8 +8,8 @@ that `ParallelConfig.validate` and the model's own rules
 (`tfdist.engine.modes.check`) accept, and predicts for each the busiest
 device's peak memory (the predictor `Strategy.describe` prints,
 `tfdist.sharding.peak`) and the step's time (`tfdist.step_time`). Plans whose
-peak exceeds `memory_per_device` are kept with that reason; the rest are
-ranked by predicted time.
+peak exceeds `memory_per_device` less its `headroom` (the prediction's
+error) are kept with that reason; the rest are ranked by predicted time.
 
 Fields given as keyword arguments (`precision="mixed_bfloat16"`,
 `compression="bf16"`, `zero=3`, ...) are held at that value: precision and
@@ -52,6 +52,11 @@ SCHEDULES = ("1f1b", "zb1")
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
           "bit": 1 / 8, "Kbit": 1e3 / 8, "Mbit": 1e6 / 8, "Gbit": 1e9 / 8, "Tbit": 1e12 / 8}
+# The share of `memory_per_device` a plan leaves free for the prediction's
+# error: measured peaks of 57 plans of five models were 0.83-1.16 x their
+# prediction (docs/benchmarks.md), so a plan predicted within 85% of the
+# limit stays within it.
+HEADROOM = 0.15
 _QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
@@ -63,7 +68,8 @@ class Plan:
         config: the resolved `ParallelConfig`.
         peak: the busiest device's predicted `PeakEstimate`.
         time: the predicted `StepTime`.
-        fits: whether `peak.total` is within the memory per device.
+        fits: whether `peak.total` is within the memory per device less
+            its headroom.
         reason: why it does not fit (empty when it does).
         measured: seconds per step measured by `measure` (None if not run).
 
@@ -108,7 +114,8 @@ class Plans(list):
 
     `str()` is the table `tfdist plan` prints; `refused` holds the
     configurations validation refused, with its message; `hardware` the
-    `Hardware` the times were predicted for.
+    `Hardware` the times were predicted for; a plan fits in
+    `memory_per_device` less its `headroom` share (`usable`).
 
     Example:
 
@@ -118,11 +125,25 @@ class Plans(list):
     ```
     """
 
-    def __init__(self, plans=(), refused=(), memory_per_device=0, hardware=None):
+    def __init__(self, plans=(), refused=(), memory_per_device=0, hardware=None,
+                 headroom=0.0):
         super().__init__(plans)
         self.refused = list(refused)
         self.memory_per_device = memory_per_device
         self.hardware = hardware
+        self.headroom = headroom
+
+    @property
+    def usable(self) -> float:
+        """The bytes a plan's predicted peak may reach: `memory_per_device`
+        less its `headroom` share."""
+        return self.memory_per_device * (1 - self.headroom)
+
+    def _limit(self) -> str:
+        """`memory_per_device`, and the share kept free if any."""
+        return readable(int(self.memory_per_device)) + (
+            f" ({self.headroom:.0%} of it kept free: {readable(int(self.usable))})"
+            if self.headroom else "")
 
     @property
     def best(self) -> Plan:
@@ -132,8 +153,8 @@ class Plans(list):
                 return candidate
         smallest = min(self, key=lambda p: p.peak.total, default=None)
         raise ValueError(
-            f"No configuration fits in memory_per_device="
-            f"{readable(self.memory_per_device)}: the smallest predicted peak is "
+            f"No configuration fits in memory_per_device={self._limit()}: the "
+            f"smallest predicted peak is "
             + (f"{readable(smallest.peak.total)} ({describe_config(smallest.config)})"
                if smallest else "none (every configuration was refused)")
             + ". Use more devices or more memory, a smaller batch_size, or hold "
@@ -153,8 +174,8 @@ class Plans(list):
         fitting = [p for p in self if p.fits]
         ranked_by = "measured" if best.measured is not None else "predicted"
         text = (f"{best.summary()}; the fastest ({ranked_by}) of {len(fitting)} "
-                f"configurations that fit in {readable(self.memory_per_device)} per "
-                f"device ({len(self)} weighed, {len(self.refused)} refused)")
+                f"configurations that fit in {self._limit()} per device "
+                f"({len(self)} weighed, {len(self.refused)} refused)")
         if len(fitting) > 1:
             text += f"; next: {fitting[1].summary()}"
         return text + "."
@@ -182,7 +203,7 @@ class Plans(list):
                 for line in lines]
         fitting = sum(p.fits for p in self)
         text.append(f"{len(self)} configurations weighed, {fitting} fit in "
-                    f"{readable(self.memory_per_device)} per device"
+                    f"{self._limit()} per device"
                     + (f"; {len(self) - rows} more not shown" if len(self) > rows else "")
                     + (f"; {len(self.refused)} refused by validation" if self.refused else ""))
         if self.hardware:
@@ -237,7 +258,8 @@ def parse_quantity(value, name: str) -> float:
 
 def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
                     sequence_length=None, hosts: int = 1, link_bandwidth="10Gbit",
-                    device_bandwidth="100Gbit", device_flops=None, **fixed) -> Plans:
+                    device_bandwidth="100Gbit", device_flops=None, headroom=HEADROOM,
+                    **fixed) -> Plans:
     """`tfdist.plan` without `measure` (the arguments are its): every
     configuration of `devices` devices for `model`, predicted and ranked
     (`Plans`, best first). What `Strategy(plan="auto")` follows.
@@ -251,6 +273,11 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
     """
     _check_args(model, devices, batch_size, hosts, fixed)
     limit = parse_quantity(memory_per_device, "memory_per_device")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not (
+            0 <= headroom < 1):
+        raise ValueError(f"`headroom` must be a number in [0, 1) (the share of "
+                         f"memory_per_device kept free), got {headroom!r}.")
+    usable = limit * (1 - headroom)
     bandwidths = dict(device_bandwidth=parse_quantity(device_bandwidth, "device_bandwidth"),
                       link_bandwidth=parse_quantity(link_bandwidth, "link_bandwidth"),
                       devices_per_host=devices // hosts)
@@ -284,10 +311,10 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
                                   processes=hosts)
         step = predict_step_time(config, built, batch_size, hardware, sequence_length,
                                  layout)
-        fits = peak.total <= limit
-        reason = "" if fits else f"peak {readable(peak.total)} > {readable(int(limit))}"
+        fits = peak.total <= usable
+        reason = "" if fits else f"peak {readable(peak.total)} > {readable(int(usable))}"
         weighed.append(Plan(config, peak, step, fits, reason))
-    return ranked(weighed, refused, limit, hardware)
+    return ranked(weighed, refused, limit, hardware, headroom)
 
 
 def _layout_or_refusal(config, model, sequence_length):
@@ -360,20 +387,21 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def ranked(weighed, refused, limit, hardware) -> Plans:
+def ranked(weighed, refused, limit, hardware, headroom=0.0) -> Plans:
     """`weighed` (`Plan`s) as `Plans`: those that fit by their measured,
     else predicted, step time, then the others by peak.
 
     Example:
 
     ```python
-    plans = ranked(plans, plans.refused, plans.memory_per_device, plans.hardware)
+    plans = ranked(plans, plans.refused, plans.memory_per_device, plans.hardware,
+                   plans.headroom)
     ```
     """
     fitting = sorted((p for p in weighed if p.fits),
                      key=lambda p: (p.measured is None, p.seconds, p.peak.total))
     over = sorted((p for p in weighed if not p.fits), key=lambda p: p.peak.total)
-    return Plans(fitting + over, refused, limit, hardware)
+    return Plans(fitting + over, refused, limit, hardware, headroom)
 
 
 def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,

@@ -111,7 +111,7 @@ def test_plan_prints_a_config_that_launch_and_tfjob_take(tmp_path):
     (tmp_path / "plan.json").write_text(done.stdout)
     checked = tfdist_cli("config", "--config", str(tmp_path / "plan.json"))
     assert checked.returncode == 0 and tfdist.ParallelConfig.from_json(checked.stdout) == config
-    table = subprocess.run([*TFDIST, *plan, "--memory-per-device", "64MiB"],
+    table = subprocess.run([*TFDIST, *plan, "--memory-per-device", "64MiB", "--headroom", "0"],
                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert table.returncode == 0 and "fit in 64.00 MiB per device" in table.stdout
     none_fit = subprocess.run([*TFDIST, *plan, "--memory-per-device", "1KiB", "--json"],

@@ -8,6 +8,7 @@ import pytest
 import tfdist
 from tfdist.config import ParallelConfig
 from tfdist.planning import parse_quantity
+from tfdist.sharding.peak import readable
 from tfdist.step_time import Hardware, predict_step_time
 
 HARDWARE = dict(device_flops=1e10, device_bandwidth="8GB", link_bandwidth="1Gbit")
@@ -43,8 +44,10 @@ def test_plans_that_fit_are_ranked_by_time_and_the_others_say_why():
     assert fitting and over
     assert plans[:len(fitting)] == fitting  # every plan that fits comes first
     assert [p.time.total for p in fitting] == sorted(p.time.total for p in fitting)
-    assert all(p.peak.total <= limit for p in fitting)
-    assert all(p.peak.total > limit and "peak" in p.reason for p in over)
+    # 15% of the limit kept free for the prediction's error
+    assert plans.usable == pytest.approx(0.85 * limit)
+    assert all(p.peak.total <= plans.usable for p in fitting)
+    assert all(p.peak.total > plans.usable and "peak" in p.reason for p in over)
     assert ParallelConfig(data=4) in [p.config for p in over]  # whole model and Adam
     assert plans.best is fitting[0]
     for p in plans:
@@ -97,6 +100,21 @@ def test_a_held_compression_counts_its_residuals_and_gathered_payloads():
         weighed["none"])
 
 
+def test_the_headroom_is_what_a_plan_leaves_free_for_the_predictions_error():
+    model = _wide_mlp()
+    limit = int(0.6 * _data_parallel_peak(model))
+    kept, spent = (tfdist.plan(model, devices=4, memory_per_device=limit, batch_size=32,
+                               headroom=headroom, **HARDWARE) for headroom in (0.3, 0.0))
+    between = [p for p in spent if p.fits and p.peak.total > 0.7 * limit]
+    assert between  # plans that fit only without the headroom
+    for plan in between:
+        refused = next(p for p in kept if p.config == plan.config)
+        assert not refused.fits and refused.reason == (
+            f"peak {readable(plan.peak.total)} > {readable(int(0.7 * limit))}")
+    assert "(30% of it kept free: " in kept.table()
+    assert sum(p.fits for p in kept) < sum(p.fits for p in spent)
+
+
 def test_no_plan_fits_says_the_smallest_peak():
     plans = tfdist.plan(_mlp(), devices=4, memory_per_device="1KiB", batch_size=32, **HARDWARE)
     with pytest.raises(ValueError, match=r"memory_per_device=1.00 KiB.*smallest predicted peak"):
@@ -109,6 +127,7 @@ def test_no_plan_fits_says_the_smallest_peak():
     (dict(batch_size=0), r"`batch_size` must be an int >= 1, got 0"),
     (dict(measure=2), r"`measure=2` builds the model again"),
     (dict(zero_stage=1), r"'zero_stage': not `ParallelConfig` fields"),
+    (dict(headroom=1.0), r"`headroom` must be a number in \[0, 1\) .* got 1.0"),
 ])
 def test_bad_arguments_are_refused_naming_them(kwargs, message):
     args = dict(devices=4, memory_per_device="1GiB", batch_size=32, **HARDWARE)
@@ -249,7 +268,7 @@ def test_a_strategy_refuses_a_plan_it_cannot_follow(kwargs, error, message):
 
 
 def test_a_strategy_plans_for_its_own_devices_with_plan_auto_and_trains(caplog):
-    limit = int(0.75 * _data_parallel_peak(_wide_mlp()))
+    limit = int(0.9 * _data_parallel_peak(_wide_mlp()))
     arguments = dict(model=_wide_mlp, memory_per_device=limit, batch_size=32, **HARDWARE)
     with caplog.at_level("INFO", logger="absl"):
         strategy = tfdist.Strategy(plan="auto", devices=DEVICES, **arguments)
