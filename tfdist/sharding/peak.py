@@ -90,12 +90,12 @@ STAGE_CALL_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB
 SHARDED_UPDATE_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB
 # Each microbatch past the first, per weight a device computes: where its
 # microbatches share one function body (data parallelism, zero 1 and 2;
-# 4 workers of keras-hub GPT-2 8 x 768, of an 8 x Dense(4096) MLP and of
-# keras-io's convnet: 0-1 MiB, 0.2 on the convnet), and under zero=3, whose
+# 4 workers: keras-hub GPT-2 8 x 768 0-1 MiB, BERT 8 x 256 0.05, keras-io's
+# convnet 0.2, an 8 x Dense(4096) MLP about 0), and under zero=3, whose
 # program has each microbatch's gathers, forward replays, backwards and
 # reduce-scatters of its own (`unit_program`: 0.9-1.1 MiB on GPT-2, 1.4-1.8
 # on the convnet, 0-0.5 on the MLP).
-MICROBATCH_BYTES_PER_WEIGHT = 1 << 18  # 0.25 MiB
+MICROBATCH_BYTES_PER_WEIGHT = 1 << 17  # 0.125 MiB
 UNROLLED_MICROBATCH_BYTES_PER_WEIGHT = 5 << 18  # 1.25 MiB
 # Each of zero=3's units, on each device: its gather, replay and
 # reduce-scatter (4 workers, beside data parallelism's program: keras-io's
