@@ -6,8 +6,9 @@
 For each model (small configurations of a wide MLP, a keras-io convnet, and
 keras-hub GPT-2 and Llama backbones with a token classifier; Adam), on
 `--devices` logical CPU devices of this process: `tfdist.plan` with a memory
-per device of `--memory_fraction` x data parallelism's predicted peak (so
-that data parallelism and some other plans do not fit); every plan that fits
+per device whose usable part lies `--memory_fraction` of the way from the
+smallest plan's predicted peak to data parallelism's (so that data
+parallelism and some other plans do not fit); every plan that fits
 (or the first `--max_plans` of them, in predicted order) is trained `--steps`
 steps and timed (`tfdist.plan_trials.measured_step_seconds`). One JSON line per
 plan as it is timed (predicted peak and time, measured time), then one per
@@ -38,8 +39,9 @@ flags.DEFINE_integer("devices", 4, "Logical CPU devices.")
 flags.DEFINE_integer("batch_size", 32, "Global batch.")
 flags.DEFINE_integer("sequence_length", 64, "Tokens per example of the language models.")
 flags.DEFINE_integer("steps", 12, "Steps each plan trains (the first two not timed).")
-flags.DEFINE_float("memory_fraction", 0.7, "Memory per device, as a fraction of data "
-                   "parallelism's predicted peak.")
+flags.DEFINE_float("memory_fraction", 0.7, "Memory per device: the usable part (less "
+                   "the planner's headroom) this fraction of the way from the smallest "
+                   "plan's predicted peak to data parallelism's.")
 flags.DEFINE_string("out", None, "Also append the JSON lines to this file.")
 flags.DEFINE_integer("max_plans", 0, "Time only the first this many plans that fit, in "
                      "predicted order (0: every one).")
@@ -86,16 +88,20 @@ def make_model(name):
 
 def bench_model(name):
     import tfdist
+    from tfdist.engine.modes import planned_peak
     from tfdist.plan_trials import measured_step_seconds
-    from tfdist.planning import describe_config
-    from tfdist.sharding.peak import predict_peak
+    from tfdist.planning import HEADROOM, describe_config
 
     sequence = FLAGS.sequence_length if name in ("gpt2", "llama") else None
     model = make_model(name)
     model.optimizer.build(model.trainable_variables)
     data = tfdist.ParallelConfig(data=FLAGS.devices).resolve(FLAGS.devices)
-    limit = int(FLAGS.memory_fraction
-                * predict_peak(data, model, FLAGS.batch_size, sequence).total)
+    # the smallest predicted peak of any plan (planned with room for all)
+    smallest = min(p.peak.total for p in tfdist.plan(
+        model, FLAGS.devices, "1TiB", FLAGS.batch_size, sequence, device_flops=1e12))
+    usable = smallest + FLAGS.memory_fraction * (
+        planned_peak(data, model, FLAGS.batch_size, sequence).total - smallest)
+    limit = int(usable / (1 - HEADROOM))
     predicted = tfdist.plan(lambda: make_model(name), FLAGS.devices, limit, FLAGS.batch_size,
                             sequence)
     fitting = sum(p.fits for p in predicted)
