@@ -386,9 +386,8 @@ def data_group_traffic(config, model, stages, gradients: float, parameters: floa
         return gradients, True, 1
     if config.zero < 3:  # a reduce-scatter of the gradients, a gather of the parameters
         return gradients + parameters, False, 2
-    units = 1 if stages else len(plan_units(model, config.zero3_unit_params))
     return (gradients + 2 * config.microbatches * parameters, False,
-            3 * units * config.microbatches)
+            3 * program_units(config, model, stages) * config.microbatches)
 
 
 def program_units(config, model, stages) -> int:
