@@ -23,7 +23,6 @@ from tfdist.planning import (
     Plans,
     describe_config,
     predicted_plans,
-    ranked,
     synthetic_batch,
 )
 from tfdist.strategy import Strategy
@@ -91,8 +90,7 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
                             **fixed)
     if measure:
         _measure(plans, model, batch_size, sequence_length, steps, dataset, measure)
-        plans = ranked(plans, plans.refused, plans.memory_per_device, plans.hardware,
-                       plans.headroom)
+        plans = plans.ranked()
     return plans
 
 

@@ -145,6 +145,22 @@ class Plans(list):
             f" ({self.headroom:.0%} of it kept free: {readable(int(self.usable))})"
             if self.headroom else "")
 
+    def ranked(self) -> "Plans":
+        """These plans best first: those that fit by their measured, else
+        predicted, step time, then the others by peak.
+
+        Example:
+
+        ```python
+        plans = plans.ranked()   # after setting some plans' `measured`
+        ```
+        """
+        fitting = sorted((p for p in self if p.fits),
+                         key=lambda p: (p.measured is None, p.seconds, p.peak.total))
+        over = sorted((p for p in self if not p.fits), key=lambda p: p.peak.total)
+        return Plans(fitting + over, self.refused, self.memory_per_device, self.hardware,
+                     self.headroom)
+
     @property
     def best(self) -> Plan:
         """The first plan that fits; `ValueError` when none does."""
@@ -277,7 +293,6 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
             0 <= headroom < 1):
         raise ValueError(f"`headroom` must be a number in [0, 1) (the share of "
                          f"memory_per_device kept free), got {headroom!r}.")
-    usable = limit * (1 - headroom)
     bandwidths = dict(device_bandwidth=parse_quantity(device_bandwidth, "device_bandwidth"),
                       link_bandwidth=parse_quantity(link_bandwidth, "link_bandwidth"),
                       devices_per_host=devices // hosts)
@@ -294,18 +309,19 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
     else:
         hardware = measured_hardware(built, devices // hosts, sequence_length,
                                      max(4, batch_size // devices), **bandwidths)
-    weighed, refused = [], []
+    plans = Plans(memory_per_device=limit, hardware=hardware, headroom=headroom)
+    usable = plans.usable
     layouts = {}
     for config, error in candidates(built, devices, batch_size, hosts, fixed):
         if error:
-            refused.append((config, error))
+            plans.refused.append((config, error))
             continue
         key = (config.pipeline, config.tensor, config.virtual_stages)
         if key not in layouts:
             layouts[key] = _layout_or_refusal(config, built, sequence_length)
         layout = layouts[key]
         if isinstance(layout, str):
-            refused.append((dataclasses.asdict(config), layout))
+            plans.refused.append((dataclasses.asdict(config), layout))
             continue
         peak = modes.planned_peak(config, built, batch_size, sequence_length, layout,
                                   processes=hosts)
@@ -313,8 +329,8 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
                                  layout)
         fits = peak.total <= usable
         reason = "" if fits else f"peak {readable(peak.total)} > {readable(int(usable))}"
-        weighed.append(Plan(config, peak, step, fits, reason))
-    return ranked(weighed, refused, limit, hardware, headroom)
+        plans.append(Plan(config, peak, step, fits, reason))
+    return plans.ranked()
 
 
 def _layout_or_refusal(config, model, sequence_length):
@@ -385,23 +401,6 @@ def candidates(model, devices, batch_size, hosts=1, fixed=None):
 
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def ranked(weighed, refused, limit, hardware, headroom=0.0) -> Plans:
-    """`weighed` (`Plan`s) as `Plans`: those that fit by their measured,
-    else predicted, step time, then the others by peak.
-
-    Example:
-
-    ```python
-    plans = ranked(plans, plans.refused, plans.memory_per_device, plans.hardware,
-                   plans.headroom)
-    ```
-    """
-    fitting = sorted((p for p in weighed if p.fits),
-                     key=lambda p: (p.measured is None, p.seconds, p.peak.total))
-    over = sorted((p for p in weighed if not p.fits), key=lambda p: p.peak.total)
-    return Plans(fitting + over, refused, limit, hardware, headroom)
 
 
 def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
