@@ -88,7 +88,6 @@ def make_model(name):
 
 def bench_model(name):
     import tfdist
-    from tfdist.engine.modes import planned_peak
     from tfdist.plan_trials import measured_step_seconds
     from tfdist.planning import HEADROOM, describe_config
 
@@ -96,11 +95,11 @@ def bench_model(name):
     model = make_model(name)
     model.optimizer.build(model.trainable_variables)
     data = tfdist.ParallelConfig(data=FLAGS.devices).resolve(FLAGS.devices)
-    # the smallest predicted peak of any plan (planned with room for all)
-    smallest = min(p.peak.total for p in tfdist.plan(
-        model, FLAGS.devices, "1TiB", FLAGS.batch_size, sequence, device_flops=1e12))
-    usable = smallest + FLAGS.memory_fraction * (
-        planned_peak(data, model, FLAGS.batch_size, sequence).total - smallest)
+    # every plan's predicted peak, planned with room for all: the smallest and data parallelism's
+    peaks = {describe_config(p.config): p.peak.total for p in tfdist.plan(
+        model, FLAGS.devices, "1TiB", FLAGS.batch_size, sequence, device_flops=1e12)}
+    smallest = min(peaks.values())
+    usable = smallest + FLAGS.memory_fraction * (peaks[describe_config(data)] - smallest)
     limit = int(usable / (1 - HEADROOM))
     predicted = tfdist.plan(lambda: make_model(name), FLAGS.devices, limit, FLAGS.batch_size,
                             sequence)
@@ -155,7 +154,8 @@ def bench_model(name):
           "chosen_over_fastest": round(chosen.measured / fastest.measured, 3),
           "predicted_rank_of_fastest": predicted.index(fastest) + 1,
           "rank_correlation": round(rank_correlation(
-              [p.time.total for p in timed], [p.measured for p in timed]), 3),
+              [p.time.total for p in timed], [p.measured for p in timed]), 3)
+          if len(timed) > 1 else None,  # (one plan timed: nothing to correlate)
           "median_measured_ms": round(1e3 * statistics.median(p.measured for p in timed), 2),
           **with_measure, **again},
          FLAGS.out)
