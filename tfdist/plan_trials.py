@@ -11,19 +11,17 @@ plans = tfdist.plan(build_model, devices=4, memory_per_device="1GiB",
 ```
 """
 
-import statistics
-import time
-
 import keras
 import tensorflow as tf
 
 from tfdist.config import ParallelConfig
 from tfdist.planning import (
     HEADROOM,
+    TRIAL_STEPS,
     Plans,
     describe_config,
+    fit_step_seconds,
     predicted_plans,
-    synthetic_batch,
 )
 from tfdist.strategy import Strategy
 
@@ -54,7 +52,10 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         device_bandwidth: between the devices of a host.
         device_flops: FLOP/s of one device (the hardware then as given:
             no call overhead, the default collective latency); None: this
-            process's devices measured on the model (`measured_hardware`).
+            process's devices measured on the model (`measured_hardware`;
+            with `model` a function, two short trainings of data
+            parallelism, over 1 device and over all, measure what each
+            replica adds to a step).
         headroom: the share of `memory_per_device` kept free for the
             prediction's error: a plan fits when its predicted peak is
             within the rest (0.15: the predictions measured 0.83-1.16 x on
@@ -85,9 +86,12 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         raise ValueError(f"`measure={measure}` builds the model again under each plan's "
                          f"strategy: pass `model` as a function returning the compiled "
                          f"model, not the model.")
+    def trial(config, rows):  # (looked up when called: `measured_step_seconds` below)
+        return measured_step_seconds(config, model, rows, sequence_length, TRIAL_STEPS, dataset)
+
     plans = predicted_plans(model, devices, memory_per_device, batch_size, sequence_length,
                             hosts, link_bandwidth, device_bandwidth, device_flops, headroom,
-                            **fixed)
+                            trial=None if isinstance(model, keras.Model) else trial, **fixed)
     if measure:
         _measure(plans, model, batch_size, sequence_length, steps, dataset, measure)
         plans = plans.ranked()
@@ -121,29 +125,4 @@ def measured_step_seconds(config: ParallelConfig, model_fn, batch_size: int,
             f"process has {len(available)}: call tfdist.use_virtual_devices({devices}) "
             f"before TensorFlow starts, or measure=0.")
     strategy = Strategy(config, devices=[device.name for device in available[:devices]])
-    with strategy.scope():
-        model = model_fn()
-    data = dataset(batch_size) if dataset else _synthetic_dataset(
-        model, batch_size, sequence_length)
-    timer = _StepTimer()
-    model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False,
-              callbacks=[timer])
-    return statistics.median(timer.seconds[2:] or timer.seconds)
-
-
-def _synthetic_dataset(model, batch_size, sequence_length):
-    return tf.data.Dataset.from_tensors(synthetic_batch(model, batch_size, sequence_length))
-
-
-class _StepTimer(keras.callbacks.Callback):
-    """Seconds of each training step."""
-
-    def __init__(self):
-        super().__init__()
-        self.seconds, self._start = [], 0.0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seconds.append(time.perf_counter() - self._start)
+    return fit_step_seconds(strategy, model_fn, batch_size, sequence_length, steps, dataset)

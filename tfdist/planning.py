@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 import os
 import re
+import statistics
 import time
 
 import keras
@@ -57,6 +58,9 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
 # prediction (docs/benchmarks.md), so a plan predicted within 85% of the
 # limit stays within it.
 HEADROOM = 0.15
+# Steps of each training that times what a replica adds to a step (the first
+# two, which trace, left out).
+TRIAL_STEPS = 20
 _QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
@@ -227,6 +231,7 @@ class Plans(list):
             text.append(
                 f"predicted for {h.device_flops / 1e9:.1f} GFLOP/s per device, "
                 f"{1e6 * h.call_overhead:.0f} us per layer call, "
+                f"{1e6 * h.replica_overhead:.0f} us per replica, "
                 f"{1e6 * h.latency(2):.0f} us per collective of 2 devices "
                 f"(+{1e6 * h.member_latency:.0f} us per further device)"
                 + (f", devices sharing {h.shared_cores} cores" if h.shared_cores else ""))
@@ -275,10 +280,11 @@ def parse_quantity(value, name: str) -> float:
 def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
                     sequence_length=None, hosts: int = 1, link_bandwidth="10Gbit",
                     device_bandwidth="100Gbit", device_flops=None, headroom=HEADROOM,
-                    **fixed) -> Plans:
+                    trial=None, **fixed) -> Plans:
     """`tfdist.plan` without `measure` (the arguments are its): every
     configuration of `devices` devices for `model`, predicted and ranked
-    (`Plans`, best first). What `Strategy(plan="auto")` follows.
+    (`Plans`, best first). What `Strategy(plan="auto")` follows. `trial`:
+    `measured_hardware`'s (used when `device_flops` is None).
 
     Example:
 
@@ -308,7 +314,8 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
         hardware = Hardware(flops, **bandwidths)
     else:
         hardware = measured_hardware(built, devices // hosts, sequence_length,
-                                     max(4, batch_size // devices), **bandwidths)
+                                     max(4, batch_size // devices), trial=trial,
+                                     **bandwidths)
     plans = Plans(memory_per_device=limit, hardware=hardware, headroom=headroom)
     usable = plans.usable
     layouts = {}
@@ -404,21 +411,32 @@ def _divisors(n):
 
 
 def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
-                      **bandwidths) -> Hardware:
+                      trial=None, **bandwidths) -> Hardware:
     """The `Hardware` of this process's devices, timed on `model`:
 
+    - `step_overhead`: a function's call and the fetch of its result;
     - `device_flops` and `call_overhead`: the model's forward and backward
       on the first device, at `rows` and at 1 example, their difference
       per example set against the estimated FLOPs (3x the forward's,
-      `tfdist.pipeline.cost`), what remains of the 1-example time over the
-      layer calls;
+      `tfdist.pipeline.cost`), what remains of the 1-example time beyond
+      the call over the layer calls;
+    - `replica_overhead`: with `trial` (`(config, batch_size) -> seconds`
+      of the model's real training step under `config`: `fit_step_seconds`
+      under a strategy of it), what each further replica adds to the step
+      beyond what the other fields predict: data parallelism over 1 and over
+      `devices` devices (as many as this process has), `rows` examples per
+      device. Without it, a stand-in:
+      what each further device adds to a `MirroredStrategy` step that takes
+      its share of a batch and sums it, and (on shared cores, where the
+      replicas' updates share them) a fresh copy of the model's optimizer
+      applied to one-element stand-ins for its weights;
     - `collective_latency` and `member_latency`: chains of small
       all-reduces over 2 and over `devices` devices of this process, per
       all-reduce: the latency of 2 members, and what each further member
       adds (`Hardware`'s defaults, and no growth, where this process has
       fewer devices than a chain needs);
     - `shared_cores`: this host's cores when the devices are logical CPU
-      devices (no GPU).
+      devices (no GPU); each replica's update then shares them.
 
     Each time is the fastest of several runs: on a shared host other work
     only adds time, and the fastest varies least between calibrations.
@@ -431,20 +449,47 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
                                  device_bandwidth=1e10, link_bandwidth=1.25e9)
     ```
     """
+    call = _fewest_seconds(_scalar_call())
     few, many = (_forward_and_backward_seconds(model, n, sequence_length) for n in (1, rows))
     graph = LayerGraph(model)
     per_example = max(many - few, 1e-9) / (rows - 1)
     flops = 3 * sum(node_cost(node, sequence_length) for node in graph.nodes)
-    cpu = not tf.config.list_logical_devices("GPU")
+    cores = None if tf.config.list_logical_devices("GPU") else len(os.sched_getaffinity(0))
     two = _all_reduce_seconds(2)
     every = _all_reduce_seconds(devices) if devices > 2 else None
-    return Hardware(
+    hardware = Hardware(
         device_flops=flops / per_example,
-        call_overhead=max(0.0, few - per_example) / (3 * len(graph.nodes)),
+        call_overhead=max(0.0, few - per_example - call) / (3 * len(graph.nodes)),
+        step_overhead=call,
         collective_latency=Hardware.collective_latency if two is None else two,
         member_latency=(0.0 if two is None or every is None
                         else max(0.0, every - two) / (devices - 2)),
-        shared_cores=len(os.sched_getaffinity(0)) if cpu else None, **bandwidths)
+        shared_cores=cores, **bandwidths)
+    if trial is not None:
+        replica = _replica_seconds_of_steps(model, trial, devices, rows, sequence_length,
+                                            hardware)
+    else:
+        update = _update_seconds(model.optimizer, len(model.trainable_variables)) - call
+        replica = (_replica_call_seconds(model, devices, rows, sequence_length)
+                   + (max(0.0, update) / cores if cores else 0.0))
+    return dataclasses.replace(hardware, replica_overhead=replica)
+
+
+def _fewest_seconds(call, repeats=9):
+    """Fewest seconds of `call()` over `repeats` runs after a first one."""
+    call()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - start)
+    return min(seconds)
+
+
+def _scalar_call():
+    """A call of a function whose scalar result is fetched, nothing else."""
+    one, add = tf.constant(1.0), tf.function(lambda x: x + 1.0)
+    return lambda: add(one).numpy()
 
 
 def _forward_and_backward_seconds(model, rows, sequence_length, repeats=9):
@@ -458,17 +503,110 @@ def _forward_and_backward_seconds(model, rows, sequence_length, repeats=9):
             outputs = model(x, training=True)
             total = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32))
                               for y in tf.nest.flatten(outputs)])
-        return tape.gradient(total, weights)
+        gradients = [getattr(g, "values", g)  # (an Embedding's: IndexedSlices)
+                     for g in tape.gradient(total, weights) if g is not None]
+        return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in gradients])
 
-    def timed():
-        start = time.perf_counter()
-        for gradient in forward_and_backward(inputs):  # (an Embedding's: IndexedSlices)
-            if gradient is not None:
-                getattr(gradient, "values", gradient).numpy()
-        return time.perf_counter() - start
+    return _fewest_seconds(lambda: forward_and_backward(inputs).numpy(), repeats)
 
-    timed()
-    return min(timed() for _ in range(repeats))
+
+def _update_seconds(optimizer, weights, repeats=9):
+    """Fewest seconds of a call applying a fresh copy of `optimizer` to
+    `weights` one-element variables."""
+    fresh = optimizer.__class__.from_config(optimizer.get_config())
+    stand_ins = [tf.Variable(tf.zeros([1])) for _ in range(weights)]
+    ones = [tf.ones([1]) for _ in stand_ins]
+
+    @tf.function
+    def update():
+        fresh.apply_gradients(zip(ones, stand_ins))
+        return stand_ins[0].read_value()
+
+    return _fewest_seconds(lambda: update().numpy(), repeats)
+
+
+def _replica_call_seconds(model, devices, rows, sequence_length, repeats=9):
+    """Seconds each further device adds to a step of a `MirroredStrategy`
+    over this process's first `devices` devices (as many as it has) that
+    takes its share of a batch of `rows` examples per device and sums it
+    (0.0 with one device: nothing to compare)."""
+    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    devices = min(devices, len(available))
+    if devices < 2:
+        return 0.0
+
+    def step_seconds(count):
+        strategy = MirroredStrategyOfItsOwnKeys([d.name for d in available[:count]])
+        batch = tf.data.Dataset.from_tensors(synthetic_batch(model, rows * count,
+                                                             sequence_length))
+        iterator = iter(strategy.experimental_distribute_dataset(batch.repeat()))
+
+        def replica(batch):
+            return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
+                             for t in tf.nest.flatten(batch)])
+
+        @tf.function
+        def step():
+            return strategy.reduce("SUM", strategy.run(replica, (next(iterator),)), None)
+
+        return _fewest_seconds(lambda: step().numpy(), repeats)
+
+    return max(0.0, step_seconds(devices) - step_seconds(1)) / (devices - 1)
+
+
+def _replica_seconds_of_steps(model, trial, devices, rows, sequence_length, hardware):
+    """What each further replica adds to the model's training step (timed
+    by `trial`) under data parallelism over this process's first `devices`
+    devices (as many as it has), `rows` examples per device, beyond what
+    `hardware` predicts (0.0 with one device: nothing to compare)."""
+    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    devices = min(devices, len(available))
+    if devices < 2:
+        return 0.0
+    batch = rows * devices
+    configs = [ParallelConfig(data=n).resolve(n) for n in (1, devices)]
+    measured = [trial(config, batch) for config in configs]
+    predicted = [predict_step_time(config, model, batch, hardware, sequence_length).total
+                 for config in configs]
+    unexplained = (measured[1] - measured[0]) - (predicted[1] - predicted[0])
+    return max(0.0, unexplained) / (devices - 1)
+
+
+def fit_step_seconds(strategy, model_fn, batch_size: int, sequence_length=None,
+                     steps: int = 10, dataset=None) -> float:
+    """Median seconds of a training step of `model_fn()`, built under
+    `strategy`, over `steps` steps of `fit` (the first two, which trace,
+    left out); `dataset`: a function `(batch_size) -> tf.data.Dataset` of
+    (inputs, targets), None: `synthetic_batch`'s.
+
+    Example:
+
+    ```python
+    fit_step_seconds(tfdist.Strategy(data=2), build, batch_size=32)
+    ```
+    """
+    with strategy.scope():
+        model = model_fn()
+    data = dataset(batch_size) if dataset else tf.data.Dataset.from_tensors(
+        synthetic_batch(model, batch_size, sequence_length))
+    timer = _StepTimer()
+    model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False,
+              callbacks=[timer])
+    return statistics.median(timer.seconds[2:] or timer.seconds)
+
+
+class _StepTimer(keras.callbacks.Callback):
+    """Seconds of each training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds, self._start = [], 0.0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seconds.append(time.perf_counter() - self._start)
 
 
 def _all_reduce_seconds(devices, chain=20, repeats=5):
@@ -488,13 +626,7 @@ def _all_reduce_seconds(devices, chain=20, repeats=5):
             return x
 
         run = tf.function(lambda: strategy.run(replica))
-        run()
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            seconds.append(time.perf_counter() - start)
-        return min(seconds)
+        return _fewest_seconds(run, repeats)
 
     return max(0.0, chained(chain) - chained(1)) / (chain - 1)
 

@@ -7,7 +7,9 @@ per example of each layer call) and the layout `describe` prints:
 - compute: the busiest device's forward (1x) and backward (2x; remat adds a
   forward) over its rows, at `device_flops`; a layer tensor groups split
   costs 1/tensor of its FLOPs per device (in the share of its weights they
-  split).
+  split); each layer call's overhead; the step's own call
+  (`Hardware.step_overhead`) and each replica's work besides its layers
+  (`Hardware.replica_overhead`).
 - bubble: with `pipeline`, the schedule played out: each device runs its
   actions in order (`tfdist.pipeline.schedule.stage_orders`), each starting
   once its device is free and the actions it needs have ended, each taking
@@ -70,6 +72,12 @@ class Hardware:
             latency (a ring's steps grow with its members).
         call_overhead: seconds each layer call's forward costs besides its
             FLOPs (its backward twice that): the runtime's per-op work.
+        step_overhead: seconds a step costs once, whatever its layout:
+            its function's call and the fetch of its results.
+        replica_overhead: seconds each copy of the model's layer calls on a
+            host (a data replica or tensor rank) adds to a step besides them
+            and the collectives: its share of the batch, its part in the
+            step's call, its optimizer update, as this host runs them.
         shared_cores: when a host's devices are logical devices of one
             processor (`tfdist.use_virtual_devices`), its cores: each
             device's FLOPs then run at `device_flops` one device at a time
@@ -90,6 +98,8 @@ class Hardware:
     collective_latency: float = 5e-5
     member_latency: float = 0.0
     call_overhead: float = 0.0
+    step_overhead: float = 0.0
+    replica_overhead: float = 0.0
     shared_cores: int | None = None
 
     def hosts_of(self, devices: int) -> int:
@@ -185,18 +195,20 @@ def _compute_time(config, stages, costs, micro, hardware):
             return 1.0
         return (1.0 if split else 2.0) + float(config.remat)  # remat: the forward again
 
+    devices = min(hardware.devices_per_host or math.inf, config.devices_needed)
+    copies = devices / config.pipeline  # the replicas and tensor ranks on the host
     if hardware.shared_cores:  # every device's work on one processor, no bubble
         flop_seconds = sum(times(a) * flops[a.stage] for order in orders for a in order)
         overhead_seconds = sum(times(a) * overheads[a.stage] for order in orders for a in order)
-        devices = min(hardware.devices_per_host or math.inf, config.devices_needed)
-        copies = devices / config.pipeline  # the replicas and tensor ranks on the host
-        return copies * (flop_seconds + overhead_seconds / hardware.shared_cores), 0.0
+        return (copies * (flop_seconds + overhead_seconds / hardware.shared_cores
+                          + hardware.replica_overhead) + hardware.step_overhead), 0.0
 
     def seconds(action):
         return times(action) * (flops[action.stage] + overheads[action.stage])
 
     busiest = max(sum(seconds(a) for a in order) for order in orders)
-    return busiest, max(0.0, _played_out(orders, seconds, len(stages)) - busiest)
+    fixed = hardware.step_overhead + copies * hardware.replica_overhead
+    return busiest + fixed, max(0.0, _played_out(orders, seconds, len(stages)) - busiest)
 
 
 def _played_out(orders, seconds, stages):

@@ -143,7 +143,15 @@ def auto_plan(devices, config, arguments):
             "`sequence_length` and ParallelConfig fields to hold (such as `zero=3`); "
             + ("not `config`." if config is not None else f"missing: {', '.join(missing)}."))
     logging.info("tfdist: planning for %d devices (plan=\"auto\")", len(devices))
-    return planning.predicted_plans(devices=len(devices), **arguments)
+
+    def trial(config, rows):  # what each replica adds to a step, timed as tfdist.plan does
+        return planning.fit_step_seconds(
+            Strategy(config, devices=devices[:config.devices_needed]), arguments["model"],
+            rows, arguments.get("sequence_length"), planning.TRIAL_STEPS)
+
+    built = isinstance(arguments["model"], keras.Model)
+    return planning.predicted_plans(devices=len(devices), trial=None if built else trial,
+                                    **arguments)
 
 
 def default_devices() -> list[str]:

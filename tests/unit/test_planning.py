@@ -1,5 +1,6 @@
 """`tfdist.plan`: configurations enumerated, predicted and ranked; no training."""
 
+import dataclasses
 import functools
 
 import keras
@@ -206,10 +207,78 @@ def test_latency_is_measured_over_this_processs_devices_and_not_mixed_with_defau
     assert sorted(timed) == [2, 4] and None not in timed.values()
     assert measured.collective_latency == timed[2] != Hardware.collective_latency
     assert measured.member_latency == pytest.approx(max(0.0, timed[4] - timed[2]) / 2)
+    # a step's own call, and each replica's share, call and update (stand-ins: a model given)
+    assert measured.step_overhead > 0 and measured.replica_overhead > 0
     # more devices than this process has: 2 members measured, no growth guessed
     beyond = planning.measured_hardware(model, 64, device_bandwidth=1e10, link_bandwidth=1e9)
     assert beyond.collective_latency != Hardware.collective_latency
     assert beyond.member_latency == 0.0
+
+
+def test_a_steps_own_call_is_paid_once_and_each_replicas_work_by_each_replica():
+    model = _mlp()
+    base = dict(device_flops=1e10, device_bandwidth=8e9, link_bandwidth=1.25e8)
+
+    def added(field, **fields):
+        """What 1 ms of `field` adds to the step, on devices of their own and on shared cores."""
+        config = ParallelConfig(**fields).resolve(4)
+        return [predict_step_time(config, model, 32, Hardware(**base, shared_cores=cores,
+                                                              **{field: 1e-3})).total
+                - predict_step_time(config, model, 32, Hardware(**base,
+                                                                shared_cores=cores)).total
+                for cores in (None, 2)]
+
+    pipelined = dict(pipeline=4, microbatches=4, schedule="1f1b")
+    for fields in (dict(data=4), dict(data=1, **pipelined), dict(data=2, tensor=2)):
+        assert added("step_overhead", **fields) == pytest.approx([1e-3, 1e-3])
+    # a copy of the model's calls: each data replica, each tensor rank; a pipeline's stages one
+    assert added("replica_overhead", data=4) == pytest.approx([4e-3, 4e-3])
+    assert added("replica_overhead", data=2, tensor=2) == pytest.approx([4e-3, 4e-3])
+    assert added("replica_overhead", data=1, **pipelined) == pytest.approx([1e-3, 1e-3])
+    assert added("replica_overhead", data=2, pipeline=2, microbatches=2,
+                 schedule="1f1b") == pytest.approx([2e-3, 2e-3])
+
+
+def test_each_replicas_work_is_what_real_steps_add_beyond_the_prediction(monkeypatch):
+    from tfdist import plan_trials, planning
+
+    timed = []
+
+    def trial(config, batch_size):
+        timed.append((config.data, batch_size))
+        return {1: 0.010, 4: 0.016}[config.data]  # 6 ms more for 3 more replicas
+
+    model = _mlp(layers=2, width=32)
+    hardware = planning.measured_hardware(model, 4, rows=8, trial=trial,
+                                          device_bandwidth=1e10, link_bandwidth=1e9)
+    assert timed == [(1, 32), (4, 32)]  # data parallelism over 1 and 4 devices, 8 rows each
+    without = dataclasses.replace(hardware, replica_overhead=0.0)
+
+    def predicted(devices):
+        return predict_step_time(ParallelConfig(data=devices).resolve(devices), model, 32,
+                                 without).total
+
+    explained = predicted(4) - predicted(1)
+    assert 0 < explained < 0.006
+    assert hardware.replica_overhead == pytest.approx((0.006 - explained) / 3)
+    # tfdist.plan and plan="auto" time the steps of a function building the model; of a
+    # model, stand-ins
+    timed.clear()
+    monkeypatch.setattr(plan_trials, "measured_step_seconds",
+                        lambda config, build, batch_size, *rest: trial(config, batch_size))
+    build = functools.partial(_mlp, layers=2, width=32)
+    tfdist.plan(build, devices=4, memory_per_device="1GiB", batch_size=32)
+    assert timed == [(1, 32), (4, 32)]
+    timed.clear()
+    monkeypatch.setattr(planning, "fit_step_seconds",
+                        lambda strategy, build, batch_size, *rest: trial(
+                            strategy.config, batch_size))
+    tfdist.Strategy(plan="auto", devices=DEVICES, model=build, memory_per_device="1GiB",
+                    batch_size=32)
+    assert timed == [(1, 32), (4, 32)]
+    timed.clear()
+    tfdist.plan(build(), devices=4, memory_per_device="1GiB", batch_size=32)
+    assert timed == []
 
 
 def test_hosts_put_the_data_groups_gradients_on_the_slower_link():
