@@ -59,8 +59,10 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
 # limit stays within it.
 HEADROOM = 0.15
 # Steps of each training that times what a replica adds to a step (the first
-# two, which trace, left out).
+# two, which trace, left out), and its examples per device: one, so that the
+# step is short and little of it is the compute the model already predicts.
 TRIAL_STEPS = 20
+TRIAL_ROWS = 1
 _QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
@@ -284,7 +286,8 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
     """`tfdist.plan` without `measure` (the arguments are its): every
     configuration of `devices` devices for `model`, predicted and ranked
     (`Plans`, best first). What `Strategy(plan="auto")` follows. `trial`:
-    `measured_hardware`'s (used when `device_flops` is None).
+    `measured_hardware`'s, used when `device_flops` is None and one device
+    can train the whole model (its predicted peak fits).
 
     Example:
 
@@ -310,6 +313,11 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
                          f"{built.name!r} is not.")
     if not built.optimizer.built:
         built.optimizer.build(built.trainable_variables)
+    one = ParallelConfig(data=1).resolve(1)
+    if trial is not None and modes.planned_peak(
+            one, built, TRIAL_ROWS * devices // hosts, sequence_length).total > limit * (
+            1 - headroom):
+        trial = None  # a device could not train the whole model: stand-ins instead
     if flops:
         hardware = Hardware(flops, **bandwidths)
     else:
@@ -424,8 +432,8 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
       of the model's real training step under `config`: `fit_step_seconds`
       under a strategy of it), what each further replica adds to the step
       beyond what the other fields predict: data parallelism over 1 and over
-      `devices` devices (as many as this process has), `rows` examples per
-      device. Without it, a stand-in:
+      `devices` devices (as many as this process has), `TRIAL_ROWS`
+      examples per device. Without it, a stand-in:
       what each further device adds to a `MirroredStrategy` step that takes
       its share of a batch and sums it, and (on shared cores, where the
       replicas' updates share them) a fresh copy of the model's optimizer
@@ -466,8 +474,7 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
                         else max(0.0, every - two) / (devices - 2)),
         shared_cores=cores, **bandwidths)
     if trial is not None:
-        replica = _replica_seconds_of_steps(model, trial, devices, rows, sequence_length,
-                                            hardware)
+        replica = _replica_seconds_of_steps(model, trial, devices, sequence_length, hardware)
     else:
         update = _update_seconds(model.optimizer, len(model.trainable_variables)) - call
         replica = (_replica_call_seconds(model, devices, rows, sequence_length)
@@ -554,16 +561,16 @@ def _replica_call_seconds(model, devices, rows, sequence_length, repeats=9):
     return max(0.0, step_seconds(devices) - step_seconds(1)) / (devices - 1)
 
 
-def _replica_seconds_of_steps(model, trial, devices, rows, sequence_length, hardware):
+def _replica_seconds_of_steps(model, trial, devices, sequence_length, hardware):
     """What each further replica adds to the model's training step (timed
     by `trial`) under data parallelism over this process's first `devices`
-    devices (as many as it has), `rows` examples per device, beyond what
-    `hardware` predicts (0.0 with one device: nothing to compare)."""
+    devices (as many as it has), `TRIAL_ROWS` examples per device, beyond
+    what `hardware` predicts (0.0 with one device: nothing to compare)."""
     available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
     devices = min(devices, len(available))
     if devices < 2:
         return 0.0
-    batch = rows * devices
+    batch = TRIAL_ROWS * devices
     configs = [ParallelConfig(data=n).resolve(n) for n in (1, devices)]
     measured = [trial(config, batch) for config in configs]
     predicted = [predict_step_time(config, model, batch, hardware, sequence_length).total

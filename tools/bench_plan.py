@@ -16,14 +16,16 @@ model: the
 rank the prediction gave the plan measured fastest, the measured time of
 the plan the prediction chose (`plans` ranked without measuring) against the
 fastest's (also with both timed `--repeats` times more, their best times;
-and what `measure=3` / `measure=5` would pick from the times above), and
-the rank correlation of predicted and measured times.
+and what `measure=3` / `measure=5` would pick from the times above), the
+rank correlation of predicted and measured times, and the `Hardware` the
+plans were predicted for (its numbers).
 
     python tools/bench_plan.py --measured=results.jsonl
 
 predicts again and reuses the measured times of an earlier run.
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -157,7 +159,9 @@ def bench_model(name):
               [p.time.total for p in timed], [p.measured for p in timed]), 3)
           if len(timed) > 1 else None,  # (one plan timed: nothing to correlate)
           "median_measured_ms": round(1e3 * statistics.median(p.measured for p in timed), 2),
-          **with_measure, **again},
+          **with_measure, **again,
+          "hardware": {key: value for key, value in dataclasses.asdict(predicted.hardware).items()
+                       if isinstance(value, (int, float))}},
          FLAGS.out)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 import tfdist
 from tfdist.config import ParallelConfig
+from tfdist.engine import modes
 from tfdist.planning import parse_quantity
 from tfdist.sharding.peak import readable
 from tfdist.step_time import Hardware, predict_step_time
@@ -251,11 +252,11 @@ def test_each_replicas_work_is_what_real_steps_add_beyond_the_prediction(monkeyp
     model = _mlp(layers=2, width=32)
     hardware = planning.measured_hardware(model, 4, rows=8, trial=trial,
                                           device_bandwidth=1e10, link_bandwidth=1e9)
-    assert timed == [(1, 32), (4, 32)]  # data parallelism over 1 and 4 devices, 8 rows each
+    assert timed == [(1, 4), (4, 4)]  # data parallelism over 1 and 4 devices, 1 row each
     without = dataclasses.replace(hardware, replica_overhead=0.0)
 
     def predicted(devices):
-        return predict_step_time(ParallelConfig(data=devices).resolve(devices), model, 32,
+        return predict_step_time(ParallelConfig(data=devices).resolve(devices), model, 4,
                                  without).total
 
     explained = predicted(4) - predicted(1)
@@ -268,17 +269,25 @@ def test_each_replicas_work_is_what_real_steps_add_beyond_the_prediction(monkeyp
                         lambda config, build, batch_size, *rest: trial(config, batch_size))
     build = functools.partial(_mlp, layers=2, width=32)
     tfdist.plan(build, devices=4, memory_per_device="1GiB", batch_size=32)
-    assert timed == [(1, 32), (4, 32)]
+    assert timed == [(1, 4), (4, 4)]
     timed.clear()
     monkeypatch.setattr(planning, "fit_step_seconds",
                         lambda strategy, build, batch_size, *rest: trial(
                             strategy.config, batch_size))
     tfdist.Strategy(plan="auto", devices=DEVICES, model=build, memory_per_device="1GiB",
                     batch_size=32)
-    assert timed == [(1, 32), (4, 32)]
+    assert timed == [(1, 4), (4, 4)]
     timed.clear()
     tfdist.plan(build(), devices=4, memory_per_device="1GiB", batch_size=32)
     assert timed == []
+    # nor when one device could not train the whole model
+    whole = build()
+    whole.optimizer.build(whole.trainable_variables)  # (as tfdist.plan does: its slots count)
+    one = modes.planned_peak(ParallelConfig(data=1).resolve(1), whole, 4).total
+    tfdist.plan(build, devices=4, memory_per_device=int(one), batch_size=32)
+    assert timed == []
+    tfdist.plan(build, devices=4, memory_per_device=int(one / 0.85) + 1, batch_size=32)
+    assert timed == [(1, 4), (4, 4)]
 
 
 def test_hosts_put_the_data_groups_gradients_on_the_slower_link():
