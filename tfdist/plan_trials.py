@@ -17,11 +17,10 @@ import tensorflow as tf
 from tfdist.config import ParallelConfig
 from tfdist.planning import (
     HEADROOM,
-    TRIAL_STEPS,
     Plans,
     describe_config,
-    fit_step_seconds,
     predicted_plans,
+    step_timer,
 )
 from tfdist.strategy import Strategy
 
@@ -86,8 +85,8 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         raise ValueError(f"`measure={measure}` builds the model again under each plan's "
                          f"strategy: pass `model` as a function returning the compiled "
                          f"model, not the model.")
-    def trial(config, rows):  # (looked up when called: `measured_step_seconds` below)
-        return measured_step_seconds(config, model, rows, sequence_length, TRIAL_STEPS, dataset)
+    def trial(config, rows):
+        return step_timer(strategy_of(config), model, rows, sequence_length, dataset)
 
     plans = predicted_plans(model, devices, memory_per_device, batch_size, sequence_length,
                             hosts, link_bandwidth, device_bandwidth, device_flops, headroom,
@@ -117,6 +116,20 @@ def measured_step_seconds(config: ParallelConfig, model_fn, batch_size: int,
     measured_step_seconds(plans.best.config, build, batch_size=32)
     ```
     """
+    return step_timer(strategy_of(config), model_fn, batch_size, sequence_length,
+                      dataset)(steps)
+
+
+def strategy_of(config: ParallelConfig) -> Strategy:
+    """A `Strategy` of `config` on this process's first devices; `ValueError`
+    when it has fewer than `config` needs.
+
+    Example:
+
+    ```python
+    strategy_of(ParallelConfig(data=2, pipeline=2).resolve(4)).config.pipeline
+    ```
+    """
     devices = config.devices_needed
     available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
     if len(available) < devices:
@@ -124,5 +137,4 @@ def measured_step_seconds(config: ParallelConfig, model_fn, batch_size: int,
             f"Measuring {describe_config(config)} trains on {devices} devices, but this "
             f"process has {len(available)}: call tfdist.use_virtual_devices({devices}) "
             f"before TensorFlow starts, or measure=0.")
-    strategy = Strategy(config, devices=[device.name for device in available[:devices]])
-    return fit_step_seconds(strategy, model_fn, batch_size, sequence_length, steps, dataset)
+    return Strategy(config, devices=[device.name for device in available[:devices]])

@@ -58,10 +58,11 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
 # prediction (docs/benchmarks.md), so a plan predicted within 85% of the
 # limit stays within it.
 HEADROOM = 0.15
-# Steps of each training that times what a replica adds to a step (the first
-# two, which trace, left out), and its examples per device: one, so that the
-# step is short and little of it is the compute the model already predicts.
-TRIAL_STEPS = 20
+# The trainings that time what a replica adds to a step: rounds of this many
+# steps each (their median), after one that traces; one example per device,
+# so that a step is short and little of it the compute the model predicts.
+TRIAL_STEPS = 10
+TRIAL_ROUNDS = 3
 TRIAL_ROWS = 1
 _QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*")
 
@@ -313,17 +314,13 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
                          f"{built.name!r} is not.")
     if not built.optimizer.built:
         built.optimizer.build(built.trainable_variables)
-    one = ParallelConfig(data=1).resolve(1)
-    if trial is not None and modes.planned_peak(
-            one, built, TRIAL_ROWS * devices // hosts, sequence_length).total > limit * (
-            1 - headroom):
-        trial = None  # a device could not train the whole model: stand-ins instead
     if flops:
         hardware = Hardware(flops, **bandwidths)
     else:
         hardware = measured_hardware(built, devices // hosts, sequence_length,
                                      max(4, batch_size // devices), trial=trial,
-                                     **bandwidths)
+                                     memory=limit * (1 - headroom),
+                                     pass_rows=_pass_rows(batch_size), **bandwidths)
     plans = Plans(memory_per_device=limit, hardware=hardware, headroom=headroom)
     usable = plans.usable
     layouts = {}
@@ -414,12 +411,19 @@ def candidates(model, devices, batch_size, hosts=1, fixed=None):
             yield config, None
 
 
+def _pass_rows(batch_size):
+    """Rows a pass over the layers may have: the powers of 2 from 2 up to
+    `batch_size`, and `batch_size`."""
+    return sorted({2**k for k in range(1, batch_size.bit_length()) if 2**k <= batch_size}
+                  | {batch_size} - {1})
+
+
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
-                      trial=None, **bandwidths) -> Hardware:
+                      trial=None, memory=None, pass_rows=(), **bandwidths) -> Hardware:
     """The `Hardware` of this process's devices, timed on `model`:
 
     - `step_overhead`: a function's call and the fetch of its result;
@@ -427,13 +431,18 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
       on the first device, at `rows` and at 1 example, their difference
       per example set against the estimated FLOPs (3x the forward's,
       `tfdist.pipeline.cost`), what remains of the 1-example time beyond
-      the call over the layer calls;
-    - `replica_overhead`: with `trial` (`(config, batch_size) -> seconds`
-      of the model's real training step under `config`: `fit_step_seconds`
-      under a strategy of it), what each further replica adds to the step
-      beyond what the other fields predict: data parallelism over 1 and over
-      `devices` devices (as many as this process has), `TRIAL_ROWS`
-      examples per device. Without it, a stand-in:
+      the call over the layer calls; `flops_at`: the same rate at each of
+      `pass_rows`;
+    - `replica_overhead`: with `trial` (`(config, batch_size) -> timer`,
+      `step_timer` of the model under a strategy of `config`), what each
+      further replica adds to the model's training step beyond what the
+      other fields predict: data parallelism over `devices` devices (as
+      many as this process has), `TRIAL_ROWS` examples per device, against
+      the fewest devices training the same examples in microbatches (the
+      same passes over the layers) whose predicted peak is within `memory`
+      bytes per device (`trial_configs`), timed in alternate rounds, the
+      median of the rounds' differences. Without it, or when no two such
+      configurations fit, a stand-in:
       what each further device adds to a `MirroredStrategy` step that takes
       its share of a batch and sums it, and (on shared cores, where the
       replicas' updates share them) a fresh copy of the model's optimizer
@@ -443,6 +452,9 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
       all-reduce: the latency of 2 members, and what each further member
       adds (`Hardware`'s defaults, and no growth, where this process has
       fewer devices than a chain needs);
+    - `send_latency`: a chain of small ops alternating between 2 devices
+      of this process against the same chain on one, per op (None with one
+      device: a 2-device collective's);
     - `shared_cores`: this host's cores when the devices are logical CPU
       devices (no GPU); each replica's update then shares them.
 
@@ -458,23 +470,31 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
     ```
     """
     call = _fewest_seconds(_scalar_call())
-    few, many = (_forward_and_backward_seconds(model, n, sequence_length) for n in (1, rows))
+    few = _forward_and_backward_seconds(model, 1, sequence_length)
     graph = LayerGraph(model)
-    per_example = max(many - few, 1e-9) / (rows - 1)
     flops = 3 * sum(node_cost(node, sequence_length) for node in graph.nodes)
+
+    def rate(examples):
+        many = _forward_and_backward_seconds(model, examples, sequence_length)
+        return flops * (examples - 1) / max(many - few, 1e-9)
+
+    per_example = flops / rate(rows)
     cores = None if tf.config.list_logical_devices("GPU") else len(os.sched_getaffinity(0))
     two = _all_reduce_seconds(2)
     every = _all_reduce_seconds(devices) if devices > 2 else None
     hardware = Hardware(
         device_flops=flops / per_example,
+        flops_at=tuple((n, rate(n)) for n in sorted(set(pass_rows)) if n > 1),
         call_overhead=max(0.0, few - per_example - call) / (3 * len(graph.nodes)),
         step_overhead=call,
         collective_latency=Hardware.collective_latency if two is None else two,
         member_latency=(0.0 if two is None or every is None
                         else max(0.0, every - two) / (devices - 2)),
-        shared_cores=cores, **bandwidths)
-    if trial is not None:
-        replica = _replica_seconds_of_steps(model, trial, devices, sequence_length, hardware)
+        send_latency=_send_seconds(), shared_cores=cores, **bandwidths)
+    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    configs = trial_configs(model, min(devices, len(available)), sequence_length, memory)
+    if trial is not None and configs:
+        replica = _replica_seconds_of_steps(model, trial, configs, sequence_length, hardware)
     else:
         update = _update_seconds(model.optimizer, len(model.trainable_variables)) - call
         replica = (_replica_call_seconds(model, devices, rows, sequence_length)
@@ -561,45 +581,78 @@ def _replica_call_seconds(model, devices, rows, sequence_length, repeats=9):
     return max(0.0, step_seconds(devices) - step_seconds(1)) / (devices - 1)
 
 
-def _replica_seconds_of_steps(model, trial, devices, sequence_length, hardware):
+def _replica_seconds_of_steps(model, trial, configs, sequence_length, hardware):
     """What each further replica adds to the model's training step (timed
-    by `trial`) under data parallelism over this process's first `devices`
-    devices (as many as it has), `TRIAL_ROWS` examples per device, beyond
-    what `hardware` predicts (0.0 with one device: nothing to compare)."""
-    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
-    devices = min(devices, len(available))
-    if devices < 2:
-        return 0.0
-    batch = TRIAL_ROWS * devices
-    configs = [ParallelConfig(data=n).resolve(n) for n in (1, devices)]
-    measured = [trial(config, batch) for config in configs]
+    by `trial`) from the first of `configs` (`trial_configs`) to the second,
+    beyond what `hardware` predicts: the median of alternate rounds'
+    differences."""
+    batch = TRIAL_ROWS * configs[1].data
+    timers = [trial(config, batch) for config in configs]
+    for timer in timers:
+        timer(TRIAL_STEPS)  # traces
+    differences = []
+    for _ in range(TRIAL_ROUNDS):  # alternately: the host's speed drifts between them
+        fewer, every = (timer(TRIAL_STEPS) for timer in timers)
+        differences.append(every - fewer)
     predicted = [predict_step_time(config, model, batch, hardware, sequence_length).total
                  for config in configs]
-    unexplained = (measured[1] - measured[0]) - (predicted[1] - predicted[0])
-    return max(0.0, unexplained) / (devices - 1)
+    unexplained = statistics.median(differences) - (predicted[1] - predicted[0])
+    return max(0.0, unexplained) / (configs[1].data - configs[0].data)
 
 
-def fit_step_seconds(strategy, model_fn, batch_size: int, sequence_length=None,
-                     steps: int = 10, dataset=None) -> float:
-    """Median seconds of a training step of `model_fn()`, built under
-    `strategy`, over `steps` steps of `fit` (the first two, which trace,
-    left out); `dataset`: a function `(batch_size) -> tf.data.Dataset` of
-    (inputs, targets), None: `synthetic_batch`'s.
+def trial_configs(model, devices: int, sequence_length=None, memory=None):
+    """The two configurations `measured_hardware` trains to time a
+    replica's work, `TRIAL_ROWS` examples per device: data parallelism
+    over `devices` devices, and over the fewest devices whose microbatches
+    of the same rows (the same passes over the layers) fit in `memory`
+    bytes per device (None: no limit); None when no two fit.
 
     Example:
 
     ```python
-    fit_step_seconds(tfdist.Strategy(data=2), build, batch_size=32)
+    [c.data for c in trial_configs(model, 4)]   # [1, 4]: one device's 4 microbatches
+    ```
+    """
+    def fits(config):
+        return memory is None or modes.planned_peak(
+            config, model, TRIAL_ROWS * devices, sequence_length).total <= memory
+
+    every = ParallelConfig(data=devices).resolve(devices)
+    fewer = (ParallelConfig(data=d, microbatches=devices // d).resolve(d)
+             for d in _divisors(devices)[:-1])
+    first = next((config for config in fewer if fits(config)), None) if fits(every) else None
+    return None if first is None else [first, every]
+
+
+def step_timer(strategy, model_fn, batch_size: int, sequence_length=None, dataset=None):
+    """A function `(steps) -> seconds`: trains `model_fn()`, built under
+    `strategy`, `steps` more steps of `fit` and returns their median time
+    (the first two of its first call, which trace, left out); `dataset`: a
+    function `(batch_size) -> tf.data.Dataset` of (inputs, targets), None:
+    `synthetic_batch`'s.
+
+    Example:
+
+    ```python
+    timed = step_timer(tfdist.Strategy(data=2), build, batch_size=32)
+    timed(10), timed(10)   # seconds per step, twice
     ```
     """
     with strategy.scope():
         model = model_fn()
-    data = dataset(batch_size) if dataset else tf.data.Dataset.from_tensors(
-        synthetic_batch(model, batch_size, sequence_length))
-    timer = _StepTimer()
-    model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False,
-              callbacks=[timer])
-    return statistics.median(timer.seconds[2:] or timer.seconds)
+    data = (dataset(batch_size) if dataset else tf.data.Dataset.from_tensors(
+        synthetic_batch(model, batch_size, sequence_length))).repeat()
+    traced = []
+
+    def timed(steps):
+        timer = _StepTimer()
+        model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[timer])
+        seconds = timer.seconds if traced else timer.seconds[2:] or timer.seconds
+        traced.append(True)
+        return statistics.median(seconds)
+
+    return timed
 
 
 class _StepTimer(keras.callbacks.Callback):
@@ -614,6 +667,27 @@ class _StepTimer(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.seconds.append(time.perf_counter() - self._start)
+
+
+def _send_seconds(chain=40, repeats=9):
+    """Seconds a copy between two of this process's devices adds to each op
+    of a chain of small ones (None with one device: not measured)."""
+    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    if len(available) < 2:
+        return None
+    start = tf.ones([8])
+
+    def chained(devices):
+        @tf.function
+        def run(x):
+            for i in range(chain):
+                with tf.device(devices[i % len(devices)].name):
+                    x = tf.sin(x)
+            return tf.reduce_sum(x)
+
+        return _fewest_seconds(lambda: run(start).numpy(), repeats)
+
+    return max(0.0, chained(available[:2]) - chained(available[:1])) / chain
 
 
 def _all_reduce_seconds(devices, chain=20, repeats=5):

@@ -5,7 +5,8 @@ same estimates the pipeline's balance uses (`tfdist.pipeline.cost`, FLOPs
 per example of each layer call) and the layout `describe` prints:
 
 - compute: the busiest device's forward (1x) and backward (2x; remat adds a
-  forward) over its rows, at `device_flops`; a layer tensor groups split
+  forward) over its rows, at `device_flops` (or the rate measured at the
+  nearest number of rows a pass, `Hardware.flops_at`); a layer tensor groups split
   costs 1/tensor of its FLOPs per device (in the share of its weights they
   split); each layer call's overhead; the step's own call
   (`Hardware.step_overhead`) and each replica's work besides its layers
@@ -17,7 +18,7 @@ per example of each layer call) and the layout `describe` prints:
   device's own work.
 - communication: ring collectives, each moving (n - 1) / n of its bytes per
   device (twice for an all-reduce), plus a latency each that grows with
-  its members (`Hardware.latency`; a send's is a 2-member collective's):
+  its members (`Hardware.latency`; a send's `Hardware.send_latency`):
   the data group's gradients (compressed as `compression` says), ZeRO's
   parameter gathers (zero 1/2 after the update, zero=3 twice per step), the
   tensor groups' activation all-reduces (two per split block: Megatron's
@@ -63,13 +64,18 @@ class Hardware:
 
     Args:
         device_flops: floating-point operations per second of one device.
+        flops_at: ((rows, FLOP/s), ...): the rate measured with that many
+            rows a pass over the layers (small passes run slower); a pass
+            runs at the rate of the nearest (`rate`); none: `device_flops`.
         device_bandwidth: bytes per second between two devices of a host.
         link_bandwidth: bytes per second between two hosts.
         devices_per_host: devices of each host (None: all on one).
-        collective_latency: seconds a collective of 2 devices, or a send,
-            costs besides its bytes.
+        collective_latency: seconds a collective of 2 devices costs besides
+            its bytes.
         member_latency: seconds each further member adds to a collective's
             latency (a ring's steps grow with its members).
+        send_latency: seconds a pipeline's send between two devices of a
+            host costs besides its bytes (None: a 2-device collective's).
         call_overhead: seconds each layer call's forward costs besides its
             FLOPs (its backward twice that): the runtime's per-op work.
         step_overhead: seconds a step costs once, whatever its layout:
@@ -97,10 +103,23 @@ class Hardware:
     devices_per_host: int | None = None
     collective_latency: float = 5e-5
     member_latency: float = 0.0
+    send_latency: float | None = None
     call_overhead: float = 0.0
+    flops_at: tuple = ()
     step_overhead: float = 0.0
     replica_overhead: float = 0.0
     shared_cores: int | None = None
+
+    def rate(self, rows: float) -> float:
+        """FLOP/s of a pass over `rows` rows: `flops_at`'s nearest (by
+        ratio), else `device_flops`.
+
+        >>> Hardware(1e12, 1e11, 1e9, flops_at=((4, 1e11), (32, 4e11))).rate(8)
+        100000000000.0
+        """
+        if not self.flops_at:
+            return self.device_flops
+        return min(self.flops_at, key=lambda measured: abs(math.log(measured[0] / rows)))[1]
 
     def hosts_of(self, devices: int) -> int:
         """How many hosts `devices` devices span (1 when `devices_per_host` is None)."""
@@ -182,7 +201,7 @@ def _compute_time(config, stages, costs, micro, hardware):
     """(compute, bubble) of the step's actions: each stage's (a whole model
     without `pipeline`) forward and backward of every microbatch of `micro`
     rows, in the schedule's order."""
-    flops = [micro * sum(costs[id(node)] for node in stage.nodes) / hardware.device_flops
+    flops = [micro * sum(costs[id(node)] for node in stage.nodes) / hardware.rate(micro)
              for stage in stages]
     overheads = [len(stage.nodes) * hardware.call_overhead for stage in stages]
     orders = pipeline_schedule.stage_orders(config.schedule, len(stages) // (
@@ -297,4 +316,5 @@ def _pipeline_send_time(config, stages, rows, sequence_length, hardware):
     largest = max((tensors_bytes(stage.inputs, 1, sequence_length) for stage in stages[1:]),
                   default=0)
     sends = 2 * config.microbatches
-    return sends * (micro * largest / hardware.device_bandwidth + hardware.latency(2))
+    latency = hardware.latency(2) if hardware.send_latency is None else hardware.send_latency
+    return sends * (micro * largest / hardware.device_bandwidth + latency)

@@ -145,9 +145,8 @@ def auto_plan(devices, config, arguments):
     logging.info("tfdist: planning for %d devices (plan=\"auto\")", len(devices))
 
     def trial(config, rows):  # what each replica adds to a step, timed as tfdist.plan does
-        return planning.fit_step_seconds(
-            Strategy(config, devices=devices[:config.devices_needed]), arguments["model"],
-            rows, arguments.get("sequence_length"), planning.TRIAL_STEPS)
+        return planning.step_timer(Strategy(config, devices=devices[:config.devices_needed]),
+                                   arguments["model"], rows, arguments.get("sequence_length"))
 
     built = isinstance(arguments["model"], keras.Model)
     return planning.predicted_plans(devices=len(devices), trial=None if built else trial,

@@ -161,7 +161,7 @@ def bench_model(name):
           "median_measured_ms": round(1e3 * statistics.median(p.measured for p in timed), 2),
           **with_measure, **again,
           "hardware": {key: value for key, value in dataclasses.asdict(predicted.hardware).items()
-                       if isinstance(value, (int, float))}},
+                       if isinstance(value, (int, float, tuple))}},
          FLAGS.out)
 
 

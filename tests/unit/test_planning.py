@@ -161,6 +161,22 @@ def test_the_bubble_follows_the_schedule_and_shrinks_with_microbatches():
     assert time_of(pipeline=4, microbatches=4, schedule="zb1").bubble < few.bubble
 
 
+def test_a_pass_runs_at_the_rate_measured_nearest_its_rows():
+    model = _mlp(layers=8, width=512)
+    # passes of 8 rows run at a quarter of the rate of passes of 32
+    hardware = Hardware(1e10, 8e18, 1.25e18, collective_latency=0.0,
+                        flops_at=((8, 1e9), (32, 4e9)))
+
+    def compute(**fields):
+        return predict_step_time(ParallelConfig(**fields).resolve(4), model, 32,
+                                 hardware).compute
+
+    # the same FLOPs a device: 8 rows of the whole model, or 32 rows of a quarter of it
+    assert compute(data=4) == pytest.approx(4 * compute(data=1, tensor=4), rel=0.05)
+    assert compute(data=1, tensor=4, microbatches=4) == pytest.approx(compute(data=4), rel=0.05)
+    assert hardware.rate(12) == 1e9 and hardware.rate(20) == 4e9  # nearest by ratio
+
+
 def test_tensor_groups_split_the_compute_and_send_activations_not_gradients():
     model = _mlp(layers=8, width=512)
     hardware = Hardware(1e10, 8e9, 1.25e8, collective_latency=0.0)
@@ -203,7 +219,10 @@ def test_latency_is_measured_over_this_processs_devices_and_not_mixed_with_defau
     monkeypatch.setattr(planning, "_all_reduce_seconds",
                         lambda devices: timed.setdefault(devices, measure(devices)))
     model = _mlp(layers=2, width=32)
-    measured = planning.measured_hardware(model, 4, device_bandwidth=1e10, link_bandwidth=1e9)
+    measured = planning.measured_hardware(model, 4, pass_rows=(4, 16), device_bandwidth=1e10,
+                                          link_bandwidth=1e9)
+    assert [rows for rows, _ in measured.flops_at] == [4, 16]  # a rate at each
+    assert all(rate > 0 for _, rate in measured.flops_at)
     # both chains ran on this process's devices; their times, not defaults, are the latencies
     assert sorted(timed) == [2, 4] and None not in timed.values()
     assert measured.collective_latency == timed[2] != Hardware.collective_latency
@@ -243,51 +262,66 @@ def test_a_steps_own_call_is_paid_once_and_each_replicas_work_by_each_replica():
 def test_each_replicas_work_is_what_real_steps_add_beyond_the_prediction(monkeypatch):
     from tfdist import plan_trials, planning
 
-    timed = []
+    made, rounds = [], []
 
     def trial(config, batch_size):
-        timed.append((config.data, batch_size))
-        return {1: 0.010, 4: 0.016}[config.data]  # 6 ms more for 3 more replicas
+        made.append((config.data, config.microbatches, batch_size))
+
+        def timed(steps):
+            rounds.append(config.data)
+            return {1: 0.010, 4: 0.016}[config.data]  # 6 ms more for 3 more replicas
+        return timed
 
     model = _mlp(layers=2, width=32)
     hardware = planning.measured_hardware(model, 4, rows=8, trial=trial,
                                           device_bandwidth=1e10, link_bandwidth=1e9)
-    assert timed == [(1, 4), (4, 4)]  # data parallelism over 1 and 4 devices, 1 row each
+    # one device's 4 microbatches of 1 row against 4 replicas of 1 row: the same passes
+    assert made == [(1, 4, 4), (4, 1, 4)]
+    assert rounds == [1, 4] * (1 + planning.TRIAL_ROUNDS)  # a first round traces, alternately
     without = dataclasses.replace(hardware, replica_overhead=0.0)
-
-    def predicted(devices):
-        return predict_step_time(ParallelConfig(data=devices).resolve(devices), model, 4,
-                                 without).total
-
-    explained = predicted(4) - predicted(1)
-    assert 0 < explained < 0.006
-    assert hardware.replica_overhead == pytest.approx((0.006 - explained) / 3)
+    fewer, every = (predict_step_time(ParallelConfig(**fields).resolve(fields["data"]), model,
+                                      4, without).total
+                    for fields in (dict(data=1, microbatches=4), dict(data=4)))
+    assert 0 < every - fewer < 0.006
+    assert hardware.replica_overhead == pytest.approx((0.006 - (every - fewer)) / 3)
     # tfdist.plan and plan="auto" time the steps of a function building the model; of a
     # model, stand-ins
-    timed.clear()
-    monkeypatch.setattr(plan_trials, "measured_step_seconds",
-                        lambda config, build, batch_size, *rest: trial(config, batch_size))
     build = functools.partial(_mlp, layers=2, width=32)
+    for module in (plan_trials, planning):
+        monkeypatch.setattr(module, "step_timer",
+                            lambda strategy, build, batch_size, *rest: trial(strategy.config,
+                                                                               batch_size))
+    made.clear()
     tfdist.plan(build, devices=4, memory_per_device="1GiB", batch_size=32)
-    assert timed == [(1, 4), (4, 4)]
-    timed.clear()
-    monkeypatch.setattr(planning, "fit_step_seconds",
-                        lambda strategy, build, batch_size, *rest: trial(
-                            strategy.config, batch_size))
+    assert made == [(1, 4, 4), (4, 1, 4)]
+    made.clear()
     tfdist.Strategy(plan="auto", devices=DEVICES, model=build, memory_per_device="1GiB",
                     batch_size=32)
-    assert timed == [(1, 4), (4, 4)]
-    timed.clear()
+    assert made == [(1, 4, 4), (4, 1, 4)]
+    made.clear()
     tfdist.plan(build(), devices=4, memory_per_device="1GiB", batch_size=32)
-    assert timed == []
-    # nor when one device could not train the whole model
-    whole = build()
-    whole.optimizer.build(whole.trainable_variables)  # (as tfdist.plan does: its slots count)
-    one = modes.planned_peak(ParallelConfig(data=1).resolve(1), whole, 4).total
-    tfdist.plan(build, devices=4, memory_per_device=int(one), batch_size=32)
-    assert timed == []
-    tfdist.plan(build, devices=4, memory_per_device=int(one / 0.85) + 1, batch_size=32)
-    assert timed == [(1, 4), (4, 4)]
+    assert made == []
+
+
+def test_the_replica_trials_fit_in_the_memory_per_device():
+    from tfdist import planning
+
+    model = _mlp(layers=2, width=32)
+    model.optimizer.build(model.trainable_variables)  # (as tfdist.plan does: its slots count)
+    peaks = {(c.data, c.microbatches): modes.planned_peak(c, model, 4).total
+             for c in (ParallelConfig(data=d, microbatches=4 // d).resolve(d) for d in (1, 2, 4))}
+
+    def chosen(memory):
+        configs = planning.trial_configs(model, 4, memory=memory)
+        return configs and [(c.data, c.microbatches) for c in configs]
+
+    assert chosen(None) == [(1, 4), (4, 1)]
+    # the fewest devices whose microbatches fit, against data parallelism over all
+    for memory in sorted(peaks.values()):
+        fitting = sorted(key for key, peak in peaks.items() if peak <= memory)
+        expected = [fitting[0], (4, 1)] if (4, 1) in fitting and len(fitting) > 1 else None
+        assert chosen(memory) == expected
+    assert chosen(min(peaks.values()) - 1) is None
 
 
 def test_hosts_put_the_data_groups_gradients_on_the_slower_link():
