@@ -52,9 +52,9 @@ def plan(model, devices: int, memory_per_device, batch_size: int, sequence_lengt
         device_flops: FLOP/s of one device (the hardware then as given:
             no call overhead, the default collective latency); None: this
             process's devices measured on the model (`measured_hardware`;
-            with `model` a function, two short trainings of data
-            parallelism, over 1 device and over all, measure what each
-            replica adds to a step).
+            with `model` a function, two short trainings measure what each
+            replica adds to a step: data parallelism over the devices
+            against fewer devices' microbatches of the same examples).
         headroom: the share of `memory_per_device` kept free for the
             prediction's error: a plan fits when its predicted peak is
             within the rest (0.15: the predictions measured 0.83-1.16 x on

@@ -287,8 +287,8 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
     """`tfdist.plan` without `measure` (the arguments are its): every
     configuration of `devices` devices for `model`, predicted and ranked
     (`Plans`, best first). What `Strategy(plan="auto")` follows. `trial`:
-    `measured_hardware`'s, used when `device_flops` is None and one device
-    can train the whole model (its predicted peak fits).
+    `measured_hardware`'s (when `device_flops` is None), its trainings held
+    to the memory per device less the headroom.
 
     Example:
 
@@ -474,26 +474,25 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
     graph = LayerGraph(model)
     flops = 3 * sum(node_cost(node, sequence_length) for node in graph.nodes)
 
-    def rate(examples):
-        many = _forward_and_backward_seconds(model, examples, sequence_length)
-        return flops * (examples - 1) / max(many - few, 1e-9)
-
-    per_example = flops / rate(rows)
+    rates = {n: flops * (n - 1) / max(
+        _forward_and_backward_seconds(model, n, sequence_length) - few, 1e-9)
+        for n in sorted(set(pass_rows) | {rows}) if n > 1}
     cores = None if tf.config.list_logical_devices("GPU") else len(os.sched_getaffinity(0))
     two = _all_reduce_seconds(2)
     every = _all_reduce_seconds(devices) if devices > 2 else None
     hardware = Hardware(
-        device_flops=flops / per_example,
-        flops_at=tuple((n, rate(n)) for n in sorted(set(pass_rows)) if n > 1),
-        call_overhead=max(0.0, few - per_example - call) / (3 * len(graph.nodes)),
+        device_flops=rates[rows],
+        flops_at=tuple((n, rates[n]) for n in sorted(set(pass_rows)) if n > 1),
+        call_overhead=max(0.0, few - flops / rates[rows] - call) / (3 * len(graph.nodes)),
         step_overhead=call,
         collective_latency=Hardware.collective_latency if two is None else two,
         member_latency=(0.0 if two is None or every is None
                         else max(0.0, every - two) / (devices - 2)),
         send_latency=_send_seconds(), shared_cores=cores, **bandwidths)
     available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
-    configs = trial_configs(model, min(devices, len(available)), sequence_length, memory)
-    if trial is not None and configs:
+    configs = trial and trial_configs(model, min(devices, len(available)), sequence_length,
+                                      memory)
+    if configs:
         replica = _replica_seconds_of_steps(model, trial, configs, sequence_length, hardware)
     else:
         update = _update_seconds(model.optimizer, len(model.trainable_variables)) - call

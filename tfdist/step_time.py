@@ -5,9 +5,9 @@ same estimates the pipeline's balance uses (`tfdist.pipeline.cost`, FLOPs
 per example of each layer call) and the layout `describe` prints:
 
 - compute: the busiest device's forward (1x) and backward (2x; remat adds a
-  forward) over its rows, at `device_flops` (or the rate measured at the
-  nearest number of rows a pass, `Hardware.flops_at`); a layer tensor groups split
-  costs 1/tensor of its FLOPs per device (in the share of its weights they
+  forward) over its rows, at `device_flops` (or the rate measured nearest
+  a pass's rows, `Hardware.flops_at`); a layer tensor groups split costs
+  1/tensor of its FLOPs per device (in the share of its weights they
   split); each layer call's overhead; the step's own call
   (`Hardware.step_overhead`) and each replica's work besides its layers
   (`Hardware.replica_overhead`).
@@ -27,8 +27,9 @@ per example of each layer call) and the layout `describe` prints:
   data group crosses hosts when there are several (`link_bandwidth`).
 
 What it leaves out: overlap of communication with compute (it adds them),
-XLA's fusion, the per-op overheads that dominate very small models, and
-memory bandwidth. `tfdist.plan(..., measure=K)` times the top plans for real.
+XLA's fusion, what a pipeline's stages cost beyond their layers and sends
+when there are several replicas (docs/benchmarks.md), and memory bandwidth.
+`tfdist.plan(..., measure=K)` times the top plans for real.
 
 Example:
 
