@@ -12,13 +12,13 @@ plans = tfdist.plan(build_model, devices=4, memory_per_device="1GiB",
 """
 
 import keras
-import tensorflow as tf
 
 from tfdist.config import ParallelConfig
 from tfdist.planning import (
     HEADROOM,
     Plans,
     describe_config,
+    local_devices,
     predicted_plans,
     step_timer,
 )
@@ -131,7 +131,7 @@ def strategy_of(config: ParallelConfig) -> Strategy:
     ```
     """
     devices = config.devices_needed
-    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    available = local_devices()
     if len(available) < devices:
         raise ValueError(
             f"Measuring {describe_config(config)} trains on {devices} devices, but this "

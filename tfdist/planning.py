@@ -489,7 +489,7 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
         member_latency=(0.0 if two is None or every is None
                         else max(0.0, every - two) / (devices - 2)),
         send_latency=_send_seconds(), shared_cores=cores, **bandwidths)
-    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    available = local_devices()
     configs = trial and trial_configs(model, min(devices, len(available)), sequence_length,
                                       memory)
     if configs:
@@ -499,6 +499,16 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
         replica = (_replica_call_seconds(model, devices, rows, sequence_length)
                    + (max(0.0, update) / cores if cores else 0.0))
     return dataclasses.replace(hardware, replica_overhead=replica)
+
+
+def local_devices():
+    """This process's logical accelerators, or its logical CPUs if none: the
+    devices its calibrations and trainings run on.
+
+    >>> local_devices()[0].device_type  # on a host without GPUs
+    'CPU'
+    """
+    return tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
 
 
 def _fewest_seconds(call, repeats=9):
@@ -556,7 +566,7 @@ def _replica_call_seconds(model, devices, rows, sequence_length, repeats=9):
     over this process's first `devices` devices (as many as it has) that
     takes its share of a batch of `rows` examples per device and sums it
     (0.0 with one device: nothing to compare)."""
-    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    available = local_devices()
     devices = min(devices, len(available))
     if devices < 2:
         return 0.0
@@ -671,7 +681,7 @@ class _StepTimer(keras.callbacks.Callback):
 def _send_seconds(chain=40, repeats=9):
     """Seconds a copy between two of this process's devices adds to each op
     of a chain of small ones (None with one device: not measured)."""
-    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    available = local_devices()
     if len(available) < 2:
         return None
     start = tf.ones([8])
@@ -692,7 +702,7 @@ def _send_seconds(chain=40, repeats=9):
 def _all_reduce_seconds(devices, chain=20, repeats=5):
     """Seconds per all-reduce of a chain of small ones over `devices` of
     this process's devices (None when it has fewer: not measured)."""
-    available = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    available = local_devices()
     if devices < 2 or len(available) < devices:
         return None
     strategy = MirroredStrategyOfItsOwnKeys([device.name for device in available[:devices]])
