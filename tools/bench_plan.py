@@ -1,10 +1,11 @@
 """Benchmark: `tfdist.plan`'s predictions against every valid plan measured.
 
-    python tools/bench_plan.py [--models=mlp,convnet,gpt2,llama] [--devices=4]
-        [--batch_size=32] [--steps=12] [--repeats=2] [--out=results.jsonl]
+    python tools/bench_plan.py [--models=mlp,convnet,gpt2,llama,bert] [--devices=4]
+        [--width=128] [--batch_size=32] [--steps=12] [--repeats=2] [--out=results.jsonl]
 
 For each model (small configurations of a wide MLP, a keras-io convnet, and
-keras-hub GPT-2 and Llama backbones with a token classifier; Adam), on
+keras-hub GPT-2, Llama and BERT backbones of `--width` with a token
+classifier; Adam), on
 `--devices` logical CPU devices of this process: `tfdist.plan` with a memory
 per device whose usable part lies `--memory_fraction` of the way from the
 smallest plan's predicted peak to data parallelism's (so that data
@@ -36,7 +37,10 @@ from absl import app, flags
 from results import emit
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["mlp", "convnet", "gpt2", "llama"], "Models to plan.")
+flags.DEFINE_list("models", ["mlp", "convnet", "gpt2", "llama"], "Models to plan (also: "
+                  "bert).")
+flags.DEFINE_integer("width", 128, "The language models' hidden width (4 heads, an MLP of "
+                     "4 x the width).")
 flags.DEFINE_integer("devices", 4, "Logical CPU devices.")
 flags.DEFINE_integer("batch_size", 32, "Global batch.")
 flags.DEFINE_integer("sequence_length", 64, "Tokens per example of the language models.")
@@ -52,7 +56,8 @@ flags.DEFINE_integer("repeats", 2, "Times the chosen and the fastest plan are ti
 flags.DEFINE_string("measured", None, "JSON lines of an earlier run: its measured times "
                     "are reused (the predictions are made again), nothing is trained.")
 
-VOCAB, WIDTH, BLOCKS = 512, 128, 4
+VOCAB, BLOCKS = 512, 4
+LANGUAGE_MODELS = ("gpt2", "llama", "bert")
 
 
 def make_model(name):
@@ -73,17 +78,17 @@ def make_model(name):
             keras.layers.MaxPooling2D(2), keras.layers.Flatten(), keras.layers.Dropout(0.5),
             keras.layers.Dense(10)])
     else:
-        if name == "gpt2":
-            body = keras_hub.models.GPT2Backbone(
-                vocabulary_size=VOCAB, num_layers=BLOCKS, num_heads=4, hidden_dim=WIDTH,
-                intermediate_dim=4 * WIDTH, max_sequence_length=FLAGS.sequence_length,
-                dropout=0.0)
+        shape = dict(vocabulary_size=VOCAB, num_layers=BLOCKS, hidden_dim=FLAGS.width,
+                     intermediate_dim=4 * FLAGS.width, dropout=0.0)
+        if name == "llama":
+            body = keras_hub.models.LlamaBackbone(num_query_heads=4, num_key_value_heads=2,
+                                                  **shape)
         else:
-            body = keras_hub.models.LlamaBackbone(
-                vocabulary_size=VOCAB, num_layers=BLOCKS, num_query_heads=4,
-                num_key_value_heads=2, hidden_dim=WIDTH, intermediate_dim=4 * WIDTH,
-                dropout=0.0)
-        model = keras.Model(body.input, keras.layers.Dense(VOCAB)(body.output))
+            backbone = {"gpt2": keras_hub.models.GPT2Backbone,
+                        "bert": keras_hub.models.BertBackbone}[name]
+            body = backbone(num_heads=4, max_sequence_length=FLAGS.sequence_length, **shape)
+        tokens = body.output["sequence_output"] if name == "bert" else body.output
+        model = keras.Model(body.input, keras.layers.Dense(VOCAB)(tokens))
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=sparse)
     return model
 
@@ -93,7 +98,7 @@ def bench_model(name):
     from tfdist.plan_trials import measured_step_seconds
     from tfdist.planning import HEADROOM, describe_config
 
-    sequence = FLAGS.sequence_length if name in ("gpt2", "llama") else None
+    sequence = FLAGS.sequence_length if name in LANGUAGE_MODELS else None
     model = make_model(name)
     model.optimizer.build(model.trainable_variables)
     data = tfdist.ParallelConfig(data=FLAGS.devices).resolve(FLAGS.devices)
@@ -118,7 +123,7 @@ def bench_model(name):
             p.measured = measured_step_seconds(p.config, lambda: make_model(name),
                                                FLAGS.batch_size, sequence, FLAGS.steps)
             measured += 1
-        emit({"bench": "plan", "model": name, "config": describe_config(p.config),
+        emit({"bench": "plan", **model_fields(name), "config": describe_config(p.config),
               "predicted_rank": rank, "fits": p.fits,
               "predicted_peak_bytes": p.peak.total,
               "predicted_step_ms": round(1e3 * p.time.total, 2),
@@ -146,7 +151,7 @@ def bench_model(name):
                  "fastest_best_ms": round(1e3 * min(best[id(fastest)]), 2),
                  "chosen_over_fastest_best": round(min(best[id(chosen)])
                                                    / min(best[id(fastest)]), 3)}
-    emit({"bench": "plan_summary", "model": name, "devices": FLAGS.devices,
+    emit({"bench": "plan_summary", **model_fields(name), "devices": FLAGS.devices,
           "memory_per_device_bytes": limit, "plans_fitting": fitting,
           "plans_refused": len(predicted.refused),
           "chosen": describe_config(chosen.config),
@@ -165,14 +170,20 @@ def bench_model(name):
          FLAGS.out)
 
 
+def model_fields(name):
+    """What names the model in the JSON lines: its name, and a language model's width."""
+    return {"model": name, **({"width": FLAGS.width} if name in LANGUAGE_MODELS else {})}
+
+
 def earlier_measurements(path, name):
-    """{config: measured seconds} of model `name` in an earlier run's JSON lines."""
-    measured = {}
+    """{config: measured seconds} of model `name` (of `--width`) in an earlier
+    run's JSON lines."""
+    measured, fields = {}, model_fields(name)
     with open(path) as f:
         for line in f:
-            record = json.loads(line)
-            if (record.get("bench") == "plan" and record["model"] == name
-                    and record["measured_step_ms"] is not None):
+            record = {"width": 128, **json.loads(line)}  # (no width before: 128)
+            if (record.get("bench") == "plan" and record["measured_step_ms"] is not None
+                    and all(record[key] == value for key, value in fields.items())):
                 measured[record["config"]] = record["measured_step_ms"] / 1e3
     return measured
 
