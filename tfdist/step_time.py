@@ -5,8 +5,9 @@ same estimates the pipeline's balance uses (`tfdist.pipeline.cost`, FLOPs
 per example of each layer call) and the layout `describe` prints:
 
 - compute: the busiest device's forward (1x) and backward (2x; remat adds a
-  forward) over its rows, at `device_flops` (or the rate measured nearest
-  a pass's rows, `Hardware.flops_at`); a layer tensor groups split costs
+  forward, as ZeRO-3 does for each unit but the last) over its rows, at
+  `device_flops` (or the rate measured nearest a pass's rows,
+  `Hardware.flops_at`); a layer tensor groups split costs
   1/tensor of its FLOPs per device (in the share of its weights they
   split); each layer call's overhead; the step's own call
   (`Hardware.step_overhead`) and each replica's work besides its layers
@@ -175,7 +176,9 @@ def predict_step_time(config: ParallelConfig, model, batch_size: int, hardware: 
     costs = {id(node): node_cost(node, sequence_length) * _split_share(node, layout, config)
              for node in graph.nodes}
     compute, bubble = _compute_time(config, layout.stages or [graph], costs,
-                                    rows / config.microbatches, hardware)
+                                    rows / config.microbatches, hardware,
+                                    zero3.replayed_nodes(config, model, graph.nodes,
+                                                         layout.stages))
     weights = held_weights(model, layout.stages, layout.split)
     communication = (_data_group_time(config, model, weights, layout, hardware)
                      + _tensor_group_time(config, graph, layout, rows, sequence_length,
@@ -198,13 +201,18 @@ def _split_share(node, layout, config):
     return 1.0 - split / total + split / total / config.tensor
 
 
-def _compute_time(config, stages, costs, micro, hardware):
+def _compute_time(config, stages, costs, micro, hardware, replayed=frozenset()):
     """(compute, bubble) of the step's actions: each stage's (a whole model
     without `pipeline`) forward and backward of every microbatch of `micro`
-    rows, in the schedule's order."""
-    flops = [micro * sum(costs[id(node)] for node in stage.nodes) / hardware.rate(micro)
-             for stage in stages]
-    overheads = [len(stage.nodes) * hardware.call_overhead for stage in stages]
+    rows, in the schedule's order; a backward runs the forward of the nodes
+    in `replayed` again."""
+    def work(nodes):  # (seconds of their FLOPs, of their calls' overheads) in a forward
+        nodes = list(nodes)
+        return (micro * sum(costs[id(node)] for node in nodes) / hardware.rate(micro),
+                len(nodes) * hardware.call_overhead)
+
+    flops, overheads = zip(*(work(stage.nodes) for stage in stages))
+    replays = [work(node for node in stage.nodes if id(node) in replayed) for stage in stages]
     orders = pipeline_schedule.stage_orders(config.schedule, len(stages) // (
         config.virtual_stages), config.microbatches, config.virtual_stages)
     split = any(a.kind == pipeline_schedule.WEIGHTS for order in orders for a in order)
@@ -217,14 +225,22 @@ def _compute_time(config, stages, costs, micro, hardware):
 
     devices = min(hardware.devices_per_host or math.inf, config.devices_needed)
     copies = devices / config.pipeline  # the replicas and tensor ranks on the host
+
+    def replay(action):
+        """The action's seconds of replayed forwards: (FLOPs, overheads)."""
+        return replays[action.stage] if action.kind == pipeline_schedule.BACKWARD else (0.0, 0.0)
+
     if hardware.shared_cores:  # every device's work on one processor, no bubble
-        flop_seconds = sum(times(a) * flops[a.stage] for order in orders for a in order)
-        overhead_seconds = sum(times(a) * overheads[a.stage] for order in orders for a in order)
+        flop_seconds = sum(times(a) * flops[a.stage] + replay(a)[0]
+                           for order in orders for a in order)
+        overhead_seconds = sum(times(a) * overheads[a.stage] + replay(a)[1]
+                               for order in orders for a in order)
         return (copies * (flop_seconds + overhead_seconds / hardware.shared_cores
                           + hardware.replica_overhead) + hardware.step_overhead), 0.0
 
     def seconds(action):
-        return times(action) * (flops[action.stage] + overheads[action.stage])
+        return times(action) * (flops[action.stage] + overheads[action.stage]) + sum(
+            replay(action))
 
     busiest = max(sum(seconds(a) for a in order) for order in orders)
     fixed = hardware.step_overhead + copies * hardware.replica_overhead

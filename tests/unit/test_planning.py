@@ -9,6 +9,8 @@ import pytest
 import tfdist
 from tfdist.config import ParallelConfig
 from tfdist.engine import modes
+from tfdist.pipeline.cost import node_cost
+from tfdist.pipeline.graph import LayerGraph
 from tfdist.planning import parse_quantity
 from tfdist.sharding.peak import readable
 from tfdist.step_time import Hardware, predict_step_time
@@ -177,6 +179,19 @@ def test_a_pass_runs_at_the_rate_measured_nearest_its_rows():
     assert hardware.rate(12) == 1e9 and hardware.rate(20) == 4e9  # nearest by ratio
 
 
+def test_zero3_replays_the_forward_of_every_unit_but_the_last():
+    model = _mlp(layers=4, width=256)  # 5 Dense layers: 5 units of equal FLOPs but the last
+    hardware = Hardware(1e10, 8e9, 1.25e8)
+
+    def compute(**fields):
+        return predict_step_time(ParallelConfig(data=4, **fields).resolve(4), model, 32,
+                                 hardware).compute
+
+    forward = compute(zero=1) / 3  # forward 1x, backward 2x
+    units = [node_cost(node, None) for node in LayerGraph(model).nodes]
+    assert compute(zero=3) == pytest.approx(forward * (3 + sum(units[:-1]) / sum(units)))
+
+
 def test_tensor_groups_split_the_compute_and_send_activations_not_gradients():
     model = _mlp(layers=8, width=512)
     hardware = Hardware(1e10, 8e9, 1.25e8, collective_latency=0.0)
@@ -222,7 +237,8 @@ def test_latency_is_measured_over_this_processs_devices_and_not_mixed_with_defau
     measured = planning.measured_hardware(model, 4, pass_rows=(4, 16), device_bandwidth=1e10,
                                           link_bandwidth=1e9)
     assert [rows for rows, _ in measured.flops_at] == [4, 16]  # a rate at each
-    assert all(rate > 0 for _, rate in measured.flops_at)
+    rates = [rate for _, rate in measured.flops_at]
+    assert all(rate > 0 for rate in rates) and rates == sorted(rates)  # never lower for more rows
     # both chains ran on this process's devices; their times, not defaults, are the latencies
     assert sorted(timed) == [2, 4] and None not in timed.values()
     assert measured.collective_latency == timed[2] != Hardware.collective_latency

@@ -390,6 +390,24 @@ def data_group_traffic(config, model, stages, gradients: float, parameters: floa
             3 * program_units(config, model, stages) * config.microbatches)
 
 
+def replayed_nodes(config, model, nodes, stages) -> frozenset:
+    """The ids of `nodes` (`model`'s `LayerGraph` nodes) whose forward a
+    zero=3 backward runs again: every unit's but the last's (`unit_program`);
+    none without zero=3, or when `stages` (pipeline stages) are its units
+    (they replay only with `remat`). For `tfdist.plan`'s step time.
+
+    Example:
+
+    ```python
+    replayed_nodes(ParallelConfig(data=4, zero=3), model, LayerGraph(model).nodes, None)
+    ```
+    """
+    if config.zero < 3 or stages:
+        return frozenset()
+    last = plan_units(model, config.zero3_unit_params)[-1]
+    return frozenset(id(node) for node in nodes[:len(nodes) - len(last.nodes)])
+
+
 def program_units(config, model, stages) -> int:
     """The units a device's zero=3 program gathers, replays and
     reduce-scatters (its stage under `pipeline`; 0 without zero=3).
