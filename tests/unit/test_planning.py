@@ -180,7 +180,7 @@ def test_a_pass_runs_at_the_rate_measured_nearest_its_rows():
 
 
 def test_zero3_replays_the_forward_of_every_unit_but_the_last():
-    model = _mlp(layers=4, width=256)  # 5 Dense layers: 5 units of equal FLOPs but the last
+    model = _mlp(layers=4, width=256)  # 5 Dense layers, 5 units: the last (10 classes) small
     hardware = Hardware(1e10, 8e9, 1.25e8)
 
     def compute(**fields):
