@@ -372,19 +372,27 @@ class ParallelConfig:
         """
         return self.shards_parameters or self.tensor > 1 or self.pipeline > 1
 
-    @property
-    def gradient_copies(self) -> int:
-        """How many copies of a device's local gradients its step holds at
-        once (without zero=2 and 3's reduce-scatter): two with a data
-        all-reduce (its packed buffer) or with microbatches (their running
-        sum beside each one's gradients), else one (`tfdist.sharding.peak`).
+    def gradients_beside(self, local: int, largest: int) -> int:
+        """The bytes of gradients a device's step holds beside its `local`
+        ones (without zero=2 and 3's reduce-scatter): the microbatches'
+        running sum, or a data all-reduce's packed buffer (one bucket of
+        `bucket_bytes` at a time, the `largest` gradient at least), or none
+        (`tfdist.sharding.peak`).
 
         Example:
 
-        >>> ParallelConfig(data=4).gradient_copies, ParallelConfig(data=1, tensor=4).gradient_copies
-        (2, 1)
+        >>> ParallelConfig(data=4).gradients_beside(400, 100)
+        400
+        >>> ParallelConfig(data=4, bucket_bytes=64).gradients_beside(400, 100)
+        100
+        >>> ParallelConfig(data=1, tensor=4).gradients_beside(400, 100)
+        0
         """
-        return 2 if self.data > 1 or self.microbatches > 1 else 1
+        if self.microbatches > 1:
+            return local
+        if self.data == 1:
+            return 0
+        return min(local, max(self.bucket_bytes, largest)) if self.bucket_bytes else local
 
     @property
     def shards_optimizer_state(self) -> bool:

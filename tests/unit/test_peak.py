@@ -48,6 +48,21 @@ def test_data_parallel_holds_everything_whole():
     assert estimate.total == whole * 5 + _activations(4)
 
 
+@pytest.mark.parametrize("zero, bucket_bytes, microbatches, packed", [
+    (0, 0, 1, FIRST + SECOND),  # every gradient in one packed buffer
+    (0, 1024, 1, KERNEL),  # buckets of 1 KiB: one at a time, the largest gradient alone
+    (1, 1024, 1, KERNEL),
+    (0, 16384, 1, FIRST + SECOND),  # one bucket holds them all
+    (0, 1024, 2, FIRST + SECOND),  # the microbatches' running sum, whole
+])
+def test_a_data_all_reduce_in_buckets_packs_one_bucket_at_a_time(
+        zero, bucket_bytes, microbatches, packed):
+    strategy = tfdist.Strategy(devices=DEVICES, zero=zero, bucket_bytes=bucket_bytes,
+                               microbatches=microbatches)
+    estimate = predict_peak(strategy.config, _model(strategy), batch_size=16)
+    assert estimate.gradients == FIRST + SECOND + packed
+
+
 @pytest.mark.parametrize("microbatches, copies", [(1, 1), (2, 2)])
 def test_without_a_data_all_reduce_the_gradients_are_held_once_but_for_microbatches(
         microbatches, copies):

@@ -423,15 +423,16 @@ def program_units(config, model, stages) -> int:
     return 1 if stages else len(plan_units(model, config.zero3_unit_params))
 
 
-def held_at_peak(config, model, local: int, state: int, stages, size_of):
+def held_at_peak(config, model, local: int, state: int, stages, size_of, largest: int = 0):
     """(parameters, gathered, gradients, optimizer state): the bytes a device
     holds at its step's peak under `config.zero` (resolved), for
     `tfdist.sharding.peak`, from the `local` bytes of the weights it computes
     with and their optimizer `state`, both unsharded; `size_of(weights)`
-    counts a unit's bytes. zero 1/2 keep a shard of the state and a
-    parameter shard buffer; beside the whole local gradients, zero 0 and 1
-    the packed buffer a data all-reduce sends or the microbatches' running
-    sum (`config.gradient_copies`), zero=2 a piece of its reduce-scatter and
+    counts a unit's bytes, `largest` is the largest weight's. zero 1/2 keep a
+    shard of the state and a parameter shard buffer; beside the whole local
+    gradients, zero 0 and 1 the packed buffer a data all-reduce sends (a
+    bucket at a time with `bucket_bytes`) or the microbatches' running sum
+    (`config.gradients_beside`), zero=2 a piece of its reduce-scatter and
     the reduced shards; zero=3 a shard of the parameters, gathering two
     units at once (with `stages`, its whole stage), and one unit's gradients
     with a piece of its reduce-scatter and its reduced shard (every unit's
@@ -445,6 +446,8 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
     (400, 0, 800, 300)
     >>> held_at_peak(ParallelConfig(data=4, zero=2), None, 400, 800, None, None)
     (400, 0, 900, 300)
+    >>> held_at_peak(ParallelConfig(data=4, bucket_bytes=64), None, 400, 800, None, None, 100)
+    (400, 0, 500, 800)
     """
     shard = local // config.data
     if config.zero:
@@ -452,7 +455,7 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of):
     if config.zero == 2:  # reduce-scattered in pieces, each replica keeping its sum
         return local, 0, local + min(local, PIECE_BYTES) + shard, state
     if config.zero < 3:
-        return local, 0, config.gradient_copies * local, state
+        return local, 0, local + config.gradients_beside(local, largest), state
     if stages:  # a whole stage gathered at a time
         return shard, local, 2 * local, state
     units = sorted((size_of(unit_weights(u)) for u in plan_units(model, config.zero3_unit_params)),

@@ -8,7 +8,8 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
 - parameters: its shard (`zero=3`), its tensor rank's slice of split weights,
   its stage's weights; whole otherwise;
 - gradients: the local gradient of what it holds plus, with a data
-  all-reduce, the packed buffer it sends, or with microbatches their running
+  all-reduce, the packed buffer it sends (one bucket at a time with
+  `bucket_bytes`, the largest gradient at least), or with microbatches their running
   sum (whole gradients, or one unit's under `zero=3`, whose reduced
   shards it keeps; under `zero=2` a piece of its reduce-scatter and the
   reduced shards instead);
@@ -178,7 +179,8 @@ def predict_peak(config, model, batch_size: int, sequence_length=None,
     local = weight_bytes(weights, split)  # each weight's tensor slice (or all of it)
     state = sum(slots.get(id(v), 0) * weight_bytes([v], split) for v in weights)
     parameters, gathered, gradients, state = zero3.held_at_peak(
-        config, model, local, state, stages, lambda unit: weight_bytes(unit, split))
+        config, model, local, state, stages, lambda unit: weight_bytes(unit, split),
+        largest=max((weight_bytes([v], split) for v in weights), default=0))
     rows = math.ceil(batch_size / data / config.microbatches)
     activations = _activation_bytes(model, rows, sequence_length)
     if stages:  # the mean stage's, times the microbatches its device holds at once
