@@ -390,8 +390,20 @@ class ParallelConfig:
         """
         if self.microbatches > 1:
             return local
-        if self.data == 1:
-            return 0
+        return self.all_reduce_pack(local, largest) if self.data > 1 else 0
+
+    def all_reduce_pack(self, local: int, largest: int) -> int:
+        """The bytes of a data all-reduce's packed buffer for `local` bytes
+        of gradients: all of them, or with `bucket_bytes` one bucket (the
+        `largest` gradient at least, which goes alone).
+
+        Example:
+
+        >>> ParallelConfig(bucket_bytes=64).all_reduce_pack(400, 100)
+        100
+        >>> ParallelConfig(bucket_bytes=256).all_reduce_pack(400, 100)
+        256
+        """
         return min(local, max(self.bucket_bytes, largest)) if self.bucket_bytes else local
 
     @property

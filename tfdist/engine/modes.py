@@ -918,9 +918,7 @@ def _largest_data_collective(config, sizes):
     if config.zero >= 2:
         return max([s for s in sizes if s >= ALONE_BYTES]
                    + [sum(s for s in sizes if s < ALONE_BYTES)])
-    if config.bucket_bytes:
-        return max(min(sum(sizes), config.bucket_bytes), max(sizes))
-    return sum(sizes)
+    return config.all_reduce_pack(sum(sizes), max(sizes))
 
 
 def _processes(strategy):
