@@ -9,11 +9,15 @@ from tfdist.sharding.peak import (
     ALL_REDUCE_COPIES,
     MICROBATCH_BYTES_PER_WEIGHT,
     PROGRAM_BYTES_PER_WEIGHT,
+    REPLAY_BYTES_PER_FORWARD_OP,
     SHARDED_UPDATE_BYTES_PER_WEIGHT,
     STAGE_CALL_BYTES_PER_WEIGHT,
     TRACE_BYTES_PER_WEIGHT,
     UNIT_PROGRAM_BYTES,
+    UNROLLED_MICROBATCH_BYTES,
     UNROLLED_MICROBATCH_BYTES_PER_WEIGHT,
+    UNROLLED_REPLAY_BYTES_PER_FORWARD_OP,
+    forward_ops,
     predict_peak,
     program_bytes,
     readable,
@@ -97,20 +101,26 @@ def test_the_program_counts_the_weights_a_device_computes_and_who_shares_their_t
     assert alone == 4 * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT)
     assert shared == 4 * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // 4) < alone
     # zero=1 and 2's sharded update of the 4 weights; zero=3's 2 units (a
-    # Dense layer each)
+    # Dense layer each) and the forward it replays, its trace shared by the 4
+    replayed = forward_ops(model) * REPLAY_BYTES_PER_FORWARD_OP // 4
     for zero, extra in ((1, 4 * SHARDED_UPDATE_BYTES_PER_WEIGHT),
-                        (2, 4 * SHARDED_UPDATE_BYTES_PER_WEIGHT), (3, 2 * UNIT_PROGRAM_BYTES)):
+                        (2, 4 * SHARDED_UPDATE_BYTES_PER_WEIGHT),
+                        (3, 2 * UNIT_PROGRAM_BYTES + replayed)):
         sharded = tfdist.Strategy(devices=DEVICES, zero=zero)
         assert (sharded.predicted_peak(_model(sharded), batch_size=16).program
                 == shared + extra)
-    # microbatches: more per weight for each past the first, the more where
-    # zero=3's program repeats its collectives and backward for each
-    for zero, per_microbatch in ((0, MICROBATCH_BYTES_PER_WEIGHT),
-                                 (3, UNROLLED_MICROBATCH_BYTES_PER_WEIGHT)):
-        microbatches = tfdist.Strategy(devices=DEVICES, microbatches=4, zero=zero)
-        estimate = microbatches.predicted_peak(_model(microbatches), batch_size=16)
-        units = 2 * UNIT_PROGRAM_BYTES if zero == 3 else 0
-        assert estimate.program == shared + units + 3 * 4 * per_microbatch
+    # microbatches: more per weight for each past the first; zero=3's
+    # program repeats its collectives, replays and backward for each, in the
+    # trace the process's 4 devices share
+    microbatches = tfdist.Strategy(devices=DEVICES, microbatches=4)
+    estimate = microbatches.predicted_peak(_model(microbatches), batch_size=16)
+    assert estimate.program == shared + 3 * 4 * MICROBATCH_BYTES_PER_WEIGHT
+    microbatches = tfdist.Strategy(devices=DEVICES, microbatches=4, zero=3)
+    estimate = microbatches.predicted_peak(_model(microbatches), batch_size=16)
+    unrolled = UNROLLED_MICROBATCH_BYTES + (
+        4 * UNROLLED_MICROBATCH_BYTES_PER_WEIGHT
+        + forward_ops(model) * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP) // 4
+    assert estimate.program == shared + 2 * UNIT_PROGRAM_BYTES + replayed + 3 * unrolled
     assert UNROLLED_MICROBATCH_BYTES_PER_WEIGHT > MICROBATCH_BYTES_PER_WEIGHT
     # a pipeline stage: its own 2 weights, its trace shared by its 2 data
     # replicas, a call of its layers per microbatch
@@ -120,6 +130,29 @@ def test_the_program_counts_the_weights_a_device_computes_and_who_shares_their_t
                   + STAGE_CALL_BYTES_PER_WEIGHT)
     assert estimate.program == 2 * per_weight
     assert f"program {readable(estimate.program)}" in str(estimate)
+    # under zero=3 a stage is one unit, gathered whole (replayed by `remat`)
+    stages = tfdist.Strategy(devices=DEVICES, pipeline=2, microbatches=2, zero=3, remat=True)
+    estimate = stages.predicted_peak(_model(stages), batch_size=16)
+    assert estimate.program == (2 * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // 2)
+                                + UNROLLED_MICROBATCH_BYTES + UNROLLED_MICROBATCH_BYTES_PER_WEIGHT
+                                + UNIT_PROGRAM_BYTES)
+
+
+def test_forward_ops_counts_a_functional_models_forward_in_training():
+    def dense(*activations):
+        return keras.Sequential([keras.Input((8,))]
+                                + [keras.layers.Dense(4, a) for a in activations])
+
+    assert 0 < forward_ops(dense(None)) < forward_ops(dense("relu")) < forward_ops(
+        dense("relu", None))
+    # dropout runs only in training: its ops are counted
+    assert forward_ops(keras.Sequential([keras.Input((8,)), keras.layers.Dropout(0.5)])) > 1
+
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    assert forward_ops(Subclassed()) == 0  # no graph before it runs
 
 
 @pytest.mark.parametrize("zero, bucket_bytes, collective, copies", [
@@ -128,10 +161,11 @@ def test_the_program_counts_the_weights_a_device_computes_and_who_shares_their_t
     (1, 0, FIRST + SECOND, ALL_REDUCE_COPIES),
     (0, 1024, KERNEL, ALL_REDUCE_COPIES),  # buckets of 1 KiB: the largest gradient alone
     (0, 16384, FIRST + SECOND, ALL_REDUCE_COPIES),  # one bucket holds them all
-    # every weight under ALONE_BYTES: gathered (and reduce-scattered) packed,
+    # every weight under ALONE_BYTES: reduce-scattered (and gathered) packed,
     # a shard received from each of the 3 other replicas
     (2, 0, FIRST + SECOND, 3),
-    (3, 0, FIRST + SECOND, 3),
+    # zero=3 gathers each unit (a Dense layer) on its own: the larger one's
+    (3, 0, FIRST, 3),
 ])
 def test_transport_copies_the_largest_data_collective_between_processes(
         zero, bucket_bytes, collective, copies):

@@ -94,13 +94,14 @@ from tfdist.sharding.layout import AxisLayout
 from tfdist.sharding.peak import (
     MICROBATCH_BYTES_PER_WEIGHT,
     STAGE_CALL_BYTES_PER_WEIGHT,
-    UNROLLED_MICROBATCH_BYTES_PER_WEIGHT,
+    forward_ops,
     has_slots,
     held_sizes,
     predict_peak,
     program_bytes,
     transport_bytes,
     update_bytes,
+    weight_bytes,
 )
 from tfdist.sharding.replica_state import StateBytes, state_of
 from tfdist.sharding.wire import CastWire, Wire
@@ -909,16 +910,20 @@ def predicted_peak(strategy, model, batch_size, sequence_length=None, layout=Non
                         processes=_processes(strategy))
 
 
-def _largest_data_collective(config, sizes):
+def _largest_data_collective(config, model, layout, sizes):
     """The bytes of the largest collective over the data replicas, for
     weights of `sizes` bytes: every gradient packed in one all-reduce (or a
     bucket of `bucket_bytes`, the largest gradient at least); under zero=2
-    and 3 a gather and reduce-scatter of each weight of `ALONE_BYTES` or more
-    alone, of the smaller ones packed. Uncompressed."""
-    if config.zero >= 2:
-        return max([s for s in sizes if s >= ALONE_BYTES]
-                   + [sum(s for s in sizes if s < ALONE_BYTES)])
-    return config.all_reduce_pack(sum(sizes), max(sizes))
+    a reduce-scatter and gather of each weight of `ALONE_BYTES` or more
+    alone, of the smaller ones packed; under zero=3 the same for each unit
+    (or pipeline stage) it gathers on its own. Uncompressed."""
+    if config.zero < 2:
+        return config.all_reduce_pack(sum(sizes), max(sizes))
+    groups = ([[weight_bytes([v], layout.split) for v in weights]
+               for weights in zero3.each_unit_weights(config, model)]
+              if config.zero == 3 and not layout.stages else [sizes])
+    return max(max([s for s in group if s >= ALONE_BYTES]
+                   + [sum(s for s in group if s < ALONE_BYTES)]) for group in groups)
 
 
 def _processes(strategy):
@@ -953,15 +958,16 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
     peak.program = program_bytes(
         len(sizes), sharing=max(1, devices // config.pipeline),
         microbatches=config.microbatches,
-        per_microbatch=(UNROLLED_MICROBATCH_BYTES_PER_WEIGHT if config.zero == 3
-                        else STAGE_CALL_BYTES_PER_WEIGHT if config.pipeline > 1
+        per_microbatch=(STAGE_CALL_BYTES_PER_WEIGHT if config.pipeline > 1
                         else MICROBATCH_BYTES_PER_WEIGHT),
         sharded_update=config.zero in (1, 2),
-        units=zero3.program_units(config, model, layout.stages))
+        units=zero3.program_units(config, model, layout.stages),
+        replayed_ops=(forward_ops(model, sequence_length)
+                      if zero3.replays_forward(config, layout.stages) else 0))
     if sizes:
         piece = -(-max(sizes) // config.data) if config.zero else max(sizes)
         peak.update = update_bytes(piece, has_slots(model))
-        peak.transport = transport_bytes(_largest_data_collective(config, sizes),
+        peak.transport = transport_bytes(_largest_data_collective(config, model, layout, sizes),
                                          config.data, processes, all_reduce=config.zero < 2)
     for mode in active(config, getattr(model, "optimizer", None)):
         state, gathered = mode.peak_bytes(config, model)

@@ -402,10 +402,37 @@ def replayed_nodes(config, model, nodes, stages) -> frozenset:
     replayed_nodes(ParallelConfig(data=4, zero=3), model, LayerGraph(model).nodes, None)
     ```
     """
-    if config.zero < 3 or stages:
+    if not replays_forward(config, stages):
         return frozenset()
     last = plan_units(model, config.zero3_unit_params)[-1]
     return frozenset(id(node) for node in nodes[:len(nodes) - len(last.nodes)])
+
+
+def each_unit_weights(config, model) -> list[list]:
+    """The trainable weights of each of `model`'s zero=3 units under
+    `config` (each gathered and reduce-scattered on its own).
+
+    Example:
+
+    ```python
+    [len(weights) for weights in each_unit_weights(strategy.config, model)]
+    ```
+    """
+    return [unit_weights(u) for u in plan_units(model, config.zero3_unit_params)]
+
+
+def replays_forward(config, stages) -> bool:
+    """Whether a zero=3 step runs its units' forward again under the tape
+    for their backward (`unit_program`): with zero=3, unless its units are
+    pipeline `stages` (which replay only with `remat`).
+
+    Example:
+
+    >>> from tfdist.config import ParallelConfig
+    >>> replays_forward(ParallelConfig(data=4, zero=3), None)
+    True
+    """
+    return config.zero == 3 and not stages
 
 
 def program_units(config, model, stages) -> int:

@@ -49,8 +49,11 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   the microbatches share one function body, `STAGE_CALL_BYTES_PER_WEIGHT`
   for a pipeline stage's call of its layers,
   `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` under zero=3, whose program repeats
-  its gathers, replays and reduce-scatters for each microbatch; and
-  `UNIT_PROGRAM_BYTES` for each of zero=3's units (`program_bytes`);
+  its gathers, replays and reduce-scatters for each microbatch; and under
+  zero=3 `UNIT_PROGRAM_BYTES` for each unit and, for each op of the forward
+  it replays (`forward_ops`), `REPLAY_BYTES_PER_FORWARD_OP` shared by the
+  process's devices and `UNROLLED_REPLAY_BYTES_PER_FORWARD_OP` per
+  microbatch past the first (`program_bytes`);
   `tfdist.engine.modes.planned_peak` adds it.
 
 What the process held before the model was built (TensorFlow and Keras
@@ -60,6 +63,7 @@ prediction against each worker's peak above that baseline.
 
 import dataclasses
 import math
+import weakref
 
 import tensorflow as tf
 
@@ -89,20 +93,35 @@ TRACE_BYTES_PER_WEIGHT = 5 << 18  # 1.25 MiB, shared by a process's replicas
 # and 2's sharded update (0.45-0.66 MiB on 4 devices of that GPT-2).
 STAGE_CALL_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB
 SHARDED_UPDATE_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB
-# Each microbatch past the first, per weight a device computes: where its
+# Each microbatch past the first, per weight a device computes, where its
 # microbatches share one function body (data parallelism, zero 1 and 2;
 # 4 workers: keras-hub GPT-2 8 x 768 0-1 MiB, BERT 8 x 256 0.05, keras-io's
-# convnet 0.2, an 8 x Dense(4096) MLP about 0), and under zero=3, whose
-# program has each microbatch's gathers, forward replays, backwards and
-# reduce-scatters of its own (`unit_program`: 0.9-1.1 MiB on GPT-2, 1.4-1.8
-# on the convnet, 0-0.5 on the MLP).
+# convnet 0.2, an 8 x Dense(4096) MLP about 0). Under zero=3, whose program
+# has each microbatch's gathers, forward replays, backwards and
+# reduce-scatters of its own (`unit_program`) in the trace a process's
+# devices share: a share of that trace per weight and per op of the
+# replayed forward, and `UNROLLED_MICROBATCH_BYTES` on each device (each
+# microbatch past the first adds, on 4 workers: 140-150 MiB to GPT-2 8 x 768
+# (134 weights, 1,100 forward ops), BERT 8 x 512 and 8 x 256 (135, 936) and
+# Llama 8 x 512 (77, 2,091), 69 to the convnet (47, 342); in one process of
+# 4 devices, per device: 52 to GPT-2 4 x 128 (70, 572), 90-96 to GPT-2 8 x
+# 512 and 86-108 to Llama 8 x 512, with their tensors).
 MICROBATCH_BYTES_PER_WEIGHT = 1 << 17  # 0.125 MiB
-UNROLLED_MICROBATCH_BYTES_PER_WEIGHT = 5 << 18  # 1.25 MiB
+UNROLLED_MICROBATCH_BYTES = 28 << 20  # each device
+UNROLLED_MICROBATCH_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB, shared
+UNROLLED_REPLAY_BYTES_PER_FORWARD_OP = 30 << 10  # 30 KiB, shared
 # Each of zero=3's units, on each device: its gather, replay and
 # reduce-scatter (4 workers, beside data parallelism's program: keras-io's
-# convnet 2.2 MiB per unit, keras-hub GPT-2 1.3, BERT 2.4, Llama 11.5; one
-# process of 4 devices, GPT-2: 2.1 per device).
+# convnet 2.2 MiB per unit, keras-hub GPT-2 1.3, BERT 2.4; one process of 4
+# devices, GPT-2: 2.1 per device).
 UNIT_PROGRAM_BYTES = 2 << 20
+# Each op of the forward pass zero=3 replays under the tape for its units'
+# backward (`forward_ops`: their forward traced twice), once per process for
+# the replicas that share its trace (4 workers of one device: Llama 8 x 512,
+# twice GPT-2 8 x 768's forward ops with 57% of its weights, holds 80 MiB
+# more beside its tensors under zero=3 than a per-weight program says, GPT-2
+# 93 MiB less).
+REPLAY_BYTES_PER_FORWARD_OP = 55 << 10  # 55 KiB
 # Parts a prediction prints only when they are not 0.
 _OPTIONAL_PARTS = ("replica_state", "update", "transport", "program")
 
@@ -224,14 +243,20 @@ def transport_bytes(whole: int, data: int, processes: int, all_reduce: bool) -> 
 
 def program_bytes(weights: int, sharing: int = 1, microbatches: int = 1,
                   per_microbatch: int = MICROBATCH_BYTES_PER_WEIGHT,
-                  sharded_update: bool = False, units: int = 0) -> int:
+                  sharded_update: bool = False, units: int = 0,
+                  replayed_ops: int = 0) -> int:
     """TensorFlow's memory for the program of a step that computes
     `weights` trainable weights on a device, beside its tensors: per weight,
     the device's own part, its share of the trace `sharing` devices of its
     process run (their replicas of the same weights), a `sharded_update`
     (zero=1 and 2's), and `per_microbatch` bytes for each of its
-    `microbatches` past the first (what the mode's program repeats for one);
-    and `UNIT_PROGRAM_BYTES` for each of zero=3's `units`.
+    `microbatches` past the first (what the mode's program repeats for one).
+    Under zero=3 (its `units`, each `UNIT_PROGRAM_BYTES`): the share of the
+    trace of the `replayed_ops` of the forward it replays (`forward_ops`),
+    and for each microbatch past the first, unrolled in that trace, its
+    share of `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` and
+    `UNROLLED_REPLAY_BYTES_PER_FORWARD_OP`, and `UNROLLED_MICROBATCH_BYTES`
+    of its own, in place of `per_microbatch`.
 
     Example:
 
@@ -239,11 +264,51 @@ def program_bytes(weights: int, sharing: int = 1, microbatches: int = 1,
     (250.0, 156.25)
     >>> program_bytes(100, microbatches=2, per_microbatch=5 << 18) / 2**20
     375.0
+    >>> program_bytes(100, microbatches=2, units=10, replayed_ops=1024) / 2**20
+    445.5
     """
+    repeated = weights * per_microbatch
+    if units:
+        repeated = UNROLLED_MICROBATCH_BYTES + (
+            weights * UNROLLED_MICROBATCH_BYTES_PER_WEIGHT
+            + replayed_ops * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP) // sharing
     return (weights * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // sharing
-                       + sharded_update * SHARDED_UPDATE_BYTES_PER_WEIGHT
-                       + (microbatches - 1) * per_microbatch)
-            + units * UNIT_PROGRAM_BYTES)
+                       + sharded_update * SHARDED_UPDATE_BYTES_PER_WEIGHT)
+            + (microbatches - 1) * repeated
+            + units * UNIT_PROGRAM_BYTES + replayed_ops * REPLAY_BYTES_PER_FORWARD_OP // sharing)
+
+
+def forward_ops(model, sequence_length=None) -> int:
+    """The ops of `model`'s forward pass in training, its weights given as
+    values (`stateless_call`: the same count under any strategy's
+    variables), traced once for the model on 2 examples, unknown lengths
+    `sequence_length`; 0 when it has no functional graph.
+
+    Example:
+
+    ```python
+    forward_ops(keras_hub.models.GPT2Backbone.from_preset("gpt2_base_en"))
+    ```
+    """
+    if model not in _FORWARD_OPS:
+        try:
+            inputs = graph_of(model).input
+        except ValueError:
+            return 0
+        specs = [[tf.TensorSpec(v.shape, v.dtype) for v in variables]
+                 for variables in (model.trainable_variables, model.non_trainable_variables)]
+        specs.append(tf.nest.map_structure(
+            lambda t: tf.TensorSpec([2] + [d or sequence_length or 1 for d in t.shape[1:]],
+                                    t.dtype), inputs))
+        forward = tf.function(lambda trainable, other, x: model.stateless_call(
+            trainable, other, x, training=True))
+        graph = forward.get_concrete_function(*specs).graph
+        _FORWARD_OPS[model] = sum(op.type != "Placeholder" for op in graph.get_operations())
+    return _FORWARD_OPS[model]
+
+
+# `forward_ops` of each model it has traced.
+_FORWARD_OPS = weakref.WeakKeyDictionary()
 
 
 def held_sizes(model, stages=None, split=None) -> list[int]:
