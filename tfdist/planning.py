@@ -54,9 +54,9 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
           "bit": 1 / 8, "Kbit": 1e3 / 8, "Mbit": 1e6 / 8, "Gbit": 1e9 / 8, "Tbit": 1e12 / 8}
 # The share of `memory_per_device` a plan leaves free for the prediction's
-# error: measured peaks of 99 plan runs of six models were 0.80-1.15 x their
-# prediction (docs/benchmarks.md), so a plan predicted within 85% of the
-# limit stays within it.
+# error: the measured peaks of the plan runs of six models were 0.79-1.15 x
+# their prediction (docs/benchmarks.md), so a plan predicted within 85% of
+# the limit stays within it.
 HEADROOM = 0.15
 # The trainings that time what a replica adds to a step: rounds of this many
 # steps each (their median), after one that traces; one example per device,
