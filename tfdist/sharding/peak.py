@@ -47,13 +47,14 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   zero=1 and 2's update, and per weight and microbatch past the first,
   what the mode's program adds for it: `MICROBATCH_BYTES_PER_WEIGHT` where
   the microbatches share one function body, `STAGE_CALL_BYTES_PER_WEIGHT`
-  for a pipeline stage's call of its layers,
-  `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` under zero=3, whose program repeats
-  its gathers, replays and reduce-scatters for each microbatch; and under
-  zero=3 `UNIT_PROGRAM_BYTES` for each unit and, for each op of the forward
-  it replays (`forward_ops`), `REPLAY_BYTES_PER_FORWARD_OP` shared by the
-  process's devices and `UNROLLED_REPLAY_BYTES_PER_FORWARD_OP` per
-  microbatch past the first (`program_bytes`);
+  for a pipeline stage's call of its layers. Under zero=3,
+  `UNIT_PROGRAM_BYTES` for each unit, `REPLAY_BYTES_PER_FORWARD_OP` for
+  each op of the forward it replays (`forward_ops`), shared by the
+  process's devices, and for each microbatch past the first (its program
+  repeats its gathers, replays and reduce-scatters for each)
+  `UNROLLED_MICROBATCH_BYTES` on each device plus, shared,
+  `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` and
+  `UNROLLED_REPLAY_BYTES_PER_FORWARD_OP` (`program_bytes`);
   `tfdist.engine.modes.planned_peak` adds it.
 
 What the process held before the model was built (TensorFlow and Keras
