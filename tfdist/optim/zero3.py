@@ -485,8 +485,7 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of, largest
         return local, 0, local + config.gradients_beside(local, largest), state
     if stages:  # a whole stage gathered at a time
         return shard, local, 2 * local, state
-    units = sorted((size_of(unit_weights(u)) for u in plan_units(model, config.zero3_unit_params)),
-                   reverse=True)
+    units = sorted(map(size_of, each_unit_weights(config, model)), reverse=True)
     # A unit's whole gradient, the reduce-scatter's received rows (in pieces
     # of at most PIECE_BYTES), and the reduced shards: one unit's when each
     # unit's update uses them at once, else all until the step's update (or,
