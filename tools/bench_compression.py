@@ -19,10 +19,11 @@ and PowerSGD start after `--compression_warmup` steps; the bytes of these
 three are those of a step after the warm-up.
 
 Models, each seeing every batch once (the loss falls towards the data's own
-floor, as on real data, not to zero): keras-hub `GPT2Backbone` (vocabulary
-512, 2 blocks, width 64, 4 heads, MLP 128, sequence 32) with a Dense token
-classifier, on the text of a random Markov chain (each token followed by one
-of 8 with its own odds), Adam 1e-3, batch 32; and keras-io's simple MNIST
+floor, not to zero): keras-hub `GPT2Backbone` (a byte vocabulary of 256, 2
+blocks, width 64, 4 heads, MLP 128, sequence 32) with a Dense token
+classifier, predicting the next byte of English text (Python's own
+documentation, `pydoc_data.topics`, in windows of 33 bytes taken in a
+shuffled order), Adam 1e-3, batch 32; and keras-io's simple MNIST
 convnet (Conv2D 32, pooling, Conv2D 64, pooling, Dense) on random 16x16
 images labelled by the tercile of their mean plus noise, Adam 1e-3, batch 64.
 
@@ -74,7 +75,7 @@ flags.DEFINE_integer("link_workers", 2, "Workers of the --link_mbit runs.",
 flags.DEFINE_integer("link_steps", 30, "Timed steps of a --link_mbit run (after 5 of warm-up).")
 FLAGS = flags.FLAGS
 DEVICES = 4
-VOCAB, SEQ = 512, 32
+VOCAB, SEQ = 256, 32
 # The name scopes of the compressions that follow a warm-up.
 COMPRESSED_SCOPES = ("/topk/", "/powersgd/", "/one_bit/")
 
@@ -101,7 +102,7 @@ def make(name, optimizer_name="adam"):
             intermediate_dim=128, max_sequence_length=SEQ, dropout=0.0)
         model = keras.Model(body.input, keras.layers.Dense(VOCAB)(body.output))
         batch = 32
-        x, labels = markov_text(rng, FLAGS.steps * batch)
+        x, labels = english_text(rng, FLAGS.steps * batch)
         inputs = {"token_ids": x, "padding_mask": np.ones_like(x)}
     else:
         model = keras.Sequential([
@@ -116,43 +117,48 @@ def make(name, optimizer_name="adam"):
     return model, inputs, labels, batch
 
 
-def markov_text(rng, sequences, successors=8):
-    """(tokens, next tokens), each (sequences, SEQ): text of a random Markov
-    chain in which each token is followed by one of `successors` tokens,
-    with probabilities of its own (the loss cannot fall below the chain's
-    entropy, as on real text)."""
-    following = rng.integers(0, VOCAB, size=(VOCAB, successors))
-    odds = rng.dirichlet(np.ones(successors), size=VOCAB).cumsum(axis=1)
-    text = np.empty((sequences, SEQ + 1), dtype="int32")
-    text[:, 0] = rng.integers(0, VOCAB, size=sequences)
-    for t in range(SEQ):
-        now = text[:, t]
-        pick = (rng.random((sequences, 1)) > odds[now]).sum(axis=1)
-        text[:, t + 1] = following[now, np.minimum(pick, successors - 1)]
-    return text[:, :-1], text[:, 1:]
+def english_text(rng, sequences):
+    """(bytes, next bytes), each (sequences, SEQ): `sequences` windows of
+    SEQ + 1 bytes of Python's documentation (`pydoc_data.topics`, English
+    prose and code, about 470 kB), in a shuffled order, none twice."""
+    from pydoc_data.topics import topics
+
+    text = np.frombuffer("\n".join(topics[k] for k in sorted(topics)).encode("utf-8"),
+                         dtype=np.uint8).astype("int32")
+    windows = text[:len(text) // (SEQ + 1) * (SEQ + 1)].reshape(-1, SEQ + 1)
+    if sequences > len(windows):
+        raise ValueError(f"--steps={FLAGS.steps}: {sequences} sequences wanted, the text "
+                         f"has {len(windows)}")
+    windows = windows[rng.permutation(len(windows))[:sequences]]
+    return windows[:, :-1], windows[:, 1:]
 
 
 def reduce_bytes(model):
     """Bytes replica 0 sends into the reduce part's collectives per step:
-    those of the step, and in each `tf.cond` of the reduce part those of the
-    branch taken once compression runs: after a warm-up
-    (`compression_warmup`, OneBitAdam's), the branch that compresses."""
+    those of the step and of the functions it calls (a trace the replicas
+    share, whose ops run on the calling op's device), and in each `tf.cond`
+    of the reduce part those of the branch taken once compression runs:
+    after a warm-up (`compression_warmup`, OneBitAdam's), the branch that
+    compresses."""
     graph = step_graph(model)
     functions = {name: f.graph for name, f in graph._functions.items()}
 
-    def sent(g, scope=""):
+    def sent(g, scope="", caller=""):
         total = 0
         for op in g.get_operations():
-            if scope not in op.name:
+            device = op.device or caller
+            if scope not in op.name or not device.endswith("CPU:0"):
                 continue
-            if op.type.startswith("Collective") and op.device.endswith("CPU:0"):
+            if op.type.startswith("Collective"):
                 total += op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
             elif op.type in ("If", "StatelessIf"):
                 then, other = (functions[op.get_attr(b).name]
                                for b in ("then_branch", "else_branch"))
                 compressing = any(s in o.name for o in other.get_operations()
                                   for s in COMPRESSED_SCOPES)
-                total += sent(other if compressing else then)
+                total += sent(other if compressing else then, caller=device)
+            elif op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+                total += sent(functions[op.get_attr("f").name], caller=device)
         return total
 
     return sent(graph, "tfdist/reduce/")
