@@ -26,6 +26,7 @@ plans.best.config.to_json()   # for `tfdist launch --config` or `tfdist tfjob`
 """
 
 import dataclasses
+import functools
 import itertools
 import os
 import re
@@ -455,7 +456,8 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
       fewer devices than a chain needs);
     - `send_latency`: a chain of small ops alternating between 2 devices
       of this process against the same chain on one, per op (None with one
-      device: a 2-device collective's);
+      device: a 2-device collective's); these latencies are the devices',
+      not the model's: timed at a process's first calibration, then kept;
     - `shared_cores`: this host's cores when the devices are logical CPU
       devices (no GPU); each replica's update then shares them.
 
@@ -699,9 +701,11 @@ class _StepTimer(keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
+@functools.cache
 def _send_seconds(chain=40, repeats=9):
     """Seconds a copy between two of this process's devices adds to each op
-    of a chain of small ones (None with one device: not measured)."""
+    of a chain of small ones (None with one device: not measured); measured
+    once per process, as the devices' latencies do not depend on the model."""
     available = local_devices()
     if len(available) < 2:
         return None
@@ -720,9 +724,11 @@ def _send_seconds(chain=40, repeats=9):
     return max(0.0, chained(available[:2]) - chained(available[:1])) / chain
 
 
+@functools.cache
 def _all_reduce_seconds(devices, chain=20, repeats=5):
     """Seconds per all-reduce of a chain of small ones over `devices` of
-    this process's devices (None when it has fewer: not measured)."""
+    this process's devices (None when it has fewer: not measured); measured
+    once per process and member count."""
     available = local_devices()
     if devices < 2 or len(available) < devices:
         return None
