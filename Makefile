@@ -89,7 +89,7 @@ test: $(STAMP) $(CORE_STAMP) browser
 
 # The unit tier and the docstring examples: no training, about a minute.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest -n 3 --dist worksteal tests/unit
 	$(BIN)/python -m pytest tfdist
 
 bench: $(STAMP)
