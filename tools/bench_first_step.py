@@ -40,6 +40,19 @@ does in a user's; `--steps=N` also times the N steps after the first (each to
 its loss, as a progress bar does) and reports their median: what Grappler
 gives back for its first-call time.
 
+`--instantiations=K` splits the first step into its trace and TensorFlow's
+instantiation of the traced step: after it, the case process runs K more
+one-step `fit`s of the same model under a call configuration of their own
+each (TensorFlow keys an instantiation by its call's configuration, so the
+step is optimised and instantiated again from the same trace), alternately
+with Grappler and without, and one under the process's configuration, which
+reuses the first instantiation; the medians of their CPU seconds less that
+one's are `instantiate_cpu_seconds` (with Grappler) and
+`instantiate_nograppler_cpu_seconds`, and `trace_cpu_seconds` is the first
+step's CPU seconds less `instantiate_cpu_seconds`. A function the step
+calls without inlining it (the one body of `microbatches` without pipeline
+stages) keeps its first instantiation: its cases' split counts it as trace.
+
 One JSON line per (model, case): medians over `--repeats` processes, and the
 ratios to `data4` on the same model (`data4`'s line also to `mirrored`); then
 a markdown table. `--profile=DIR` writes cProfiles of the measured span only
@@ -95,6 +108,10 @@ flags.DEFINE_bool("grappler", True, "Run Grappler, TensorFlow's graph optimiser 
                   "--nograppler turns its meta-optimizer off in the case processes.")
 flags.DEFINE_integer("steps", 0, "Also time this many steps after the first, and report "
                      "their median (`steady_step_ms`).")
+flags.DEFINE_integer("instantiations", 0, "Also instantiate the traced step this many times "
+                     "more with Grappler and as many without, and split the first step "
+                     "into trace and instantiation (`trace_cpu_seconds`, "
+                     "`instantiate_cpu_seconds`, `instantiate_nograppler_cpu_seconds`).")
 FLAGS = flags.FLAGS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 4
@@ -218,13 +235,53 @@ def measure(keras, tf):
     if FLAGS.steps:
         record["steady_step_ms"] = 1e3 * statistics.median(
             b - a for a, b in zip(ends, ends[1:]))
+    if FLAGS.instantiations:
+        record.update(instantiation_seconds(model, x, y, first["cpu"]))
     return record
+
+
+def instantiation_seconds(model, x, y, first_cpu):
+    """The first step's CPU seconds split into its trace and the traced step's
+    instantiation (`--instantiations`): one-step `fit`s of the same model
+    under call configurations of their own, with and without Grappler,
+    against one under the process's own configuration."""
+    import copy
+
+    from tensorflow.python.eager import context
+
+    def one_step_cpu(grappler=None, key=0):
+        """CPU seconds of a one-step `fit`; with `grappler` set, under a fresh
+        call configuration (`key` makes it unlike every other)."""
+        options = context.context().function_call_options
+        saved = copy.copy(options)
+        if grappler is not None:
+            config = copy.deepcopy(context.context().config)
+            config.placement_period = 1000 + key  # unused by functions: a new instantiation
+            config.graph_options.rewrite_options.disable_meta_optimizer = not grappler
+            options.config_proto_serialized = config
+        start = time.process_time()
+        try:
+            model.fit({k: v[:BATCH] for k, v in x.items()}, y[:BATCH], batch_size=BATCH,
+                      epochs=1, shuffle=False, verbose=0)
+        finally:
+            context.context().function_call_options = saved
+        return time.process_time() - start
+
+    reused = one_step_cpu()
+    timed = {True: [], False: []}
+    for key in range(FLAGS.instantiations):
+        for grappler in (True, False):
+            timed[grappler].append(one_step_cpu(grappler, 2 * key + grappler))
+    on, off = (statistics.median(timed[g]) - reused for g in (True, False))
+    return {"instantiate_cpu_seconds": on, "instantiate_nograppler_cpu_seconds": off,
+            "trace_cpu_seconds": first_cpu - on}
 
 
 def run_subprocess(model, case):
     """One measurement in a fresh process: its record, or what went wrong."""
     command = [sys.executable, __file__, f"--case={case}", f"--model={model}",
                f"--seq={FLAGS.seq}", f"--steps={FLAGS.steps}",
+               f"--instantiations={FLAGS.instantiations}",
                "--grappler" if FLAGS.grappler else "--nograppler"]
     if FLAGS.profile:
         command.append(f"--profile={FLAGS.profile}")
@@ -262,8 +319,10 @@ def bench():
         os.makedirs(FLAGS.profile, exist_ok=True)
     runs = {(m, c): [] for m in FLAGS.models for c in FLAGS.cases}
     steady = bool(FLAGS.steps)  # the steps after the first are timed too
+    split = ["trace_cpu_seconds", "instantiate_cpu_seconds",
+             "instantiate_nograppler_cpu_seconds"] if FLAGS.instantiations else []
     medians = ["cpu_seconds", "wall_seconds", "fit_return_seconds", "build_seconds",
-               *["steady_step_ms"] * steady]
+               *["steady_step_ms"] * steady, *split]
     for repeat in range(FLAGS.repeats):  # repeats outermost: load drifts spread over cases
         for model, case in runs:
             record = run_subprocess(model, case)
@@ -316,6 +375,16 @@ def bench():
                 if steady:
                     cells.append(f"{result['steady_step_ms']:.1f}")
         print(f"| {describe(case)} | " + " | ".join(cells) + " |")
+    if split:
+        print("\nThe first step's CPU s split (`--instantiations`): the trace, the traced "
+              "step's instantiation with Grappler, and without it")
+        print("| case | " + " | ".join(f"{m} trace | {m} instantiation | {m} without Grappler"
+                                        for m in FLAGS.models) + " |")
+        print("|---|" + "---|---|---|" * len(FLAGS.models))
+        for case in FLAGS.cases:
+            cells = [f"{results[model, case][key]:.2f}" if results[model, case].get(key)
+                     is not None else "" for model in FLAGS.models for key in split]
+            print(f"| {describe(case)} | " + " | ".join(cells) + " |")
     if FLAGS.profile:
         for model, case in runs:
             print_profile(model, case)
