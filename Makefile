@@ -87,7 +87,7 @@ test: $(STAMP) $(CORE_STAMP) browser
 	$(BIN)/python -m pytest tfdist || status=1; \
 	exit $$status
 
-# The unit tier and the docstring examples: no training, about a minute.
+# The unit tier (3 processes) and the docstring examples: no training, about two minutes.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 3 --dist worksteal tests/unit
 	$(BIN)/python -m pytest tfdist
