@@ -238,7 +238,8 @@ class Plans(list):
                 f"{1e6 * h.replica_overhead:.0f} us per replica, "
                 f"{1e6 * h.latency(2):.0f} us per collective of 2 devices "
                 f"(+{1e6 * h.member_latency:.0f} us per further device)"
-                + (f", devices sharing {h.shared_cores} cores" if h.shared_cores else ""))
+                + (f", devices sharing {h.shared_cores} cores and their memory"
+                   if h.shared_cores else ""))
         return "\n".join(text)
 
     def __str__(self):
@@ -337,7 +338,7 @@ def predicted_plans(model, devices: int, memory_per_device, batch_size: int,
             plans.refused.append((dataclasses.asdict(config), layout))
             continue
         peak = modes.planned_peak(config, built, batch_size, sequence_length, layout,
-                                  processes=hosts)
+                                  processes=hosts, shared_memory=bool(hardware.shared_cores))
         step = predict_step_time(config, built, batch_size, hardware, sequence_length,
                                  layout)
         fits = peak.total <= usable
@@ -459,7 +460,8 @@ def measured_hardware(model, devices: int, sequence_length=None, rows: int = 8,
       device: a 2-device collective's); these latencies are the devices',
       not the model's: timed at a process's first calibration, then kept;
     - `shared_cores`: this host's cores when the devices are logical CPU
-      devices (no GPU); each replica's update then shares them.
+      devices (no GPU); each replica's update then shares them, and their
+      peaks their memory (`tfdist.sharding.peak.not_at_once_bytes`).
 
     Each time is the fastest of several runs: on a shared host other work
     only adds time, and the fastest varies least between calibrations.

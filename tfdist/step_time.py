@@ -91,7 +91,9 @@ class Hardware:
             device's FLOPs then run at `device_flops` one device at a time
             (the processor's whole rate), their call overheads on this many
             cores at once, and an idle device (the pipeline's bubble) lends
-            its cores to the others. None: devices of their own.
+            its cores to the others; they share its memory too (a plan's
+            predicted peak is then the mean of a host's peak over its
+            devices). None: devices of their own.
 
     Example:
 

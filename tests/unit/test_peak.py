@@ -88,8 +88,38 @@ def test_the_strategys_prediction_adds_the_update_the_program_and_no_transport_i
     # the program of a step computing the 4 weights (2 kernels, 2 biases),
     # its trace shared by the 4 devices of the process
     assert estimate.program == program_bytes(4, sharing=4)
+    # logical CPU devices share the process's memory: 3 of the 4 have freed
+    # their update's temporaries, activations and local gradients when the
+    # one at its peak meets them in the all-reduce
+    freed = 2 * KERNEL + _activations(4) + FIRST + SECOND
+    assert estimate.not_at_once == -(3 * freed // 4)
     assert estimate.total == (predict_peak(strategy.config, model, 16).total + 2 * KERNEL
-                              + estimate.program)
+                              + estimate.program + estimate.not_at_once)
+    assert planned_peak(strategy.config, model, 16).not_at_once == 0  # devices of their own
+
+
+@pytest.mark.parametrize("zero, freed_gradients", [
+    (1, 0), (2, 0), (3, 2 * FIRST)])  # zero=3: the largest unit's gradient and its piece
+def test_devices_sharing_memory_do_not_hold_what_they_free_before_a_collective(
+        zero, freed_gradients):
+    strategy = tfdist.Strategy(devices=DEVICES, zero=zero)
+    model = _model(strategy)
+    shared = planned_peak(strategy.config, model, 16, shared_memory=True)
+    own = planned_peak(strategy.config, model, 16)
+    update = 2 * KERNEL // 4  # Adam's new moments of the largest weight's shard
+    assert shared.update == own.update == update
+    assert shared.not_at_once == -(3 * (update + _activations(4) + freed_gradients) // 4)
+    assert shared.total == own.total + shared.not_at_once
+    # one device per process: nothing to share
+    assert planned_peak(strategy.config, model, 16, processes=4, shared_memory=True
+                        ).not_at_once == 0
+
+
+def test_without_data_replicas_the_local_gradients_wait_for_the_update():
+    strategy = tfdist.Strategy(devices=DEVICES, tensor=4)  # no data all-reduce packs them
+    shared = planned_peak(strategy.config, _model(strategy), 16, shared_memory=True)
+    assert shared.update > 0 and shared.activations > 0
+    assert shared.not_at_once == -(3 * (shared.update + shared.activations) // 4)
 
 
 def test_the_program_counts_the_weights_a_device_computes_and_who_shares_their_trace():

@@ -97,6 +97,7 @@ from tfdist.sharding.peak import (
     forward_ops,
     has_slots,
     held_sizes,
+    not_at_once_bytes,
     predict_peak,
     program_bytes,
     transport_bytes,
@@ -907,7 +908,9 @@ def predicted_peak(strategy, model, batch_size, sequence_length=None, layout=Non
     """
     layout = layout or layout_of(strategy, model, sequence_length)
     return planned_peak(strategy.config, model, batch_size, sequence_length, layout,
-                        processes=_processes(strategy))
+                        processes=_processes(strategy),
+                        shared_memory=all(tf.DeviceSpec.from_string(d).device_type == "CPU"
+                                          for d in strategy.extended.worker_devices))
 
 
 def _largest_data_collective(config, model, layout, sizes):
@@ -936,13 +939,15 @@ def _processes(strategy):
 
 
 def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None,
-                 layout=None, processes=1):
+                 layout=None, processes=1, shared_memory=False):
     """The busiest device's predicted `PeakEstimate` under `config` (resolved)
     with its replicas in `processes` processes: `tfdist.sharding.peak.predict_peak`
     of its layout, plus what the active modes keep on each replica (a
     compression's residuals, `OneBitAdam`'s) and gather at once, the
     optimizer update's temporaries, the transport's copies and the step's
-    program.
+    program. With `shared_memory` (a process's devices are logical devices
+    of one processor, sharing its memory), less what they do not hold at
+    once (`not_at_once_bytes`): the mean of the process's peak per device.
 
     Example:
 
@@ -973,4 +978,9 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
         state, gathered = mode.peak_bytes(config, model)
         peak.replica_state += state
         peak.gradients += gathered
+    if shared_memory:  # what a device frees before it meets the others in a collective
+        local = config.zero == 0 and config.data > 1  # packed for the all-reduce
+        peak.not_at_once = not_at_once_bytes(peak, devices, peak.parameters if local else (
+            zero3.unit_gradient_bytes(config, model, layout.stages,
+                                      lambda unit: weight_bytes(unit, layout.split))))
     return peak

@@ -485,12 +485,36 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of, largest
         return local, 0, local + config.gradients_beside(local, largest), state
     if stages:  # a whole stage gathered at a time
         return shard, local, 2 * local, state
-    units = sorted(map(size_of, each_unit_weights(config, model)), reverse=True)
-    # A unit's whole gradient, the reduce-scatter's received rows (in pieces
-    # of at most PIECE_BYTES), and the reduced shards: one unit's when each
-    # unit's update uses them at once, else all until the step's update (or,
-    # with microbatches, every unit's running sum until the last one's).
+    units = _unit_sizes(config, model, size_of)
+    # The reduced shards: one unit's when each unit's update uses them at
+    # once, else all until the step's update (or, with microbatches, every
+    # unit's running sum until the last one's); and a unit's gradient.
     each_at_once = (updates_in_backward(getattr(model, "optimizer", None), 3)
                     and config.microbatches == 1)
     reduced = units[0] // config.data if each_at_once else shard
-    return shard, sum(units[:2]), reduced + units[0] + min(units[0], PIECE_BYTES), state
+    return (shard, sum(units[:2]), reduced + unit_gradient_bytes(config, model, stages, size_of),
+            state)
+
+
+def unit_gradient_bytes(config, model, stages, size_of) -> int:
+    """Under zero=3 without pipeline `stages`, the bytes of the largest
+    unit's whole gradient and of the rows its reduce-scatter receives (in
+    pieces of at most `PIECE_BYTES`): what a device holds for one unit's
+    reduce-scatter and frees after it; 0 otherwise. `size_of(weights)`
+    counts a unit's bytes.
+
+    Example:
+
+    ```python
+    unit_gradient_bytes(strategy.config, model, None, lambda unit: weight_bytes(unit, {}))
+    ```
+    """
+    if config.zero < 3 or stages:
+        return 0
+    largest = _unit_sizes(config, model, size_of)[0]
+    return largest + min(largest, PIECE_BYTES)
+
+
+def _unit_sizes(config, model, size_of):
+    """The bytes of each zero=3 unit, largest first."""
+    return sorted(map(size_of, each_unit_weights(config, model)), reverse=True)

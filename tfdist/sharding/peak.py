@@ -55,7 +55,13 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   `UNROLLED_MICROBATCH_BYTES` on each device plus, shared,
   `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` and
   `UNROLLED_REPLAY_BYTES_PER_FORWARD_OP` (`program_bytes`);
-  `tfdist.engine.modes.planned_peak` adds it.
+  `tfdist.engine.modes.planned_peak` adds it;
+- not at once: where the devices are logical devices of one processor
+  sharing its memory (`tfdist.use_virtual_devices`), the process holds its
+  devices' peaks less what they do not hold at the same moment: one device
+  peaks while the others wait for it at a collective, without what it frees
+  before meeting them (`not_at_once_bytes`). Then the prediction is the
+  mean over the process's devices of its peak, and negative here.
 
 What the process held before the model was built (TensorFlow and Keras
 themselves) is outside the prediction: `tools/bench_memory.py` sets the
@@ -124,7 +130,7 @@ UNIT_PROGRAM_BYTES = 2 << 20
 # 93 MiB less).
 REPLAY_BYTES_PER_FORWARD_OP = 55 << 10  # 55 KiB
 # Parts a prediction prints only when they are not 0.
-_OPTIONAL_PARTS = ("replica_state", "update", "transport", "program")
+_OPTIONAL_PARTS = ("replica_state", "update", "transport", "program", "not_at_once")
 
 
 @dataclasses.dataclass
@@ -149,6 +155,7 @@ class PeakEstimate:
     update: int = 0
     transport: int = 0
     program: int = 0
+    not_at_once: int = 0
 
     @property
     def total(self) -> int:
@@ -167,9 +174,11 @@ def readable(size: int) -> str:
 
     Example:
 
-    >>> readable(512), readable(13_908), readable(3 * 2**30)
-    ('512 B', '13.58 KiB', '3.00 GiB')
+    >>> readable(512), readable(13_908), readable(3 * 2**30), readable(-2**20)
+    ('512 B', '13.58 KiB', '3.00 GiB', '-1.00 MiB')
     """
+    if size < 0:
+        return "-" + readable(-size)
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if size >= scale:
             return f"{size / scale:.2f} {unit}"
@@ -221,6 +230,30 @@ def update_bytes(piece: int, has_slots: bool) -> int:
     8192
     """
     return (2 if has_slots else 1) * piece
+
+
+def not_at_once_bytes(peak: PeakEstimate, devices: int, freed_gradients: int) -> int:
+    """What `devices` logical devices of one processor, sharing its memory,
+    do not hold at the same moment, per device and negative: the process's
+    peak is `devices` x `peak` (the busiest device's) less what `devices` - 1
+    of them have freed when they meet the one at its peak in a collective:
+    the update's temporaries and the activations (a step's backward and
+    update, which each device runs on its own), and the `freed_gradients`
+    bytes its mode frees before that collective
+    (`tfdist.engine.modes.planned_peak`: data parallelism's local gradients
+    once packed in the all-reduce's buffer, zero=3's largest unit's gradient
+    once reduce-scattered; zero 1 and 2 meet with whole gradients).
+
+    Example:
+
+    >>> peak = PeakEstimate(parameters=800, gradients=1600, optimizer_state=1600,
+    ...                     gathered=0, activations=100, update=100)
+    >>> not_at_once_bytes(peak, devices=4, freed_gradients=800)
+    -750
+    """
+    if devices < 2:
+        return 0
+    return -((devices - 1) * (peak.update + peak.activations + freed_gradients) // devices)
 
 
 def transport_bytes(whole: int, data: int, processes: int, all_reduce: bool) -> int:
