@@ -979,7 +979,7 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
         peak.replica_state += state
         peak.gradients += gathered
     if shared_memory:  # what a device frees before it meets the others in a collective
-        local = config.zero == 0 and config.data > 1  # packed for the all-reduce
+        local = config.zero < 2 and config.data > 1  # packed for the all-reduce
         peak.not_at_once = not_at_once_bytes(peak, devices, peak.parameters if local else (
             zero3.unit_gradient_bytes(config, model, layout.stages,
                                       lambda unit: weight_bytes(unit, layout.split))))

@@ -240,9 +240,10 @@ def not_at_once_bytes(peak: PeakEstimate, devices: int, freed_gradients: int) ->
     the update's temporaries and the activations (a step's backward and
     update, which each device runs on its own), and the `freed_gradients`
     bytes its mode frees before that collective
-    (`tfdist.engine.modes.planned_peak`: data parallelism's local gradients
-    once packed in the all-reduce's buffer, zero=3's largest unit's gradient
-    once reduce-scattered; zero 1 and 2 meet with whole gradients).
+    (`tfdist.engine.modes.planned_peak`: the local gradients of data
+    parallelism and zero=1 once packed in the all-reduce's buffer, zero=3's
+    largest unit's gradient once reduce-scattered; zero=2's reduce-scatter
+    meets with the whole local gradients).
 
     Example:
 
