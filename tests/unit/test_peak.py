@@ -162,12 +162,22 @@ def test_the_program_counts_the_weights_a_device_computes_and_who_shares_their_t
                   + STAGE_CALL_BYTES_PER_WEIGHT)
     assert estimate.program == 2 * per_weight
     assert f"program {readable(estimate.program)}" in str(estimate)
+    # with `remat` each stage replays its forward (the model's over 2
+    # stages) for each microbatch's backward, in the trace its 2 replicas share
+    stage_ops = forward_ops(model) // 2
+    remat = tfdist.Strategy(devices=DEVICES, pipeline=2, microbatches=2, remat=True)
+    estimate = remat.predicted_peak(_model(remat), batch_size=16)
+    assert estimate.program == 2 * per_weight + (
+        stage_ops * REPLAY_BYTES_PER_FORWARD_OP // 2
+        + stage_ops * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP // 2)
     # under zero=3 a stage is one unit, gathered whole (replayed by `remat`)
     stages = tfdist.Strategy(devices=DEVICES, pipeline=2, microbatches=2, zero=3, remat=True)
     estimate = stages.predicted_peak(_model(stages), batch_size=16)
-    assert estimate.program == (2 * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // 2)
-                                + UNROLLED_MICROBATCH_BYTES + UNROLLED_MICROBATCH_BYTES_PER_WEIGHT
-                                + UNIT_PROGRAM_BYTES)
+    assert estimate.program == (
+        2 * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // 2) + UNROLLED_MICROBATCH_BYTES
+        + (2 * UNROLLED_MICROBATCH_BYTES_PER_WEIGHT
+           + stage_ops * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP) // 2
+        + UNIT_PROGRAM_BYTES + stage_ops * REPLAY_BYTES_PER_FORWARD_OP // 2)
 
 
 def test_forward_ops_counts_a_functional_models_forward_in_training():

@@ -929,6 +929,17 @@ def _largest_data_collective(config, model, layout, sizes):
                    + [sum(s for s in group if s < ALONE_BYTES)]) for group in groups)
 
 
+def _replayed_forward_ops(config, model, sequence_length, stages):
+    """The forward ops a device replays under the tape for its backward:
+    zero=3's units replay the whole forward; with `remat` a pipeline
+    device its stages' (the model's over `pipeline` devices); else none."""
+    if zero3.replays_forward(config, stages):
+        return forward_ops(model, sequence_length)
+    if stages and config.remat:
+        return forward_ops(model, sequence_length) // config.pipeline
+    return 0
+
+
 def _processes(strategy):
     """The chief and worker tasks of `strategy`'s cluster (1 without one)."""
     resolver = strategy.cluster_resolver
@@ -967,8 +978,7 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
                         else MICROBATCH_BYTES_PER_WEIGHT),
         sharded_update=config.zero in (1, 2),
         units=zero3.program_units(config, model, layout.stages),
-        replayed_ops=(forward_ops(model, sequence_length)
-                      if zero3.replays_forward(config, layout.stages) else 0))
+        replayed_ops=_replayed_forward_ops(config, model, sequence_length, layout.stages))
     if sizes:
         piece = -(-max(sizes) // config.data) if config.zero else max(sizes)
         peak.update = update_bytes(piece, has_slots(model))

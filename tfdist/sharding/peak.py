@@ -286,11 +286,13 @@ def program_bytes(weights: int, sharing: int = 1, microbatches: int = 1,
     process run (their replicas of the same weights), a `sharded_update`
     (zero=1 and 2's), and `per_microbatch` bytes for each of its
     `microbatches` past the first (what the mode's program repeats for one).
-    Under zero=3 (its `units`, each `UNIT_PROGRAM_BYTES`): the share of the
-    trace of the `replayed_ops` of the forward it replays (`forward_ops`),
-    and for each microbatch past the first, unrolled in that trace, its
-    share of `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` and
-    `UNROLLED_REPLAY_BYTES_PER_FORWARD_OP`, and `UNROLLED_MICROBATCH_BYTES`
+    The share of the trace of the `replayed_ops` of the forward it replays
+    under the tape for its backward (`forward_ops`: zero=3's units; a
+    pipeline stage's with `remat`), and for each microbatch past the first,
+    unrolled in that trace, of `UNROLLED_REPLAY_BYTES_PER_FORWARD_OP`.
+    Under zero=3 (its `units`, each `UNIT_PROGRAM_BYTES`), each microbatch
+    past the first also has its share of
+    `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` and `UNROLLED_MICROBATCH_BYTES`
     of its own, in place of `per_microbatch`.
 
     Example:
@@ -301,8 +303,11 @@ def program_bytes(weights: int, sharing: int = 1, microbatches: int = 1,
     375.0
     >>> program_bytes(100, microbatches=2, units=10, replayed_ops=1024) / 2**20
     445.5
+    >>> program_bytes(100, microbatches=2, replayed_ops=1024) / 2**20
+    347.5
     """
-    repeated = weights * per_microbatch
+    repeated = weights * per_microbatch + (
+        replayed_ops * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP // sharing)
     if units:
         repeated = UNROLLED_MICROBATCH_BYTES + (
             weights * UNROLLED_MICROBATCH_BYTES_PER_WEIGHT
