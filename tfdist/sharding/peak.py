@@ -47,14 +47,15 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   zero=1 and 2's update, and per weight and microbatch past the first,
   what the mode's program adds for it: `MICROBATCH_BYTES_PER_WEIGHT` where
   the microbatches share one function body, `STAGE_CALL_BYTES_PER_WEIGHT`
-  for a pipeline stage's call of its layers. Under zero=3,
-  `UNIT_PROGRAM_BYTES` for each unit, `REPLAY_BYTES_PER_FORWARD_OP` for
-  each op of the forward it replays (`forward_ops`), shared by the
-  process's devices, and for each microbatch past the first (its program
-  repeats its gathers, replays and reduce-scatters for each)
-  `UNROLLED_MICROBATCH_BYTES` on each device plus, shared,
-  `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` and
-  `UNROLLED_REPLAY_BYTES_PER_FORWARD_OP` (`program_bytes`);
+  for a pipeline stage's call of its layers. `REPLAY_BYTES_PER_FORWARD_OP`
+  for each op of the forward a device replays for its backward (zero=3's
+  units; a pipeline stage's with `remat`; `forward_ops`), shared by the
+  process's devices, and `UNROLLED_REPLAY_BYTES_PER_FORWARD_OP` for each
+  microbatch past the first. Under zero=3, `UNIT_PROGRAM_BYTES` for each
+  unit, and for each microbatch past the first (its program repeats its
+  gathers, replays and reduce-scatters for each) `UNROLLED_MICROBATCH_BYTES`
+  on each device plus, shared, `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT`
+  (`program_bytes`);
   `tfdist.engine.modes.planned_peak` adds it;
 - not at once: where the devices are logical devices of one processor
   sharing its memory (`tfdist.use_virtual_devices`), the process holds its
@@ -127,7 +128,8 @@ UNIT_PROGRAM_BYTES = 2 << 20
 # the replicas that share its trace (4 workers of one device: Llama 8 x 512,
 # twice GPT-2 8 x 768's forward ops with 57% of its weights, holds 80 MiB
 # more beside its tensors under zero=3 than a per-weight program says, GPT-2
-# 93 MiB less).
+# 93 MiB less). A pipeline stage's replay with `remat` is counted the same
+# (one process of 4 stages, GPT-2 4 x 128: `remat` added 8-34 MiB a device).
 REPLAY_BYTES_PER_FORWARD_OP = 55 << 10  # 55 KiB
 # Parts a prediction prints only when they are not 0.
 _OPTIONAL_PARTS = ("replica_state", "update", "transport", "program", "not_at_once")
