@@ -617,7 +617,7 @@ def run_plans():
     print(f"\n{model_name()}, Adam, batch {BATCH}, {FLAGS.workers} "
           f"hosts of {per_worker} device(s), {FLAGS.plan} per device: "
           f"{sum(p.fits for p in plans)} of {len(plans)} plans fit; running {len(chosen)}")
-    if per_worker > 1:  # one allocator per process: its devices' peaks add up
+    if per_worker > 1:  # one allocator per process
         print(f"A worker's peak is compared with {per_worker} x the predicted peak: the mean "
               "over its devices, which share its memory (balanced stages assumed).")
     rows = []

@@ -308,12 +308,12 @@ def program_bytes(weights: int, sharing: int = 1, microbatches: int = 1,
     >>> program_bytes(100, microbatches=2, replayed_ops=1024) / 2**20
     347.5
     """
-    repeated = weights * per_microbatch + (
-        replayed_ops * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP // sharing)
+    replay = replayed_ops * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP  # each microbatch's, shared
     if units:
         repeated = UNROLLED_MICROBATCH_BYTES + (
-            weights * UNROLLED_MICROBATCH_BYTES_PER_WEIGHT
-            + replayed_ops * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP) // sharing
+            weights * UNROLLED_MICROBATCH_BYTES_PER_WEIGHT + replay) // sharing
+    else:
+        repeated = weights * per_microbatch + replay // sharing
     return (weights * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // sharing
                        + sharded_update * SHARDED_UPDATE_BYTES_PER_WEIGHT)
             + (microbatches - 1) * repeated
