@@ -395,7 +395,10 @@ class ParallelConfig:
     def all_reduce_pack(self, local: int, largest: int) -> int:
         """The bytes of a data all-reduce's packed buffer for `local` bytes
         of gradients: all of them, or with `bucket_bytes` one bucket (the
-        `largest` gradient at least, which goes alone).
+        `largest` gradient at least, which goes alone). With pipeline stages
+        and no tensor groups the `largest` gradient: a replica's gradients
+        are on its stages' devices, and `tf.distribute`'s batch reduce,
+        which packs only values on one device, all-reduces each on its own.
 
         Example:
 
@@ -403,7 +406,11 @@ class ParallelConfig:
         100
         >>> ParallelConfig(bucket_bytes=256).all_reduce_pack(400, 100)
         256
+        >>> ParallelConfig(data=2, pipeline=2).all_reduce_pack(400, 100)
+        100
         """
+        if self.pipeline > 1 and self.tensor == 1:
+            return largest
         return min(local, max(self.bucket_bytes, largest)) if self.bucket_bytes else local
 
     @property

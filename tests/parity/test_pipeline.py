@@ -171,6 +171,15 @@ def test_each_stage_lives_on_its_devices(data_size, stages):
     for slot, variable in zip(model.optimizer._momentums, model.optimizer._trainable_variables):
         wanted = {mesh[r * stages + stage_of[id(variable)]] for r in range(data_size)}
         assert where(slot) == wanted, slot.path
+    if data_size > 1:
+        # The data all-reduce takes each gradient alone (tf.distribute packs
+        # only the values of one device, and a replica's are on its stages'):
+        # what the predicted peak counts (`ParallelConfig.all_reduce_pack`).
+        reduced = [op.inputs[0].shape.num_elements() for op in
+                   step_ops(_step_graph(model), "CPU:0", scope="tfdist/reduce")
+                   if op.type == "CollectiveReduceV2"]
+        weights = sorted(w.shape.num_elements() for w in model.trainable_weights)
+        assert sorted(reduced)[-len(weights):] == weights, sorted(reduced)
 
 
 @pytest.mark.parametrize("schedule, microbatches", [("gpipe", 8), ("1f1b", 8), ("zb1", 8)])

@@ -222,6 +222,26 @@ def test_transport_copies_the_largest_data_collective_between_processes(
     assert planned_peak(strategy.config, model, batch_size=16).transport == 0
 
 
+def test_a_pipeline_replica_reduces_one_gradient_and_one_stage_at_a_time():
+    # A replica's gradients are on its stages' devices, and tf.distribute's
+    # batch reduce packs only one device's values: each gradient is
+    # all-reduced on its own (tests/parity/test_pipeline.py), so the buffer
+    # and the copies between processes are the largest gradient's.
+    strategy = tfdist.Strategy(devices=DEVICES, data=2, pipeline=2, microbatches=2)
+    model = _model(strategy)
+    estimate = planned_peak(strategy.config, model, batch_size=16, processes=2)
+    assert estimate.transport == ALL_REDUCE_COPIES * KERNEL // 2
+    # A process's 2 stages share its memory and are not in step: one at a
+    # time holds what it keeps beside its local gradients (the running sum
+    # of the microbatches) and the copies.
+    shared = planned_peak(strategy.config, model, batch_size=16, processes=2,
+                          shared_memory=True)
+    beside = shared.gradients - shared.parameters
+    assert beside == shared.parameters > 0
+    assert shared.not_at_once == -(
+        (shared.update + shared.activations + beside + shared.transport) // 2)
+
+
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_1_and_2_shard_the_slots_and_add_shard_buffers(zero):
     strategy = tfdist.Strategy(devices=DEVICES, zero=zero)

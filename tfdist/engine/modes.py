@@ -988,9 +988,22 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
         state, gathered = mode.peak_bytes(config, model)
         peak.replica_state += state
         peak.gradients += gathered
-    if shared_memory:  # what a device frees before it meets the others in a collective
-        local = config.zero < 2 and config.data > 1  # packed for the all-reduce
-        peak.not_at_once = not_at_once_bytes(peak, devices, peak.parameters if local else (
-            zero3.unit_gradient_bytes(config, model, layout.stages,
-                                      lambda unit: weight_bytes(unit, layout.split))))
+    if shared_memory:
+        peak.not_at_once = not_at_once_bytes(peak, devices,
+                                             _freed_gradients(config, model, layout, peak))
     return peak
+
+
+def _freed_gradients(config, model, layout, peak):
+    """The gradient bytes (and their copies) a device of a process no longer
+    holds when another of its devices is at its peak (`not_at_once_bytes`)."""
+    if config.pipeline > 1 and config.tensor == 1 and config.zero < 3:
+        # A replica's stages are not in step, and its data reduce takes their
+        # gradients one at a time (`ParallelConfig.all_reduce_pack`): one
+        # stage at a time holds what it keeps beside its local gradients for
+        # the reduce, and the copies between processes.
+        return peak.gradients - peak.parameters + peak.transport
+    if config.zero < 2 and config.data > 1:  # packed for the all-reduce, then freed
+        return peak.parameters
+    return zero3.unit_gradient_bytes(config, model, layout.stages,
+                                     lambda unit: weight_bytes(unit, layout.split))

@@ -245,7 +245,9 @@ def not_at_once_bytes(peak: PeakEstimate, devices: int, freed_gradients: int) ->
     (`tfdist.engine.modes.planned_peak`: the local gradients of data
     parallelism and zero=1 once packed in the all-reduce's buffer, zero=3's
     largest unit's gradient once reduce-scattered; zero=2's reduce-scatter
-    meets with the whole local gradients).
+    meets with the whole local gradients; a replica's pipeline stages, not
+    in step, what each keeps beside its local gradients for the reduce and
+    its copies between processes, one stage at a time).
 
     Example:
 
