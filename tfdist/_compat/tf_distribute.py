@@ -10,6 +10,7 @@ import tensorflow as tf
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import (
     collective_util,
+    cross_device_ops,
     distribute_lib,
     multi_worker_util,
     values_util,
@@ -118,8 +119,13 @@ def summed_across_replicas(values):
     sum_ = tf.distribute.ReduceOp.SUM
     if extended._use_merge_call():
         def batch_sum(strategy, *flat):
-            return strategy.extended.batch_reduce_to(
-                sum_, [(v, distribute_lib._batch_reduce_destination(v)) for v in flat], options)
+            pairs = [(v, distribute_lib._batch_reduce_destination(v)) for v in flat]
+            if cross_device_ops._all_devices_match(pairs):
+                return strategy.extended.batch_reduce_to(sum_, pairs, options)
+            # Values on several devices (a pipeline replica's gradients on its
+            # stages'): `batch_reduce_to` packs only one device's, and would
+            # reduce these one by one after logging that it cannot pack them.
+            return [strategy.extended.batch_reduce_to(sum_, [pair], options)[0] for pair in pairs]
 
         reduced = context.merge_call(batch_sum, args=flat)
     else:
