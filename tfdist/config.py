@@ -358,6 +358,23 @@ class ParallelConfig:
         return bool(self.zero) or self.tensor > 1 or self.pipeline > 1
 
     @property
+    def reduces_stage_gradients_alone(self) -> bool:
+        """Whether a replica's gradients are on its pipeline stages' devices
+        with no tensor group's all-reduce to pack them: `tf.distribute`
+        packs only values on one device, so the data reduce takes them one
+        at a time, and the stages, not in step, reach it one at a time
+        (`tfdist.engine.modes.planned_peak`).
+
+        Example:
+
+        >>> ParallelConfig(data=2, pipeline=2).reduces_stage_gradients_alone
+        True
+        >>> ParallelConfig(pipeline=2, tensor=2).reduces_stage_gradients_alone
+        False
+        """
+        return self.pipeline > 1 and self.tensor == 1
+
+    @property
     def creates_weights_as_shards(self) -> bool:
         """Whether the scope creates trainable weights as shards: the step
         keeps them split, sharded or on their stage's devices (`zero=3`,
@@ -395,10 +412,8 @@ class ParallelConfig:
     def all_reduce_pack(self, local: int, largest: int) -> int:
         """The bytes of a data all-reduce's packed buffer for `local` bytes
         of gradients: all of them, or with `bucket_bytes` one bucket (the
-        `largest` gradient at least, which goes alone). With pipeline stages
-        and no tensor groups the `largest` gradient: a replica's gradients
-        are on its stages' devices, and `tf.distribute`'s batch reduce,
-        which packs only values on one device, all-reduces each on its own.
+        `largest` gradient at least, which goes alone), or the `largest`
+        gradient where each goes alone (`reduces_stage_gradients_alone`).
 
         Example:
 
@@ -409,7 +424,7 @@ class ParallelConfig:
         >>> ParallelConfig(data=2, pipeline=2).all_reduce_pack(400, 100)
         100
         """
-        if self.pipeline > 1 and self.tensor == 1:
+        if self.reduces_stage_gradients_alone:
             return largest
         return min(local, max(self.bucket_bytes, largest)) if self.bucket_bytes else local
 

@@ -997,11 +997,9 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
 def _freed_gradients(config, model, layout, peak):
     """The gradient bytes (and their copies) a device of a process no longer
     holds when another of its devices is at its peak (`not_at_once_bytes`)."""
-    if config.pipeline > 1 and config.tensor == 1 and config.zero < 3:
-        # A replica's stages are not in step, and its data reduce takes their
-        # gradients one at a time (`ParallelConfig.all_reduce_pack`): one
-        # stage at a time holds what it keeps beside its local gradients for
-        # the reduce, and the copies between processes.
+    if config.reduces_stage_gradients_alone and config.zero < 3:
+        # One stage at a time holds what it keeps beside its local gradients
+        # for the reduce, and the copies between processes.
         return peak.gradients - peak.parameters + peak.transport
     if config.zero < 2 and config.data > 1:  # packed for the all-reduce, then freed
         return peak.parameters
