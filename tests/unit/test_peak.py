@@ -1,10 +1,14 @@
 """The predicted peak per device (`Strategy.describe(model, batch_size=...)`), no training."""
 
+import dataclasses
+
 import keras
 import pytest
 
 import tfdist
+from tfdist.engine import modes
 from tfdist.engine.modes import planned_peak
+from tfdist.optim import zero3
 from tfdist.sharding.peak import (
     ALL_REDUCE_COPIES,
     MICROBATCH_BYTES_PER_WEIGHT,
@@ -103,7 +107,10 @@ def test_the_strategys_prediction_adds_the_update_the_program_and_no_transport_i
 @pytest.mark.parametrize("zero, freed_gradients", [
     (1, FIRST + SECOND), (2, 0), (3, 2 * FIRST)])
 def test_devices_sharing_memory_do_not_hold_what_they_free_before_a_collective(
-        zero, freed_gradients):
+        zero, freed_gradients, monkeypatch):
+    # (each weight gathered alone: zero=1's gather of its updated shards
+    # holds less than its backward)
+    monkeypatch.setattr(modes, "ALONE_BYTES", 1)
     strategy = tfdist.Strategy(devices=DEVICES, zero=zero)
     model = _model(strategy)
     shared = planned_peak(strategy.config, model, 16, shared_memory=True)
@@ -243,15 +250,35 @@ def test_a_pipeline_replica_reduces_one_gradient_and_one_stage_at_a_time():
 
 
 @pytest.mark.parametrize("zero", [1, 2])
-def test_zero_1_and_2_shard_the_slots_and_add_shard_buffers(zero):
+def test_zero_1_and_2_shard_the_slots(zero):
     strategy = tfdist.Strategy(devices=DEVICES, zero=zero)
     estimate = predict_peak(strategy.config, _model(strategy), batch_size=16)
     whole = FIRST + SECOND
-    assert estimate.optimizer_state == 2 * whole // 4 + whole // 4
+    # (the parameter shard buffers are slices of the parameters until the update)
+    assert estimate.optimizer_state == 2 * whole // 4
     assert estimate.parameters == whole
     # the local gradients and zero=1's packed all-reduce buffer, or zero=2's
     # all-to-all of them (received whole: under PIECE_BYTES) and reduced shards
     assert estimate.gradients == (2 * whole if zero == 1 else 2 * whole + whole // 4)
+
+
+def test_zero_1_and_2_peak_at_the_gather_of_their_shards_when_it_holds_more(monkeypatch):
+    strategy = tfdist.Strategy(devices=DEVICES, zero=2)
+    model = _model(strategy)
+    whole, shards = FIRST + SECOND, FIRST // 4 + SECOND // 4
+    # Reduce-scattered whole, the backward holds more than the gather.
+    backward = planned_peak(strategy.config, model, batch_size=16, processes=4)
+    assert backward.gathered == 0 and backward.gradients == 2 * whole + whole // 4
+    # In pieces of 256 bytes, less: the peak is the gather's, of both weights
+    # packed (its result and the weights split from it), beside the written
+    # shard buffers and the shards received from the 3 other processes.
+    monkeypatch.setattr(zero3, "PIECE_BYTES", 256)
+    gather = planned_peak(strategy.config, model, batch_size=16, processes=4)
+    assert (gather.gradients, gather.activations, gather.update) == (0, 0, 0)
+    assert gather.gathered == 2 * whole
+    assert gather.optimizer_state == 2 * whole // 4 + shards
+    assert gather.transport == 3 * shards
+    assert gather.total > dataclasses.replace(backward, gradients=whole + 256 + whole // 4).total
 
 
 def test_zero3_keeps_shards_and_gathers_the_two_largest_units():

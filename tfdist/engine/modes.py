@@ -95,6 +95,7 @@ from tfdist.sharding.peak import (
     MICROBATCH_BYTES_PER_WEIGHT,
     STAGE_CALL_BYTES_PER_WEIGHT,
     forward_ops,
+    gathering_peak,
     has_slots,
     held_sizes,
     not_at_once_bytes,
@@ -959,6 +960,8 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
     program. With `shared_memory` (a process's devices are logical devices
     of one processor, sharing its memory), less what they do not hold at
     once (`not_at_once_bytes`): the mean of the process's peak per device.
+    Under zero 1 and 2, the gather of the updated parameter shards at the
+    step's end instead where it holds more (`gathering_peak`).
 
     Example:
 
@@ -991,7 +994,23 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
     if shared_memory:
         peak.not_at_once = not_at_once_bytes(peak, devices,
                                              _freed_gradients(config, model, layout, peak))
+    if config.zero in (1, 2) and sizes:
+        gathering = _gathering(config, peak, sizes, processes,
+                               devices if shared_memory else 1)
+        return max(peak, gathering, key=lambda estimate: estimate.total)
     return peak
+
+
+def _gathering(config, peak, sizes, processes, sharing):
+    """What a device holds in zero 1 and 2's gather of its updated shards
+    of weights of `sizes` bytes, `sharing` devices of its process sharing
+    its memory (`gathering_peak`): the weights under `ALONE_BYTES` in one
+    collective, each larger one alone."""
+    packed = sum(size for size in sizes if size < ALONE_BYTES)
+    alone = max((size for size in sizes if size >= ALONE_BYTES), default=0)
+    return gathering_peak(peak, sum(-(-size // config.data) for size in sizes), packed, alone,
+                          transport_bytes(max(packed, alone), config.data, processes,
+                                          all_reduce=False), sharing)
 
 
 def _freed_gradients(config, model, layout, peak):

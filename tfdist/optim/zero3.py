@@ -456,7 +456,8 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of, largest
     `tfdist.sharding.peak`, from the `local` bytes of the weights it computes
     with and their optimizer `state`, both unsharded; `size_of(weights)`
     counts a unit's bytes, `largest` is the largest weight's. zero 1/2 keep a
-    shard of the state and a parameter shard buffer; beside the whole local
+    shard of the state (their parameter shard buffer is the parameter's own
+    memory until the update writes it: `gathering_peak`); beside the whole local
     gradients, zero 0 and 1 the packed buffer a data all-reduce sends (a
     bucket at a time with `bucket_bytes`) or the microbatches' running sum
     (`config.gradients_beside`), zero=2 a piece of its reduce-scatter and
@@ -470,15 +471,15 @@ def held_at_peak(config, model, local: int, state: int, stages, size_of, largest
 
     >>> from tfdist.config import ParallelConfig
     >>> held_at_peak(ParallelConfig(data=4, zero=1), None, 400, 800, None, None)
-    (400, 0, 800, 300)
+    (400, 0, 800, 200)
     >>> held_at_peak(ParallelConfig(data=4, zero=2), None, 400, 800, None, None)
-    (400, 0, 900, 300)
+    (400, 0, 900, 200)
     >>> held_at_peak(ParallelConfig(data=4, bucket_bytes=64), None, 400, 800, None, None, 100)
     (400, 0, 500, 800)
     """
     shard = local // config.data
     if config.zero:
-        state = state // config.data + (shard if config.zero < 3 else 0)
+        state //= config.data
     if config.zero == 2:  # reduce-scattered in pieces, each replica keeping its sum
         return local, 0, local + min(local, PIECE_BYTES) + shard, state
     if config.zero < 3:

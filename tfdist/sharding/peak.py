@@ -14,10 +14,12 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   shards it keeps; under `zero=2` a piece of its reduce-scatter and the
   reduced shards instead);
 - optimizer state: every slot of its variable's shape, split as the weight
-  is and, with `zero` >= 1, sharded over the data replicas; plus zero 1/2's
-  parameter shard buffers;
+  is and, with `zero` >= 1, sharded over the data replicas;
 - gathered: under `zero=3`, the two largest units' parameters (the current
-  and the next one);
+  and the next one); under zero 1 and 2, when the gather of the updated
+  parameter shards at the step's end holds more than the backward, that
+  gather's instead (`gathering_peak`: the shard buffers, in the optimizer
+  state, the gathered weights, their copies between processes);
 - activations: every layer output of the device's rows of one microbatch
   (under `pipeline`, the mean stage's, times the microbatches its schedule
   holds at once, `held_activations`; with `remat`, only those microbatches'
@@ -259,6 +261,37 @@ def not_at_once_bytes(peak: PeakEstimate, devices: int, freed_gradients: int) ->
     if devices < 2:
         return 0
     return -((devices - 1) * (peak.update + peak.activations + freed_gradients) // devices)
+
+
+def gathering_peak(peak: PeakEstimate, buffers: int, packed: int, alone: int,
+                   transport: int, devices: int = 1) -> PeakEstimate:
+    """What a device holds at the end of zero=1 and 2's step, when its
+    updated parameter shards are gathered (`tfdist.optim.zero`): beside the
+    parameters and the state shards of `peak` (the step's peak before it,
+    its gradients, activations and update temporaries freed), the
+    `buffers` bytes of its parameter shard buffers (until the update writes
+    them they are slices of the parameters themselves), twice the `packed`
+    bytes of the weights gathered in one collective (its result and the
+    weights split from it) and the `alone` bytes of the largest weight
+    gathered alone, and the gather's `transport` between processes. Where
+    `devices` logical devices share a processor's memory, they meet in the
+    gather, each holding its result, and split it one after another: the
+    mean per device holds one `devices`-th of the split weights.
+    `tfdist.engine.modes.planned_peak` predicts the larger of the two.
+
+    Example:
+
+    >>> peak = PeakEstimate(parameters=800, gradients=1600, optimizer_state=400,
+    ...                     gathered=0, activations=100, update=100)
+    >>> gathering_peak(peak, buffers=200, packed=500, alone=100, transport=0).total
+    2500
+    >>> gathering_peak(peak, buffers=200, packed=500, alone=100, transport=0, devices=4).gathered
+    725
+    """
+    return dataclasses.replace(peak, gradients=0, activations=0, update=0, not_at_once=0,
+                               optimizer_state=peak.optimizer_state + buffers,
+                               gathered=packed + alone + packed // devices,
+                               transport=transport)
 
 
 def transport_bytes(whole: int, data: int, processes: int, all_reduce: bool) -> int:
