@@ -926,8 +926,15 @@ def _largest_data_collective(config, model, layout, sizes):
     groups = ([[weight_bytes([v], layout.split) for v in weights]
                for weights in zero3.each_unit_weights(config, model)]
               if config.zero == 3 and not layout.stages else [sizes])
-    return max(max([s for s in group if s >= ALONE_BYTES]
-                   + [sum(s for s in group if s < ALONE_BYTES)]) for group in groups)
+    return max(max(_packed_and_alone(group)) for group in groups)
+
+
+def _packed_and_alone(sizes):
+    """(the bytes of the weights of `sizes` under `ALONE_BYTES`, which a
+    gather or reduce-scatter packs in one collective; the largest of the
+    others, each in a collective of its own, or 0)."""
+    return (sum(size for size in sizes if size < ALONE_BYTES),
+            max((size for size in sizes if size >= ALONE_BYTES), default=0))
 
 
 def _replayed_forward_ops(config, model, sequence_length, stages):
@@ -1004,10 +1011,8 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
 def _gathering(config, peak, sizes, processes, sharing):
     """What a device holds in zero 1 and 2's gather of its updated shards
     of weights of `sizes` bytes, `sharing` devices of its process sharing
-    its memory (`gathering_peak`): the weights under `ALONE_BYTES` in one
-    collective, each larger one alone."""
-    packed = sum(size for size in sizes if size < ALONE_BYTES)
-    alone = max((size for size in sizes if size >= ALONE_BYTES), default=0)
+    its memory (`gathering_peak`, `_packed_and_alone`)."""
+    packed, alone = _packed_and_alone(sizes)
     return gathering_peak(peak, sum(-(-size // config.data) for size in sizes), packed, alone,
                           transport_bytes(max(packed, alone), config.data, processes,
                                           all_reduce=False), sharing)
