@@ -93,9 +93,9 @@ def test_the_strategys_prediction_adds_the_update_the_program_and_no_transport_i
     # its trace shared by the 4 devices of the process
     assert estimate.program == program_bytes(4, sharing=4)
     # logical CPU devices share the process's memory: 3 of the 4 have freed
-    # their update's temporaries, activations and local gradients when the
-    # one at its peak meets them in the all-reduce
-    freed = 2 * KERNEL + _activations(4) + FIRST + SECOND
+    # their update's temporaries and local gradients when the one at its
+    # peak meets them in the all-reduce (their activations they hold at once)
+    freed = 2 * KERNEL + FIRST + SECOND
     assert estimate.not_at_once == -(3 * freed // 4)
     assert estimate.total == (predict_peak(strategy.config, model, 16).total + 2 * KERNEL
                               + estimate.program + estimate.not_at_once)
@@ -118,7 +118,7 @@ def test_devices_sharing_memory_do_not_hold_what_they_free_before_a_collective(
     own = planned_peak(strategy.config, model, 16)
     update = 2 * KERNEL // 4  # Adam's new moments of the largest weight's shard
     assert shared.update == own.update == update
-    assert shared.not_at_once == -(3 * (update + _activations(4) + freed_gradients) // 4)
+    assert shared.not_at_once == -(3 * (update + freed_gradients) // 4)
     assert shared.total == own.total + shared.not_at_once
     # one device per process: nothing to share
     assert planned_peak(strategy.config, model, 16, processes=4, shared_memory=True
@@ -129,7 +129,7 @@ def test_without_data_replicas_the_local_gradients_wait_for_the_update():
     strategy = tfdist.Strategy(devices=DEVICES, tensor=4)  # no data all-reduce packs them
     shared = planned_peak(strategy.config, _model(strategy), 16, shared_memory=True)
     assert shared.update > 0 and shared.activations > 0
-    assert shared.not_at_once == -(3 * (shared.update + shared.activations) // 4)
+    assert shared.not_at_once == -(3 * shared.update // 4)
 
 
 def test_the_program_counts_the_weights_a_device_computes_and_who_shares_their_trace():
@@ -246,8 +246,7 @@ def test_a_pipeline_replica_reduces_one_gradient_and_one_stage_at_a_time():
                           shared_memory=True)
     beside = shared.gradients - shared.parameters
     assert beside == shared.parameters > 0
-    assert shared.not_at_once == -(
-        (shared.update + shared.activations + beside + shared.transport) // 2)
+    assert shared.not_at_once == -((shared.update + beside + shared.transport) // 2)
 
 
 @pytest.mark.parametrize("zero", [1, 2])

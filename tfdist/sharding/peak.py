@@ -241,26 +241,30 @@ def not_at_once_bytes(peak: PeakEstimate, devices: int, freed_gradients: int) ->
     do not hold at the same moment, per device and negative: the process's
     peak is `devices` x `peak` (the busiest device's) less what `devices` - 1
     of them have freed when they meet the one at its peak in a collective:
-    the update's temporaries and the activations (a step's backward and
-    update, which each device runs on its own), and the `freed_gradients`
-    bytes its mode frees before that collective
+    the update's temporaries (each device runs its update on its own) and
+    the `freed_gradients` bytes its mode frees before that collective
     (`tfdist.engine.modes.planned_peak`: the local gradients of data
     parallelism and zero=1 once packed in the all-reduce's buffer, zero=3's
     largest unit's gradient once reduce-scattered; zero=2's reduce-scatter
     meets with the whole local gradients; a replica's pipeline stages, not
     in step, what each keeps beside its local gradients for the reduce and
-    its copies between processes, one stage at a time).
+    its copies between processes, one stage at a time). Not the
+    activations: the devices run their forwards together, in the step's
+    one program, and each holds its own until its backward frees them
+    (docs/benchmarks.md: keras-io's convnet, whose activations are most of
+    its tensors, peaks at 4 x its prediction per device in one process of 4
+    devices, 1.19 x with them counted once).
 
     Example:
 
     >>> peak = PeakEstimate(parameters=800, gradients=1600, optimizer_state=1600,
     ...                     gathered=0, activations=100, update=100)
     >>> not_at_once_bytes(peak, devices=4, freed_gradients=800)
-    -750
+    -675
     """
     if devices < 2:
         return 0
-    return -((devices - 1) * (peak.update + peak.activations + freed_gradients) // devices)
+    return -((devices - 1) * (peak.update + freed_gradients) // devices)
 
 
 def gathering_peak(peak: PeakEstimate, buffers: int, packed: int, alone: int,
