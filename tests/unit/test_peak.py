@@ -20,6 +20,7 @@ from tfdist.sharding.peak import (
     UNIT_PROGRAM_BYTES,
     UNROLLED_MICROBATCH_BYTES,
     UNROLLED_MICROBATCH_BYTES_PER_WEIGHT,
+    UNROLLED_MICROBATCH_DEVICE_BYTES_PER_WEIGHT,
     UNROLLED_REPLAY_BYTES_PER_FORWARD_OP,
     forward_ops,
     predict_peak,
@@ -151,17 +152,18 @@ def test_the_program_counts_the_weights_a_device_computes_and_who_shares_their_t
                 == shared + extra)
     # microbatches: more per weight for each past the first; zero=3's
     # program repeats its collectives, replays and backward for each, in the
-    # trace the process's 4 devices share
+    # trace the process's 4 devices share and, in part, on each device
     microbatches = tfdist.Strategy(devices=DEVICES, microbatches=4)
     estimate = microbatches.predicted_peak(_model(microbatches), batch_size=16)
     assert estimate.program == shared + 3 * 4 * MICROBATCH_BYTES_PER_WEIGHT
     microbatches = tfdist.Strategy(devices=DEVICES, microbatches=4, zero=3)
     estimate = microbatches.predicted_peak(_model(microbatches), batch_size=16)
-    unrolled = UNROLLED_MICROBATCH_BYTES + (
+    unrolled = UNROLLED_MICROBATCH_BYTES + 4 * UNROLLED_MICROBATCH_DEVICE_BYTES_PER_WEIGHT + (
         4 * UNROLLED_MICROBATCH_BYTES_PER_WEIGHT
         + forward_ops(model) * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP) // 4
     assert estimate.program == shared + 2 * UNIT_PROGRAM_BYTES + replayed + 3 * unrolled
-    assert UNROLLED_MICROBATCH_BYTES_PER_WEIGHT > MICROBATCH_BYTES_PER_WEIGHT
+    assert (UNROLLED_MICROBATCH_BYTES_PER_WEIGHT + UNROLLED_MICROBATCH_DEVICE_BYTES_PER_WEIGHT
+            > MICROBATCH_BYTES_PER_WEIGHT)
     # a pipeline stage: its own 2 weights, its trace shared by its 2 data
     # replicas, a call of its layers per microbatch
     stages = tfdist.Strategy(devices=DEVICES, pipeline=2, microbatches=2)
@@ -183,6 +185,7 @@ def test_the_program_counts_the_weights_a_device_computes_and_who_shares_their_t
     estimate = stages.predicted_peak(_model(stages), batch_size=16)
     assert estimate.program == (
         2 * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // 2) + UNROLLED_MICROBATCH_BYTES
+        + 2 * UNROLLED_MICROBATCH_DEVICE_BYTES_PER_WEIGHT
         + (2 * UNROLLED_MICROBATCH_BYTES_PER_WEIGHT
            + stage_ops * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP) // 2
         + UNIT_PROGRAM_BYTES + stage_ops * REPLAY_BYTES_PER_FORWARD_OP // 2)

@@ -56,8 +56,8 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   microbatch past the first. Under zero=3, `UNIT_PROGRAM_BYTES` for each
   unit, and for each microbatch past the first (its program repeats its
   gathers, replays and reduce-scatters for each) `UNROLLED_MICROBATCH_BYTES`
-  on each device plus, shared, `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT`
-  (`program_bytes`);
+  and `UNROLLED_MICROBATCH_DEVICE_BYTES_PER_WEIGHT` on each device plus,
+  shared, `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` (`program_bytes`);
   `tfdist.engine.modes.planned_peak` adds it;
 - not at once: where the devices are logical devices of one processor
   sharing its memory (`tfdist.use_virtual_devices`), the process holds its
@@ -114,11 +114,14 @@ SHARDED_UPDATE_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB
 # microbatch past the first adds, on 4 workers: 140-150 MiB to GPT-2 8 x 768
 # (134 weights, 1,100 forward ops), BERT 8 x 512 and 8 x 256 (135, 936) and
 # Llama 8 x 512 (77, 2,091), 69 to the convnet (47, 342); in one process of
-# 4 devices, per device: 52 to GPT-2 4 x 128 (70, 572), 90-96 to GPT-2 8 x
-# 512 and 86-108 to Llama 8 x 512, with their tensors).
+# 4 devices, per device: 52 to GPT-2 4 x 128 (70, 572), 89-106 to GPT-2 8 x
+# 512 and 86-108 to Llama 8 x 512, 94-98 to BERT 8 x 256, 48-50 to the
+# convnet, with their tensors: of the 0.625 MiB per weight that one device
+# per process holds, 0.25 is on each device, the rest shared).
 MICROBATCH_BYTES_PER_WEIGHT = 1 << 17  # 0.125 MiB
 UNROLLED_MICROBATCH_BYTES = 28 << 20  # each device
-UNROLLED_MICROBATCH_BYTES_PER_WEIGHT = 5 << 17  # 0.625 MiB, shared
+UNROLLED_MICROBATCH_DEVICE_BYTES_PER_WEIGHT = 1 << 18  # 0.25 MiB, each device
+UNROLLED_MICROBATCH_BYTES_PER_WEIGHT = 3 << 17  # 0.375 MiB, shared
 UNROLLED_REPLAY_BYTES_PER_FORWARD_OP = 30 << 10  # 30 KiB, shared
 # Each of zero=3's units, on each device: its gather, replay and
 # reduce-scatter (4 workers, beside data parallelism's program: keras-io's
@@ -333,8 +336,9 @@ def program_bytes(weights: int, sharing: int = 1, microbatches: int = 1,
     unrolled in that trace, of `UNROLLED_REPLAY_BYTES_PER_FORWARD_OP`.
     Under zero=3 (its `units`, each `UNIT_PROGRAM_BYTES`), each microbatch
     past the first also has its share of
-    `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT` and `UNROLLED_MICROBATCH_BYTES`
-    of its own, in place of `per_microbatch`.
+    `UNROLLED_MICROBATCH_BYTES_PER_WEIGHT`, and `UNROLLED_MICROBATCH_BYTES`
+    and `UNROLLED_MICROBATCH_DEVICE_BYTES_PER_WEIGHT` of its own, in place
+    of `per_microbatch`.
 
     Example:
 
@@ -349,8 +353,9 @@ def program_bytes(weights: int, sharing: int = 1, microbatches: int = 1,
     """
     replay = replayed_ops * UNROLLED_REPLAY_BYTES_PER_FORWARD_OP  # each microbatch's, shared
     if units:
-        repeated = UNROLLED_MICROBATCH_BYTES + (
-            weights * UNROLLED_MICROBATCH_BYTES_PER_WEIGHT + replay) // sharing
+        repeated = (UNROLLED_MICROBATCH_BYTES
+                    + weights * UNROLLED_MICROBATCH_DEVICE_BYTES_PER_WEIGHT
+                    + (weights * UNROLLED_MICROBATCH_BYTES_PER_WEIGHT + replay) // sharing)
     else:
         repeated = weights * per_microbatch + replay // sharing
     return (weights * (PROGRAM_BYTES_PER_WEIGHT + TRACE_BYTES_PER_WEIGHT // sharing
