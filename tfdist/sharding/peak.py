@@ -255,8 +255,9 @@ def not_at_once_bytes(peak: PeakEstimate, devices: int, freed_gradients: int) ->
     activations: the devices run their forwards together, in the step's
     one program, and each holds its own until its backward frees them
     (docs/benchmarks.md: keras-io's convnet, whose activations are most of
-    its tensors, peaks at 4 x its prediction per device in one process of 4
-    devices, 1.19 x with them counted once).
+    its tensors, in one process of 4 devices under data parallelism and
+    zero=1 measured 1.13-1.19 x a prediction that had 3 of the 4 free
+    them, 0.98-1.00 x one that does not).
 
     Example:
 
