@@ -56,6 +56,7 @@ losses and weights (rtol 1e-4).
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import pathlib
@@ -73,7 +74,7 @@ from results import emit
 from tfdist.cluster.release_memory import release_memory_env
 
 # keras-hub backbones of the language models --model takes: their names here.
-LANGUAGE_MODELS = {"gpt2": "GPT-2", "llama": "Llama", "bert": "BERT"}
+LANGUAGE_MODELS = {"gpt2": "GPT-2", "llama": "Llama", "bert": "BERT", "qwen2": "Qwen2"}
 flags.DEFINE_enum("model", "mlp", ["mlp", "convnet", *LANGUAGE_MODELS],
                   "What every mode trains: the MLP; keras-io's convnet of 'Image "
                   "classification from scratch' (`--layers` residual blocks of separable "
@@ -81,7 +82,9 @@ flags.DEFINE_enum("model", "mlp", ["mlp", "convnet", *LANGUAGE_MODELS],
                   "next twice the last's, on `--image_size` square RGB images, 10 classes); or "
                   "keras-hub's GPT2Backbone, LlamaBackbone or BertBackbone (`--layers` blocks of "
                   "width `--width`, `--vocabulary` tokens, `--sequence_length`) with a Dense "
-                  "token classifier.")
+                  "token classifier; or keras-hub's Qwen2Backbone likewise, with 2 key-value "
+                  "heads (grouped-query attention) and its token embedding tied to its "
+                  "classifier (the logits from its reverse).")
 flags.DEFINE_integer("width", 4096, "Units of each square Dense layer (a language model: "
                      "hidden width).")
 flags.DEFINE_integer("layers", 8, "Dense layers (a language model: transformer blocks).")
@@ -258,7 +261,10 @@ def build_model():
         shape = dict(vocabulary_size=FLAGS.vocabulary, num_layers=FLAGS.layers,
                      hidden_dim=FLAGS.width, intermediate_dim=4 * FLAGS.width)
         heads = FLAGS.width // 64
-        if FLAGS.model == "llama":
+        if FLAGS.model == "qwen2":
+            body = keras_hub.models.Qwen2Backbone(num_query_heads=heads, num_key_value_heads=2,
+                                                  tie_word_embeddings=True, **shape)
+        elif FLAGS.model == "llama":
             body = keras_hub.models.LlamaBackbone(num_query_heads=heads,
                                                   num_key_value_heads=heads, **shape)
         else:
@@ -267,7 +273,9 @@ def build_model():
             body = backbone(num_heads=heads, max_sequence_length=FLAGS.sequence_length,
                             dropout=0.0, **shape)
         tokens = body.output["sequence_output"] if FLAGS.model == "bert" else body.output
-        model = keras.Model(body.input, keras.layers.Dense(FLAGS.vocabulary)(tokens))
+        classifier = (functools.partial(body.token_embedding, reverse=True)
+                      if FLAGS.model == "qwen2" else keras.layers.Dense(FLAGS.vocabulary))
+        model = keras.Model(body.input, classifier(tokens))
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     elif FLAGS.model == "convnet":
         model = convnet(keras)
