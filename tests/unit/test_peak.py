@@ -103,6 +103,31 @@ def test_the_strategys_prediction_adds_the_update_the_program_and_no_transport_i
     assert planned_peak(strategy.config, model, 16).not_at_once == 0  # devices of their own
 
 
+def _tied_lm(strategy, vocabulary=64, width=16):
+    """Token ids -> a ReversibleEmbedding -> Dense -> its reverse: the logits."""
+    with strategy.scope():
+        ids = keras.Input((None,), dtype="int32")
+        table = keras.layers.ReversibleEmbedding(vocabulary, width)
+        hidden = keras.layers.Dense(width)(table(ids))
+        model = keras.Model(ids, table(hidden, reverse=True))
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_a_tensor_group_holds_the_logits_it_gathers_from_vocabulary_shards_twice():
+    # The gather's result stacked by rank, and the logits reordered from it
+    # (the memory profile of keras-hub Qwen2 at tensor=8 shows both at the
+    # peak); logits left sharded for the sharded loss are counted once.
+    rows, length, vocabulary = 8, 5, 64
+    gathered = tfdist.Strategy(devices=DEVICES[:2], tensor=2)
+    sharded = tfdist.Strategy(devices=DEVICES[:2], tensor=2, vocab_parallel_classifier=True)
+    twice = gathered.predicted_peak(_tied_lm(gathered), rows, length).activations
+    once = sharded.predicted_peak(_tied_lm(sharded), rows, length).activations
+    assert twice - once == 4 * rows * length * vocabulary
+
+
 # zero=1: half its local gradients, packed for the all-reduce (measured);
 # zero=2: none, its reduce-scatter reads them whole; zero=3: the largest
 # unit's gradient and its piece

@@ -49,6 +49,7 @@ Example:
 
 import dataclasses
 import gc
+import math
 import warnings
 from typing import Any
 
@@ -101,6 +102,7 @@ from tfdist.sharding.peak import (
     not_at_once_bytes,
     predict_peak,
     program_bytes,
+    tensors_bytes,
     transport_bytes,
     update_bytes,
     weight_bytes,
@@ -979,6 +981,13 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
     layout = layout or planned_layout(config, model, sequence_length)
     peak = predict_peak(config, model, batch_size, sequence_length, layout.split,
                         layout.stages)
+    if config.tensor > 1 and tensor_plan.gathers_logits(model, layout.decisions):
+        # Each device holds its group's gathered logits twice at once: the
+        # gather's result stacked by rank and the logits reordered from it
+        # (`TensorMesh.gather_last`); the model's output counts one.
+        peak.activations += tensors_bytes(
+            model.outputs, math.ceil(batch_size / config.data / config.microbatches),
+            sequence_length)
     sizes = held_sizes(model, layout.stages, layout.split)
     devices = config.data * config.pipeline * config.tensor // processes
     peak.program = program_bytes(

@@ -188,6 +188,25 @@ def _embedding(layer, tensor):
         (Vocabulary(split_reverse=False), f"{rows}, its reverse table whole"),) if untied else ())
 
 
+def gathers_logits(model, decisions) -> bool:
+    """Whether `model`'s output is the logits of a reverse embedding split
+    by vocabulary under `decisions`, gathered whole on each device of its
+    tensor group (not left sharded for the sharded loss, nor computed from
+    an untied reverse table kept whole).
+
+    Example:
+
+    ```python
+    gathers_logits(model, plan(model, tensor=2))   # a tied causal LM: True
+    ```
+    """
+    final = _final_reverse_embedding(model)
+    untied = getattr(final, "reverse_embeddings", None) is not None
+    return any(d.layer is final and isinstance(d.layout, Vocabulary)
+               and not d.layout.sharded_loss and (d.layout.split_reverse or not untied)
+               for d in decisions)
+
+
 def _final_reverse_embedding(model):
     """The ReversibleEmbedding whose reverse call gives `model`'s only output."""
     outputs = getattr(model, "outputs", None) or []
