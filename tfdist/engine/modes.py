@@ -964,11 +964,13 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
     """The busiest device's predicted `PeakEstimate` under `config` (resolved)
     with its replicas in `processes` processes: `tfdist.sharding.peak.predict_peak`
     of its layout, plus what the active modes keep on each replica (a
-    compression's residuals, `OneBitAdam`'s) and gather at once, the
-    optimizer update's temporaries, the transport's copies and the step's
-    program. With `shared_memory` (a process's devices are logical devices
-    of one processor, sharing its memory), less what they do not hold at
-    once (`not_at_once_bytes`): the mean of the process's peak per device.
+    compression's residuals, `OneBitAdam`'s) and gather at once, a tensor
+    group's logits gathered from vocabulary shards a second time
+    (`tensor.plan.gathers_logits`), the optimizer update's temporaries, the
+    transport's copies and the step's program. With `shared_memory` (a
+    process's devices are logical devices of one processor, sharing its
+    memory), less what they do not hold at once (`not_at_once_bytes`): the
+    mean of the process's peak per device.
     Under zero 1 and 2, the gather of the updated parameter shards at the
     step's end instead where it holds more (`gathering_peak`).
 
