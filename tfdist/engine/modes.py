@@ -49,7 +49,6 @@ Example:
 
 import dataclasses
 import gc
-import math
 import warnings
 from typing import Any
 
@@ -99,6 +98,7 @@ from tfdist.sharding.peak import (
     gathering_peak,
     has_slots,
     held_sizes,
+    microbatch_rows,
     not_at_once_bytes,
     predict_peak,
     program_bytes,
@@ -987,9 +987,8 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
         # Each device holds its group's gathered logits twice at once: the
         # gather's result stacked by rank and the logits reordered from it
         # (`TensorMesh.gather_last`); the model's output counts one.
-        peak.activations += tensors_bytes(
-            model.outputs, math.ceil(batch_size / config.data / config.microbatches),
-            sequence_length)
+        peak.activations += tensors_bytes(model.outputs, microbatch_rows(config, batch_size),
+                                          sequence_length)
     sizes = held_sizes(model, layout.stages, layout.split)
     devices = config.data * config.pipeline * config.tensor // processes
     peak.program = program_bytes(

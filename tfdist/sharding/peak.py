@@ -209,7 +209,7 @@ def predict_peak(config, model, batch_size: int, sequence_length=None,
     predict_peak(strategy.config, model, batch_size=16).total / 2**30   # GiB
     ```
     """
-    split, data = split or {}, config.data
+    split = split or {}
     slots = _slot_counts(model)
     weights = held_weights(model, stages, split)
     local = weight_bytes(weights, split)  # each weight's tensor slice (or all of it)
@@ -217,13 +217,26 @@ def predict_peak(config, model, batch_size: int, sequence_length=None,
     parameters, gathered, gradients, state = zero3.held_at_peak(
         config, model, local, state, stages, lambda unit: weight_bytes(unit, split),
         largest=max((weight_bytes([v], split) for v in weights), default=0))
-    rows = math.ceil(batch_size / data / config.microbatches)
+    rows = microbatch_rows(config, batch_size)
     activations = _activation_bytes(model, rows, sequence_length)
     if stages:  # the mean stage's, times the microbatches its device holds at once
         activations = pipeline_stages.held_activation_bytes(
             config, activations // len(stages),
             max(tensors_bytes(stage.inputs, rows, sequence_length) for stage in stages))
     return PeakEstimate(parameters, gradients, state, gathered, activations)
+
+
+def microbatch_rows(config, batch_size: int) -> int:
+    """The rows of a global batch of `batch_size` one replica computes at
+    once under `config`: its data group's share, split into microbatches.
+
+    Example:
+
+    ```python
+    microbatch_rows(strategy.config, batch_size=64)   # 8 at data=4, microbatches=2
+    ```
+    """
+    return math.ceil(batch_size / config.data / config.microbatches)
 
 
 def update_bytes(piece: int, has_slots: bool) -> int:
