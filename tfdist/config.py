@@ -375,6 +375,23 @@ class ParallelConfig:
         return self.pipeline > 1 and self.tensor == 1
 
     @property
+    def computes_microbatches_whole(self) -> bool:
+        """Whether a replica runs each microbatch's whole forward and then
+        its backward, keeping the activations until that backward and the
+        local gradients of all its weights at its end: without zero=3's
+        units (replayed one at a time for their backward) and pipeline
+        stages (`tfdist.sharding.peak.predict_peak`).
+
+        Example:
+
+        >>> ParallelConfig(data=2, microbatches=2).computes_microbatches_whole
+        True
+        >>> ParallelConfig(data=2, zero=3).computes_microbatches_whole
+        False
+        """
+        return self.zero < 3 and self.pipeline == 1
+
+    @property
     def creates_weights_as_shards(self) -> bool:
         """Whether the scope creates trainable weights as shards: the step
         keeps them split, sharded or on their stage's devices (`zero=3`,

@@ -1010,7 +1010,8 @@ def planned_peak(config: ParallelConfig, model, batch_size, sequence_length=None
         peak.gradients += gathered
     if shared_memory:
         peak.not_at_once = not_at_once_bytes(peak, devices,
-                                             _freed_gradients(config, model, layout, peak))
+                                             _freed_gradients(config, model, layout, peak),
+                                             in_step=config.tensor)
     if config.zero in (1, 2) and sizes:
         gathering = _gathering(config, peak, sizes, processes,
                                devices if shared_memory else 1)

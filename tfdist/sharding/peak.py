@@ -20,11 +20,21 @@ prints it. Per device, the worst one (the largest stage under `pipeline`):
   parameter shards at the step's end holds more than the backward, that
   gather's instead (`gathering_peak`: the shard buffers, in the optimizer
   state, the gathered weights, their copies between processes);
-- activations: every layer output of the device's rows of one microbatch
-  (under `pipeline`, the mean stage's, times the microbatches its schedule
-  holds at once, `held_activations`; with `remat`, only those microbatches'
-  stage inputs, plus one stage's outputs recomputed), in the compute dtype,
-  unknown lengths taken as `sequence_length`;
+- activations: what the backward reads of the forward of the device's rows
+  of one microbatch, inside layers as between them (`activation_bytes`:
+  the traced step's, its slices where tensor groups split the layer; under
+  zero=3, which replays each unit's forward for its backward, the units'
+  inputs and the largest unit's), and the model's outputs (under
+  `pipeline`, the mean stage's, times the microbatches its schedule holds
+  at once, `held_activations`; with `remat`, only those microbatches'
+  stage inputs, plus one stage's outputs recomputed; with microbatches
+  otherwise, `HELD_MICROBATCHES` microbatches', measured), unknown lengths
+  taken as `sequence_length`;
+- not with gradients: less the smaller of the activations and the local
+  gradients (without zero=3's units and pipeline stages, which hold theirs
+  beside the activations): the backward frees the one as it makes the
+  other, so that a device holds the activations whole at its start and the
+  local gradients whole at its end;
 - replica state: what a mode keeps on each replica (a compression's
   residuals, `OneBitAdam`'s), with the payloads a gathered compression
   receives in the gradients: `tfdist.engine.modes.planned_peak` adds them;
@@ -73,14 +83,13 @@ prediction against each worker's peak above that baseline.
 
 import dataclasses
 import math
-import weakref
 
 import tensorflow as tf
 
 from tfdist._compat.keras_optimizer import trainable_variables_of
 from tfdist.optim import zero3
 from tfdist.pipeline import stages as pipeline_stages
-from tfdist.pipeline.graph import graph_nodes, graph_of
+from tfdist.sharding.activations import traced_activations
 from tfdist.sharding.slots import optimizer_slots
 
 # How many times at once TensorFlow's gRPC transport holds a ring
@@ -136,8 +145,15 @@ UNIT_PROGRAM_BYTES = 2 << 20
 # 93 MiB less). A pipeline stage's replay with `remat` is counted the same
 # (one process of 4 stages, GPT-2 4 x 128: `remat` added 8-34 MiB a device).
 REPLAY_BYTES_PER_FORWARD_OP = 55 << 10  # 55 KiB
+# The microbatches' activations a replica holds at once when it computes them
+# one after another without pipeline stages or zero=3 (measured with
+# TensorFlow's own count of its tensors, keras-hub GPT-2 4 x 256 on sequences
+# of 1,024 tokens, one device, batch 16: one microbatch 3.87 GiB at their
+# peak, 2 microbatches 4.03; docs/benchmarks.md).
+HELD_MICROBATCHES = 2
 # Parts a prediction prints only when they are not 0.
-_OPTIONAL_PARTS = ("replica_state", "update", "transport", "program", "not_at_once")
+_OPTIONAL_PARTS = ("not_with_gradients", "replica_state", "update", "transport", "program",
+                   "not_at_once")
 
 
 @dataclasses.dataclass
@@ -158,6 +174,7 @@ class PeakEstimate:
     optimizer_state: int
     gathered: int
     activations: int
+    not_with_gradients: int = 0
     replica_state: int = 0
     update: int = 0
     transport: int = 0
@@ -218,12 +235,20 @@ def predict_peak(config, model, batch_size: int, sequence_length=None,
         config, model, local, state, stages, lambda unit: weight_bytes(unit, split),
         largest=max((weight_bytes([v], split) for v in weights), default=0))
     rows = microbatch_rows(config, batch_size)
-    activations = _activation_bytes(model, rows, sequence_length)
+    units = (zero3.plan_units(model, config.zero3_unit_params)
+             if zero3.replays_forward(config, stages) else None)
+    activations = activation_bytes(model, rows, sequence_length, split, units)
     if stages:  # the mean stage's, times the microbatches its device holds at once
         activations = pipeline_stages.held_activation_bytes(
             config, activations // len(stages),
             max(tensors_bytes(stage.inputs, rows, sequence_length) for stage in stages))
-    return PeakEstimate(parameters, gradients, state, gathered, activations)
+    elif config.computes_microbatches_whole:
+        activations *= min(config.microbatches, HELD_MICROBATCHES)
+    # The backward frees the activations as it makes the local gradients:
+    # when these are whole, the activations are gone (zero=3's units and
+    # pipeline stages hold theirs beside the activations).
+    not_with_gradients = -min(activations, local) if config.computes_microbatches_whole else 0
+    return PeakEstimate(parameters, gradients, state, gathered, activations, not_with_gradients)
 
 
 def microbatch_rows(config, batch_size: int) -> int:
@@ -252,7 +277,8 @@ def update_bytes(piece: int, has_slots: bool) -> int:
     return (2 if has_slots else 1) * piece
 
 
-def not_at_once_bytes(peak: PeakEstimate, devices: int, freed_gradients: int) -> int:
+def not_at_once_bytes(peak: PeakEstimate, devices: int, freed_gradients: int,
+                      in_step: int = 1) -> int:
     """What `devices` logical devices of one processor, sharing its memory,
     do not hold at the same moment, per device and negative: the process's
     peak is `devices` x `peak` (the busiest device's) less what `devices` - 1
@@ -264,24 +290,31 @@ def not_at_once_bytes(peak: PeakEstimate, devices: int, freed_gradients: int) ->
     largest unit's gradient once reduce-scattered; zero=2's reduce-scatter
     meets with the whole local gradients; a replica's pipeline stages, not
     in step, what each keeps beside its local gradients for the reduce and
-    its copies between processes, one stage at a time). Not the
-    activations: the devices run their forwards together, in the step's
-    one program, and each holds its own until its backward frees them
-    (docs/benchmarks.md: keras-io's convnet, whose activations are most of
-    its tensors, in one process of 4 devices under data parallelism and
-    zero=1 measured 1.13-1.19 x a prediction that had 3 of the 4 free
-    them, 0.98-1.00 x one that does not).
+    its copies between processes, one stage at a time). Of the activations
+    a device holds beyond its local gradients (`not_with_gradients`: its
+    peak is then its backward's start), the others hold half: the devices
+    run their forwards together, in the step's one program, each holding
+    its own until its backward frees them, and they are spread over their
+    forwards and backwards (docs/benchmarks.md: keras-hub GPT-2 4 x 256 of
+    sequences of 256 and 1,024 tokens in one process of 4 devices held 0.57
+    x its 4 devices' activations at its peak); but the `in_step` devices of
+    its group, which run each layer together (a tensor group, meeting in
+    its all-reduces), hold them whole.
 
     Example:
 
     >>> peak = PeakEstimate(parameters=800, gradients=1600, optimizer_state=1600,
-    ...                     gathered=0, activations=100, update=100)
+    ...                     gathered=0, activations=1000, not_with_gradients=-800, update=100)
     >>> not_at_once_bytes(peak, devices=4, freed_gradients=800)
-    -675
+    -750
+    >>> not_at_once_bytes(peak, devices=4, freed_gradients=800, in_step=2)
+    -725
     """
     if devices < 2:
         return 0
-    return -((devices - 1) * (peak.update + freed_gradients) // devices)
+    held_activations = peak.activations + peak.not_with_gradients
+    return -((devices - 1) * (peak.update + freed_gradients)
+             + (devices - in_step) * held_activations // 2) // devices
 
 
 def gathering_peak(peak: PeakEstimate, buffers: int, packed: int, alone: int,
@@ -309,7 +342,8 @@ def gathering_peak(peak: PeakEstimate, buffers: int, packed: int, alone: int,
     >>> gathering_peak(peak, buffers=200, packed=500, alone=100, transport=0, devices=4).gathered
     725
     """
-    return dataclasses.replace(peak, gradients=0, activations=0, update=0, not_at_once=0,
+    return dataclasses.replace(peak, gradients=0, activations=0, not_with_gradients=0,
+                               update=0, not_at_once=0,
                                optimizer_state=peak.optimizer_state + buffers,
                                gathered=packed + alone + packed // devices,
                                transport=transport)
@@ -381,7 +415,7 @@ def program_bytes(weights: int, sharing: int = 1, microbatches: int = 1,
 def forward_ops(model, sequence_length=None) -> int:
     """The ops of `model`'s forward pass in training, its weights given as
     values (`stateless_call`: the same count under any strategy's
-    variables), traced once for the model on 2 examples, unknown lengths
+    variables), traced for the model (`traced_activations`), unknown lengths
     `sequence_length`; 0 when it has no functional graph.
 
     Example:
@@ -390,25 +424,8 @@ def forward_ops(model, sequence_length=None) -> int:
     forward_ops(keras_hub.models.GPT2Backbone.from_preset("gpt2_base_en"))
     ```
     """
-    if model not in _FORWARD_OPS:
-        try:
-            inputs = graph_of(model).input
-        except ValueError:
-            return 0
-        specs = [[tf.TensorSpec(v.shape, v.dtype) for v in variables]
-                 for variables in (model.trainable_variables, model.non_trainable_variables)]
-        specs.append(tf.nest.map_structure(
-            lambda t: tf.TensorSpec([2] + [d or sequence_length or 1 for d in t.shape[1:]],
-                                    t.dtype), inputs))
-        forward = tf.function(lambda trainable, other, x: model.stateless_call(
-            trainable, other, x, training=True))
-        graph = forward.get_concrete_function(*specs).graph
-        _FORWARD_OPS[model] = sum(op.type != "Placeholder" for op in graph.get_operations())
-    return _FORWARD_OPS[model]
-
-
-# `forward_ops` of each model it has traced.
-_FORWARD_OPS = weakref.WeakKeyDictionary()
+    traced = traced_activations(model, sequence_length)
+    return traced.forward_ops if traced else 0
 
 
 def held_sizes(model, stages=None, split=None) -> list[int]:
@@ -485,14 +502,38 @@ def _slot_counts(model):
     return counts
 
 
-def _activation_bytes(model, rows, sequence_length):
-    """Bytes of every layer call's outputs for `rows` examples (0 when the
-    model has no functional graph)."""
-    try:
-        nodes = graph_nodes(graph_of(model))
-    except ValueError:
+def activation_bytes(model, rows, sequence_length=None, split=None, units=None):
+    """What a replica of `rows` examples holds from its forward for its
+    backward: the tensors the traced gradient reads (`traced_activations`;
+    0 without a functional graph), each its tensor rank's slice where
+    `split` (by id, `AxisLayout`s) splits the weights of the layer it is
+    computed in, and the model's outputs, which the loss's gradient reads.
+    With zero=3's `units` (`zero3.plan_units`), each replayed for its
+    backward: their inputs, and of what they compute only the largest
+    unit's.
+
+    Example:
+
+    ```python
+    activation_bytes(model, rows=8, sequence_length=128) / 2**20   # MiB
+    ```
+    """
+    traced = traced_activations(model, sequence_length)
+    if traced is None:
         return 0
-    return sum(tensors_bytes(node.outputs, rows, sequence_length) for node in nodes)
+    groups, inputs = None, 0
+    if units:
+        groups = [[layer.path for layer in unit.layers if getattr(layer, "path", None)]
+                  for unit in units]
+        inputs = sum(tensors_bytes(unit.inputs, rows, sequence_length) for unit in units[1:])
+    split_axes = {}
+    for variable in model.weights:
+        if id(variable) in (split or {}):
+            layout = split[id(variable)]
+            split_axes.setdefault(variable.path.rsplit("/", 1)[0], []).append(
+                (layout.shape[layout.axis], layout.parts))
+    return (traced.bytes(rows, split_axes, sequence_length, groups) + inputs
+            + tensors_bytes(model.outputs, rows, sequence_length))
 
 
 def tensors_bytes(tensors, rows, sequence_length):
