@@ -71,7 +71,7 @@ class HeldTensor:
         """
         parts = 1
         for layer, axes in split_axes.items():
-            if layer == self.scope or layer.startswith(self.scope + "/"):
+            if _inside(layer, self.scope):
                 for size, split in axes:
                     if size != sequence_length and size in self.dims:
                         parts = max(parts, split)
@@ -116,8 +116,7 @@ class TracedActivations:
         outside = 0
         for tensor, size in zip(self.held, sizes):
             group = next((k for k, layers in enumerate(groups)
-                          if any(tensor.scope == layer or tensor.scope.startswith(layer + "/")
-                                 for layer in layers)), None)
+                          if any(_inside(tensor.scope, layer) for layer in layers)), None)
             if group is None:
                 outside += size
             else:
@@ -196,6 +195,11 @@ def _trace(model, inputs, rows, sequence_length):
             held[tensor.name] = (tuple(tensor.shape[1:]),
                                  tensor.shape.num_elements() * tensor.dtype.size)
     return sum(op.type != "Placeholder" for op in forward), held
+
+
+def _inside(path, layer):
+    """Whether layer path `path` is `layer` or one of its sublayers'."""
+    return path == layer or path.startswith(layer + "/")
 
 
 def _layer_paths(model, nodes):
